@@ -1,0 +1,60 @@
+# Single entry point. `make test` and `make demo` set up .venv themselves on a
+# fresh machine and do nothing more on later runs (the stamp file).
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-v1
+# torch comes from the machine's local CPU wheel; any other spec would pull
+# several GB of CUDA packages.
+TORCH_SPEC ?= torch==2.13.0
+# Optional: torchft's own package, used only by the interop test and the
+# benchmarks for comparison. Installed without its dependencies so it can't
+# replace torch; a failure to get it only skips those comparisons.
+TORCHFT_SPEC ?= torchft-nightly==2026.10.26
+
+.PHONY: all venv test test-fast demo proto bench browser clean help
+
+all: test
+
+help:
+	@echo "make test    set up .venv and run the whole test suite"
+	@echo "make demo    set up .venv and run the demo (lighthouse + replica groups)"
+	@echo "make proto   regenerate lighthouse/protocol from proto/torchft.proto"
+	@echo "make bench   run benchmarks/lighthouse_bench.py (ours and torchft's)"
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	-$(BIN)/python -m pip install --quiet --no-deps "$(TORCHFT_SPEC)" \
+		|| echo "note: $(TORCHFT_SPEC) unavailable; torchft comparisons will be skipped"
+	touch $@
+
+venv: $(STAMP)
+
+# Chromium for the dashboard's browser test (Debian's package). Without root
+# or a package mirror the browser tests skip and say why.
+browser:
+	@command -v chromium >/dev/null 2>&1 || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) ; } || \
+	  echo "note: chromium not installed; browser tests will be skipped"
+
+test: $(STAMP) browser
+	$(BIN)/python -m pytest -q
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow and not browser"
+
+demo: $(STAMP)
+	$(BIN)/python examples/demo.py
+
+proto: $(STAMP)
+	$(BIN)/python -m lighthouse.protocol.generate
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/lighthouse_bench.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,62 @@
+"""``python -m lighthouse`` / ``torchft-lite-lighthouse``: run a lighthouse until SIGTERM or SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+
+from lighthouse.config import LighthouseConfig
+from lighthouse.server import LighthouseServer
+
+logger = logging.getLogger("lighthouse")
+
+
+def _new_event_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:  # uvloop is a dependency, but don't die without it
+        logger.warning("uvloop not installed; using the default asyncio event loop")
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+async def _run(config: LighthouseConfig) -> None:
+    server = LighthouseServer(config)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda s=sig: (logger.info("received %s, shutting down", s.name), server.request_stop()))
+
+    def ready() -> None:
+        http = f", dashboard at http://localhost:{server.http_port}/" if server.http_port is not None else ""
+        # The first line scripts look for (torchft prints a similar one).
+        print(f"Lighthouse listening on: {server.address()}{http}", flush=True)
+
+    await server.serve(ready)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = LighthouseConfig.arg_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        config = LighthouseConfig.from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    loop = _new_event_loop()
+    try:
+        loop.run_until_complete(_run(config))
+    except OSError as exc:
+        logger.error("%s", exc)
+        return 1
+    finally:
+        loop.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""An asyncio client for ``LighthouseService`` (ours or torchft's).
+
+Torch-free, so the demo, the benchmark and the ManagerServer share it. Every
+call takes a timeout; gRPC errors are translated at this boundary.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from lighthouse.protocol import torchft_pb2 as pb
+
+CHANNEL_OPTIONS = [
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+]
+
+
+class LighthouseError(Exception):
+    """A lighthouse call failed; the message says which call and why."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class LighthouseTimeout(LighthouseError, TimeoutError):
+    """A lighthouse call did not finish within its timeout."""
+
+
+def grpc_target(address: str) -> str:
+    """'http://host:port' (torchft's form) or 'host:port' -> a gRPC target."""
+    for scheme in ("http://", "https://", "grpc://"):
+        if address.startswith(scheme):
+            return address[len(scheme):].rstrip("/")
+    return address
+
+
+class LighthouseClient:
+    """One channel to one lighthouse. Create and use it on a single event loop."""
+
+    def __init__(self, address: str, *, connect_timeout: float = 60.0) -> None:
+        if not address:
+            raise ValueError("lighthouse address is empty (set TORCHFT_LIGHTHOUSE or pass lighthouse_addr)")
+        self.address = address
+        self.connect_timeout = connect_timeout
+        self._channel: grpc.aio.Channel | None = None
+        self._calls: dict[str, grpc.aio.UnaryUnaryMultiCallable] = {}
+
+    def _call(self, method: str, request_cls, response_cls) -> grpc.aio.UnaryUnaryMultiCallable:
+        call = self._calls.get(method)
+        if call is None:
+            if self._channel is None:
+                self._channel = grpc.aio.insecure_channel(grpc_target(self.address), options=CHANNEL_OPTIONS)
+            call = self._channel.unary_unary(
+                f"/torchft.LighthouseService/{method}",
+                request_serializer=request_cls.SerializeToString,
+                response_deserializer=response_cls.FromString,
+            )
+            self._calls[method] = call
+        return call
+
+    async def _invoke(self, method: str, request, response_cls, timeout: float, what: str):
+        call = self._call(method, type(request), response_cls)
+        try:
+            # wait_for_ready: a lighthouse that is briefly down (restarting) is
+            # waited for until the timeout instead of failing at once.
+            return await call(request, timeout=timeout, wait_for_ready=True)
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            text = f"lighthouse {self.address}: {what} failed: {code.name if code else 'UNKNOWN'}: {exc.details()}"
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise LighthouseTimeout(
+                    f"lighthouse {self.address}: {what} got no answer within {timeout:.1f}s", code
+                ) from exc
+            raise LighthouseError(text, code) from exc
+
+    async def quorum(
+        self,
+        replica_id: str,
+        *,
+        timeout: float,
+        address: str = "",
+        store_address: str = "",
+        step: int = 0,
+        world_size: int = 0,
+        shrink_only: bool = False,
+        data: str = "",
+        commit_failures: int = 0,
+    ) -> pb.Quorum:
+        """Join the next quorum and wait (up to ``timeout`` s) until one including us is issued."""
+        member = pb.QuorumMember(
+            replica_id=replica_id, address=address, store_address=store_address, step=step,
+            world_size=world_size, shrink_only=shrink_only, data=data, commit_failures=commit_failures,
+        )
+        response = await self._invoke(
+            "Quorum", pb.LighthouseQuorumRequest(requester=member), pb.LighthouseQuorumResponse,
+            timeout, f"Quorum for {replica_id} at step {step}",
+        )
+        return response.quorum
+
+    async def heartbeat(self, replica_id: str, *, timeout: float) -> None:
+        await self._invoke(
+            "Heartbeat", pb.LighthouseHeartbeatRequest(replica_id=replica_id), pb.LighthouseHeartbeatResponse,
+            timeout, f"Heartbeat for {replica_id}",
+        )
+
+    async def get_config(self, *, timeout: float) -> dict[str, str]:
+        response = await self._invoke(
+            "GetConfig", pb.LighthouseConfigRequest(), pb.LighthouseConfigResponse, timeout, "GetConfig"
+        )
+        return dict(response.config_data)
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            channel, self._channel = self._channel, None
+            self._calls.clear()
+            await channel.close()
+
+    async def __aenter__(self) -> "LighthouseClient":
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()

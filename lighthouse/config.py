@@ -1,0 +1,152 @@
+"""The lighthouse's configuration: one frozen dataclass, from which the CLI is built.
+
+Flags mirror torchft's ``torchft_lighthouse`` (``--bind``, ``--min_replicas``,
+``--join_timeout_ms``, ``--quorum_tick_ms``, ``--heartbeat_timeout_ms``) so ops
+scripts carry over; times are milliseconds on the command line, seconds in Python.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from lighthouse.quorum import QuorumConfig
+
+ADMIN_TOKEN_ENV = "TORCHFT_LITE_ADMIN_TOKEN"
+DEFAULT_BIND = "[::]:29510"
+DEFAULT_HTTP_BIND = "[::]:29511"
+HTTP_DISABLED = "off"
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """'[::]:29510' -> ('::', 29510); 'localhost:0' -> ('localhost', 0)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"expected HOST:PORT, got {address!r}")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        port_number = int(port)
+    except ValueError:
+        raise ValueError(f"port must be a number in {address!r}") from None
+    if not 0 <= port_number <= 65535:
+        raise ValueError(f"port out of range in {address!r}")
+    return host, port_number
+
+
+@dataclass(frozen=True)
+class LighthouseConfig:
+    """Settings of one lighthouse process. Times are seconds."""
+
+    min_replicas: int
+    """Fewest replica groups a (non-fast) quorum may have. Required."""
+    bind: str = DEFAULT_BIND
+    """HOST:PORT for the gRPC LighthouseService (port 0 picks a free port)."""
+    join_timeout: float = 60.0
+    """How long a quorum waits for healthy replicas that have not joined yet."""
+    quorum_tick: float = 0.1
+    """Interval of the background re-evaluation (join timeouts, heartbeat expiry)."""
+    heartbeat_timeout: float = 5.0
+    """A replica is healthy while its last heartbeat is younger than this."""
+    http_bind: str | None = DEFAULT_HTTP_BIND
+    """HOST:PORT for the dashboard, /api/status and /metrics; None disables HTTP."""
+    admin_token: str | None = None
+    """Bearer token required by admin actions (kill); None disables them."""
+    state_dir: Path | None = None
+    """Where the last quorum id is kept so ids keep increasing across restarts
+    even if the clock steps back. Without it ids are seeded from wall time."""
+    kill_timeout: float = 10.0
+    """Timeout of the Kill RPC the dashboard sends to a replica's manager."""
+
+    def __post_init__(self) -> None:
+        self.quorum_config()  # validates min_replicas and the timeouts
+        if not isinstance(self.quorum_tick, (int, float)) or not math.isfinite(self.quorum_tick) or self.quorum_tick <= 0:
+            raise ValueError(f"quorum_tick must be > 0 seconds, got {self.quorum_tick!r}")
+        if not self.kill_timeout > 0:
+            raise ValueError(f"kill_timeout must be > 0 seconds, got {self.kill_timeout!r}")
+        split_host_port(self.bind)
+        if self.http_bind is not None:
+            split_host_port(self.http_bind)
+        if self.admin_token is not None and not self.admin_token.strip():
+            raise ValueError("admin_token must not be empty; leave it unset to disable admin actions")
+
+    def quorum_config(self) -> QuorumConfig:
+        return QuorumConfig(
+            min_replicas=self.min_replicas,
+            join_timeout=self.join_timeout,
+            heartbeat_timeout=self.heartbeat_timeout,
+        )
+
+    # ------------------------------------------------------------------ CLI
+
+    @staticmethod
+    def arg_parser() -> argparse.ArgumentParser:
+        parser = argparse.ArgumentParser(
+            prog="torchft-lite-lighthouse",
+            description=(
+                "torchft_lite lighthouse: forms a quorum of replica groups each step from their "
+                "heartbeats and Quorum calls. Wire-compatible with torchft's LighthouseService, so "
+                "torchft managers can use it too. Serves a dashboard, /api/status and Prometheus "
+                "/metrics over HTTP."
+            ),
+            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        )
+        parser.add_argument("--bind", default=DEFAULT_BIND, help="HOST:PORT of the gRPC service")
+        parser.add_argument(
+            "--min_replicas", "--min-replicas", type=int, required=True, default=argparse.SUPPRESS,
+            help="required: fewest replica groups a new quorum may have (a fast quorum of the previous members needs no minimum)",
+        )
+        parser.add_argument(
+            "--join_timeout_ms", "--join-timeout-ms", type=int, default=60000,
+            help="how long a quorum waits for healthy replicas that have not joined, from the first join",
+        )
+        parser.add_argument(
+            "--quorum_tick_ms", "--quorum-tick-ms", type=int, default=100,
+            help="interval of the background quorum check (join timeouts, heartbeat expiry); "
+            "quorums are also checked on every Quorum call",
+        )
+        parser.add_argument(
+            "--heartbeat_timeout_ms", "--heartbeat-timeout-ms", type=int, default=5000,
+            help="a replica is healthy while its last heartbeat is younger than this",
+        )
+        parser.add_argument(
+            "--http-bind", "--http_bind", default=DEFAULT_HTTP_BIND,
+            help=f"HOST:PORT of the HTTP dashboard, /api/status and /metrics; '{HTTP_DISABLED}' disables HTTP",
+        )
+        parser.add_argument(
+            "--admin-token", "--admin_token", default=None,
+            help=f"bearer token for admin actions (the dashboard's kill button); also read from ${ADMIN_TOKEN_ENV}. "
+            "Without one, admin actions are disabled",
+        )
+        parser.add_argument(
+            "--state-dir", "--state_dir", type=Path, default=None,
+            help="directory to keep the last quorum id in, so ids keep increasing across restarts "
+            "(without it they are seeded from wall-clock milliseconds)",
+        )
+        parser.add_argument(
+            "--log-level", "--log_level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+            help="logging level",
+        )
+        return parser
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, environ: dict[str, str] | None = None) -> "LighthouseConfig":
+        environ = os.environ if environ is None else environ
+        token = args.admin_token if args.admin_token is not None else environ.get(ADMIN_TOKEN_ENV) or None
+        http_bind = None if args.http_bind.strip().lower() == HTTP_DISABLED else args.http_bind
+        for flag in ("join_timeout_ms", "quorum_tick_ms", "heartbeat_timeout_ms"):
+            if getattr(args, flag) < 0:
+                raise ValueError(f"--{flag} must be >= 0")
+        return cls(
+            min_replicas=args.min_replicas,
+            bind=args.bind,
+            join_timeout=args.join_timeout_ms / 1000,
+            quorum_tick=args.quorum_tick_ms / 1000,
+            heartbeat_timeout=args.heartbeat_timeout_ms / 1000,
+            http_bind=http_bind,
+            admin_token=token,
+            state_dir=args.state_dir,
+        )

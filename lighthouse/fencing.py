@@ -1,0 +1,69 @@
+"""Quorum ids that strictly increase across lighthouse restarts.
+
+Managers prefix their process-group store keys with the quorum id, so a
+restarted lighthouse must never hand out an id that an earlier incarnation
+already used. Without a state directory the first id is seeded from wall-clock
+milliseconds: ids only grow by one per membership change, far slower than one
+per millisecond. With a state directory the last issued id is also kept on disk
+(written atomically before it is handed out), which covers a clock that steps
+back; the seed is the larger of the two.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE = "last_quorum_id"
+
+
+def time_seed(wall_clock: Callable[[], float] = time.time) -> int:
+    return int(wall_clock() * 1000)
+
+
+class QuorumIdStore:
+    """Reads the starting quorum id and persists each newly issued one."""
+
+    def __init__(self, state_dir: Path | None, wall_clock: Callable[[], float] = time.time) -> None:
+        self._path = None if state_dir is None else Path(state_dir) / STATE_FILE
+        self._wall_clock = wall_clock
+        self._last_saved: int | None = None
+
+    def initial(self) -> int:
+        """The id to seed the quorum state with (the first issued is one more)."""
+        seed = time_seed(self._wall_clock)
+        if self._path is None:
+            return seed
+        self._path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            text = self._path.read_text().strip()
+        except FileNotFoundError:
+            return seed
+        try:
+            stored = int(text)
+        except ValueError:
+            raise ValueError(f"{self._path} does not hold a quorum id (got {text[:40]!r}); fix or remove it") from None
+        if stored >= seed:
+            logger.warning(
+                "stored quorum id %d is ahead of the wall-clock seed %d (clock stepped back?); continuing from it",
+                stored, seed,
+            )
+        self._last_saved = stored
+        return max(seed, stored)
+
+    def save(self, quorum_id: int) -> None:
+        """Durably record ``quorum_id`` (a no-op without a state directory)."""
+        if self._path is None or quorum_id == self._last_saved:
+            return
+        tmp = self._path.with_name(self._path.name + ".tmp")
+        with open(tmp, "w") as f:
+            f.write(f"{quorum_id}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self._path)
+        self._last_saved = quorum_id

@@ -1,0 +1,63 @@
+"""Prometheus metrics of one lighthouse, each server with its own registry."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterator
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from lighthouse.server import LighthouseServer
+
+
+class _StatisticsCollector(Collector):
+    """Reads ``server.statistics()`` at scrape time."""
+
+    def __init__(self, server: "LighthouseServer") -> None:
+        self._server = server
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._server.statistics()
+        gauges = [
+            ("lighthouse_quorum_id", "Id of the last issued quorum.", s.quorum_id),
+            ("lighthouse_quorum_members", "Replica groups in the last issued quorum.", s.quorum_members),
+            ("lighthouse_quorum_age_seconds", "Seconds since the last quorum was issued.", s.quorum_age or 0.0),
+            ("lighthouse_participants", "Replica groups waiting in a Quorum call.", s.participants),
+            ("lighthouse_healthy_participants", "Waiting replica groups with a live heartbeat.",
+             s.healthy_participants),
+            ("lighthouse_heartbeating_replicas", "Replica groups with a live heartbeat.", s.heartbeating_replicas),
+            ("lighthouse_uptime_seconds", "Seconds since the lighthouse started.", s.uptime),
+        ]
+        for name, doc, value in gauges:
+            yield GaugeMetricFamily(name, doc, value=value)
+        counters = [
+            ("lighthouse_quorums_issued", "Quorums issued (including re-issues with the same id).", s.quorums_issued),
+            ("lighthouse_quorum_id_changes", "Times the quorum id increased (membership change or commit failures).",
+             s.quorum_id_changes),
+            ("lighthouse_quorum_requests", "Quorum RPCs received.", s.quorum_requests),
+            ("lighthouse_heartbeats", "Heartbeat RPCs received.", s.heartbeats),
+            ("lighthouse_invalid_requests", "Requests rejected with INVALID_ARGUMENT.", s.invalid_requests),
+            ("lighthouse_expired_replicas", "Replicas forgotten after their heartbeat timed out.", s.expired_replicas),
+        ]
+        for name, doc, value in counters:
+            yield CounterMetricFamily(name, doc, value=value)
+        status = GaugeMetricFamily(
+            "lighthouse_quorum_status", "1 for the current quorum status category.", labels=["status"]
+        )
+        status.add_metric([s.status], 1)
+        yield status
+
+
+def build_registry(server: "LighthouseServer") -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=True)
+    registry.register(_StatisticsCollector(server))
+    formation = Histogram(
+        "lighthouse_quorum_formation_seconds",
+        "Time from the first participant's join to the quorum being issued.",
+        buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
+        registry=registry,
+    )
+    server.add_formation_observer(formation.observe)
+    return registry

@@ -1,0 +1,446 @@
+"""The lighthouse server: gRPC ``LighthouseService`` plus HTTP, on one event loop.
+
+The quorum rules live in :mod:`lighthouse.quorum`; this module converts wire
+messages to plain data, keeps the state on the event loop (the only thread that
+touches it, so no lock), re-evaluates on every Quorum call and every
+``quorum_tick``, and hands each issued quorum to its waiting callers.
+
+A quorum's response is serialized once and the same bytes go to every member,
+so issuing to n members costs one serialization, not n.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from lighthouse.config import LighthouseConfig, split_host_port
+from lighthouse.fencing import QuorumIdStore
+from lighthouse.protocol import torchft_pb2 as pb
+from lighthouse.quorum import Decision, IssuedQuorum, Member, QuorumState, Status
+
+logger = logging.getLogger(__name__)
+
+SERVICE = "torchft.LighthouseService"
+MAX_REPLICA_ID_LEN = 1024
+MAX_FAILURE_BACKLOG = 1024
+GRPC_OPTIONS = [
+    ("grpc.so_reuseport", 0),  # a second lighthouse on the same port must fail, not share it
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
+    ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+]
+
+
+def _identity(data: bytes) -> bytes:
+    return data
+
+
+@dataclass(frozen=True)
+class LighthouseStatistics:
+    """A snapshot of what the lighthouse is doing (read by /api/status and /metrics)."""
+
+    quorum_id: int
+    quorum_members: int
+    quorum_age: float | None
+    participants: int
+    healthy_participants: int
+    heartbeating_replicas: int
+    status: str
+    reason: str
+    quorums_issued: int
+    quorum_id_changes: int
+    quorum_requests: int
+    heartbeats: int
+    invalid_requests: int
+    expired_replicas: int
+    last_formation_seconds: float | None
+    uptime: float
+
+
+class LighthouseServer:
+    """Runs the lighthouse on the current event loop.
+
+    ``await start()`` binds and returns once serving; ``await stop()`` shuts
+    down; ``await serve()`` does both around waiting for :meth:`request_stop`.
+    """
+
+    def __init__(
+        self,
+        config: LighthouseConfig,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self._ids = QuorumIdStore(config.state_dir, wall_clock)
+        self._state = QuorumState(config.quorum_config(), last_quorum_id=self._ids.initial())
+        self._waiters: dict[str, list[asyncio.Future[bytes]]] = {}
+        # Last Quorum request of each replica still worth showing (heartbeating,
+        # participating or in the last quorum); pruned with them.
+        self._known: dict[str, pb.QuorumMember] = {}
+        self._failure_subscribers: set[asyncio.Queue[bytes]] = set()
+        self._last_decision = Decision(Status.NO_PARTICIPANTS, "no participants yet")
+        self._status_since = clock()
+        self._status_logged = False
+        self._quorum_created_wall: float | None = None
+        self._started_at = clock()
+        self._counts = dict(quorum_requests=0, heartbeats=0, invalid_requests=0, expired_replicas=0, id_changes=0)
+        self._last_formation: float | None = None
+        self._formation_observers: list[Callable[[float], None]] = []
+        self._published_id: int | None = None
+        self._previous_ids: set[str] = set()
+        self._grpc: grpc.aio.Server | None = None
+        self._http = None  # aiohttp AppRunner, see lighthouse.http
+        self._grpc_port: int | None = None
+        self._http_port: int | None = None
+        self._stop_requested: asyncio.Event | None = None
+        self._serve_task: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def serve(self, ready: Callable[[], None] | None = None) -> None:
+        """Bind, serve until :meth:`request_stop`, then shut down cleanly."""
+        self._stop_requested = asyncio.Event()
+        await self._bind()
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                ticker = tasks.create_task(self._tick_loop(), name="lighthouse-tick")
+                if ready is not None:
+                    ready()
+                await self._stop_requested.wait()
+                ticker.cancel()
+        finally:
+            await self._shutdown()
+
+    async def start(self) -> None:
+        """Serve in a task owned by this object; returns once bound."""
+        if self._serve_task is not None:
+            raise RuntimeError("lighthouse already started")
+        bound = asyncio.get_running_loop().create_future()
+        self._serve_task = asyncio.create_task(self.serve(lambda: bound.set_result(None)), name="lighthouse-serve")
+        done, _ = await asyncio.wait({bound, self._serve_task}, return_when=asyncio.FIRST_COMPLETED)
+        if self._serve_task in done:
+            self._serve_task.result()  # raises the bind error
+
+    def request_stop(self) -> None:
+        if self._stop_requested is not None:
+            self._stop_requested.set()
+
+    async def stop(self) -> None:
+        self.request_stop()
+        if self._serve_task is not None:
+            task, self._serve_task = self._serve_task, None
+            await task
+
+    async def _bind(self) -> None:
+        server = grpc.aio.server(options=GRPC_OPTIONS)
+        server.add_generic_rpc_handlers((self._grpc_handlers(),))
+        try:
+            self._grpc_port = server.add_insecure_port(self.config.bind)
+        except RuntimeError as exc:
+            raise OSError(f"lighthouse could not bind gRPC to {self.config.bind}: {exc} (address in use?)") from exc
+        await server.start()
+        self._grpc = server
+        if self.config.http_bind is not None:
+            from lighthouse.http import start_http  # aiohttp is only needed with HTTP on
+
+            try:
+                self._http, self._http_port = await start_http(self, self.config.http_bind)
+            except BaseException:
+                await server.stop(None)
+                raise
+        logger.info(
+            "lighthouse serving gRPC on %s (port %d)%s; min_replicas=%d join_timeout=%.1fs heartbeat_timeout=%.1fs "
+            "first quorum id will be > %d",
+            self.config.bind, self._grpc_port,
+            f", HTTP on port {self._http_port}" if self._http_port is not None else ", HTTP disabled",
+            self.config.min_replicas, self.config.join_timeout, self.config.heartbeat_timeout, self._state.quorum_id,
+        )
+
+    async def _shutdown(self) -> None:
+        for futures in self._waiters.values():
+            for fut in futures:
+                if not fut.done():
+                    fut.set_exception(_Shutdown())
+        if self._http is not None:
+            await self._http.cleanup()
+            self._http = None
+        if self._grpc is not None:
+            await self._grpc.stop(grace=0.5)
+            self._grpc = None
+        logger.info("lighthouse stopped at quorum id %d", self._state.quorum_id)
+
+    async def _tick_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.quorum_tick)
+            self._decide()
+
+    # ------------------------------------------------------------ addresses
+
+    @property
+    def grpc_port(self) -> int:
+        if self._grpc_port is None:
+            raise RuntimeError("lighthouse not started")
+        return self._grpc_port
+
+    @property
+    def http_port(self) -> int | None:
+        return self._http_port
+
+    def address(self) -> str:
+        """Address for managers (``TORCHFT_LIGHTHOUSE``), torchft style: http://host:port."""
+        host, _ = split_host_port(self.config.bind)
+        if host in ("", "::", "0.0.0.0", "[::]"):
+            host = socket.gethostname()
+        if ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self.grpc_port}"
+
+    # ------------------------------------------------------------ gRPC
+
+    def _grpc_handlers(self) -> grpc.GenericRpcHandler:
+        def unary(fn):
+            return grpc.unary_unary_rpc_method_handler(fn, request_deserializer=_identity, response_serializer=_identity)
+
+        return grpc.method_handlers_generic_handler(
+            SERVICE,
+            {
+                "Quorum": unary(self._rpc_quorum),
+                "Heartbeat": unary(self._rpc_heartbeat),
+                "GetConfig": unary(self._rpc_get_config),
+                "SubscribeFailures": grpc.unary_stream_rpc_method_handler(
+                    self._rpc_subscribe_failures, request_deserializer=_identity, response_serializer=_identity
+                ),
+            },
+        )
+
+    async def _invalid(self, context: grpc.aio.ServicerContext, message: str) -> None:
+        self._counts["invalid_requests"] += 1
+        logger.warning("rejected request from %s: %s", context.peer(), message)
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+    async def _parse(self, cls, data: bytes, context: grpc.aio.ServicerContext):
+        try:
+            return cls.FromString(data)
+        except DecodeError as exc:
+            await self._invalid(context, f"malformed {cls.__name__}: {exc}")
+
+    async def _valid_replica_id(self, replica_id: str, what: str, context: grpc.aio.ServicerContext) -> None:
+        if not replica_id:
+            await self._invalid(context, f"{what} must be a non-empty string")
+        if len(replica_id) > MAX_REPLICA_ID_LEN:
+            await self._invalid(context, f"{what} is longer than {MAX_REPLICA_ID_LEN} characters")
+
+    async def _rpc_quorum(self, data: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        request = await self._parse(pb.LighthouseQuorumRequest, data, context)
+        if not request.HasField("requester"):
+            await self._invalid(context, "LighthouseQuorumRequest.requester is required")
+        requester = request.requester
+        replica_id = requester.replica_id
+        await self._valid_replica_id(replica_id, "requester.replica_id", context)
+        self._counts["quorum_requests"] += 1
+        self._known[replica_id] = requester
+        future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(replica_id, []).append(future)
+        member = Member(replica_id, requester.shrink_only, requester.commit_failures, payload=requester)
+        self._state.join(member, self._clock())
+        self._decide()
+        try:
+            return await future
+        except _Shutdown:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "lighthouse is shutting down")
+        finally:
+            self._forget_waiter(replica_id, future)
+
+    def _forget_waiter(self, replica_id: str, future: asyncio.Future[bytes]) -> None:
+        waiting = self._waiters.get(replica_id)
+        if waiting is None:
+            return
+        if future in waiting:
+            waiting.remove(future)
+        if not waiting:
+            del self._waiters[replica_id]
+            # Nobody is waiting for this replica any more (cancelled or timed out).
+            self._state.leave(replica_id)
+
+    async def _rpc_heartbeat(self, data: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        request = await self._parse(pb.LighthouseHeartbeatRequest, data, context)
+        await self._valid_replica_id(request.replica_id, "replica_id", context)
+        self._counts["heartbeats"] += 1
+        self._state.heartbeat(request.replica_id, self._clock())
+        return b""
+
+    async def _rpc_get_config(self, data: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        await self._parse(pb.LighthouseConfigRequest, data, context)
+        c = self.config
+        values = {
+            "min_replicas": str(c.min_replicas),
+            "join_timeout_ms": str(round(c.join_timeout * 1000)),
+            "quorum_tick_ms": str(round(c.quorum_tick * 1000)),
+            "heartbeat_timeout_ms": str(round(c.heartbeat_timeout * 1000)),
+            "implementation": "torchft_lite",
+        }
+        return pb.LighthouseConfigResponse(config_data=values).SerializeToString()
+
+    async def _rpc_subscribe_failures(self, data: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        await self._parse(pb.SubscribeFailuresRequest, data, context)
+        queue: asyncio.Queue[bytes] = asyncio.Queue(MAX_FAILURE_BACKLOG)
+        self._failure_subscribers.add(queue)
+        try:
+            while True:
+                yield await queue.get()
+        finally:
+            self._failure_subscribers.discard(queue)
+
+    # ------------------------------------------------------------ decisions
+
+    def _decide(self) -> None:
+        now = self._clock()
+        first_joined = self._state.first_joined
+        decision, expired = self._state.decide(now)
+        if expired:
+            self._on_expired(expired)
+        self._note(decision, now)
+        if decision.quorum is not None:
+            self._publish(decision.quorum, now - first_joined if first_joined is not None else 0.0)
+
+    def _note(self, decision: Decision, now: float) -> None:
+        """Log the decision's reason when it changes.
+
+        Every round starts below the minimum until the members rejoin, so a
+        change out of (or into) a ready state is DEBUG; a change between two
+        waiting states, or a wait that lasts over a second, is INFO.
+        """
+        previous = self._last_decision
+        self._last_decision = decision
+        if decision.status != previous.status:
+            self._status_since = now
+            self._status_logged = not (previous.ready or decision.ready)
+            log = logger.info if self._status_logged else logger.debug
+            log("quorum status: %s", decision.reason)
+        elif not decision.ready and not self._status_logged and now - self._status_since > 1.0:
+            self._status_logged = True
+            logger.info("quorum status: %s", decision.reason)
+        elif decision.reason != previous.reason:
+            logger.debug("quorum status: %s", decision.reason)
+
+    def _publish(self, quorum: IssuedQuorum, formation: float) -> None:
+        previous = self._previous_ids
+        changed = quorum.quorum_id != self._published_id
+        if changed:
+            self._ids.save(quorum.quorum_id)  # before anyone can act on the new id
+            self._counts["id_changes"] += 1
+        self._published_id = quorum.quorum_id
+        created = self._wall_clock()
+        self._quorum_created_wall = created
+        self._last_formation = formation
+        for observe in self._formation_observers:
+            observe(formation)
+        message = pb.Quorum(quorum_id=quorum.quorum_id)
+        message.participants.extend(m.payload for m in quorum.members)
+        message.created.FromNanoseconds(int(created * 1e9))
+        response = pb.LighthouseQuorumResponse(quorum=message).SerializeToString()
+        for replica_id in quorum.replica_ids:
+            for future in self._waiters.get(replica_id, ()):
+                if not future.done():
+                    future.set_result(response)
+        ids = set(quorum.replica_ids)
+        self._previous_ids = ids
+        if changed or ids != previous:
+            joined, left = sorted(ids - previous), sorted(previous - ids)
+            logger.info(
+                "quorum %d issued with %d members (%s%s%s) after %.3fs: %s",
+                quorum.quorum_id, len(ids), _preview(quorum.replica_ids),
+                f"; joined {_preview(joined)}" if joined else "", f"; left {_preview(left)}" if left else "",
+                formation, self._last_decision.reason,
+            )
+        else:
+            logger.debug("quorum %d reissued with %d members after %.3fs", quorum.quorum_id, len(ids), formation)
+        for replica_id in previous - ids:
+            self._prune_known(replica_id)
+
+    def _on_expired(self, expired: list[str]) -> None:
+        self._counts["expired_replicas"] += len(expired)
+        in_quorum = [rid for rid in expired if rid in self._previous_ids]
+        if in_quorum:
+            logger.info(
+                "heartbeat expired for %d replicas of quorum %d: %s",
+                len(in_quorum), self._state.quorum_id, _preview(in_quorum),
+            )
+        for replica_id in expired:
+            self._prune_known(replica_id)
+            if replica_id in self._previous_ids and self._failure_subscribers:
+                note = pb.FailureNotification(
+                    replica_id=replica_id,
+                    error_message=f"no heartbeat for {self.config.heartbeat_timeout:.1f}s",
+                ).SerializeToString()
+                for queue in self._failure_subscribers:
+                    if queue.full():
+                        queue.get_nowait()  # a slow subscriber loses the oldest, never blocks us
+                    queue.put_nowait(note)
+
+    def _prune_known(self, replica_id: str) -> None:
+        if (
+            replica_id not in self._previous_ids
+            and replica_id not in self._waiters
+            and not self._state.is_heartbeating(replica_id)
+        ):
+            self._known.pop(replica_id, None)
+
+    # ------------------------------------------------------------ views
+
+    def statistics(self) -> LighthouseStatistics:
+        now = self._clock()
+        prev = self._state.previous_quorum
+        decision = self._last_decision
+        return LighthouseStatistics(
+            quorum_id=self._state.quorum_id,
+            quorum_members=len(prev.members) if prev else 0,
+            quorum_age=now - prev.issued_at if prev else None,
+            participants=self._state.num_participants,
+            healthy_participants=self._state.num_healthy_participants,
+            heartbeating_replicas=self._state.num_heartbeating,
+            status=decision.status.value,
+            reason=decision.reason,
+            quorums_issued=self._state.quorums_issued,
+            quorum_id_changes=self._counts["id_changes"],
+            quorum_requests=self._counts["quorum_requests"],
+            heartbeats=self._counts["heartbeats"],
+            invalid_requests=self._counts["invalid_requests"],
+            expired_replicas=self._counts["expired_replicas"],
+            last_formation_seconds=self._last_formation,
+            uptime=now - self._started_at,
+        )
+
+    def add_formation_observer(self, observe: Callable[[float], None]) -> None:
+        """Call ``observe(seconds)`` with the formation time of each issued quorum."""
+        self._formation_observers.append(observe)
+
+    def snapshot(self) -> dict:
+        """Everything the dashboard shows, as plain JSON-able data."""
+        from lighthouse.status import build_status  # keeps the JSON shape in one place
+
+        return build_status(self, self._state, self._known, self._clock(), self._quorum_created_wall)
+
+    def known_member(self, replica_id: str) -> pb.QuorumMember | None:
+        return self._known.get(replica_id)
+
+
+class _Shutdown(Exception):
+    """Resolves waiting Quorum calls when the server stops."""
+
+
+def _preview(ids, limit: int = 8) -> str:
+    ids = list(ids)
+    shown = ", ".join(ids[:limit])
+    return shown + (f", ... {len(ids) - limit} more" if len(ids) > limit else "")

@@ -1,0 +1,94 @@
+"""The lighthouse's status as plain data: one shape for /api/status and the dashboard."""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import asdict
+from typing import TYPE_CHECKING
+
+from lighthouse.protocol import torchft_pb2 as pb
+from lighthouse.quorum import QuorumState
+
+if TYPE_CHECKING:
+    from lighthouse.server import LighthouseServer
+
+
+def _member_row(member: pb.QuorumMember | None, replica_id: str) -> dict:
+    if member is None:
+        return {"replica_id": replica_id, "address": "", "store_address": "", "step": None, "world_size": None,
+                "commit_failures": 0, "data": ""}
+    return {
+        "replica_id": replica_id,
+        "address": member.address,
+        "store_address": member.store_address,
+        "step": member.step,
+        "world_size": member.world_size,
+        "commit_failures": member.commit_failures,
+        "data": member.data,
+    }
+
+
+def build_status(
+    server: "LighthouseServer",
+    state: QuorumState,
+    known: dict[str, pb.QuorumMember],
+    now: float,
+    created_wall: float | None,
+) -> dict:
+    config = server.config
+    heartbeat_age = {rid: now - last for rid, last in state.heartbeats()}
+    participants = {member.replica_id: joined for member, joined in state.participants()}
+    prev = state.previous_quorum
+
+    members = []
+    if prev is not None:
+        max_step = max((m.payload.step for m in prev.members), default=0)
+        for m in prev.members:
+            row = _member_row(m.payload, m.replica_id)
+            age = heartbeat_age.get(m.replica_id)
+            row.update(
+                recovering=m.payload.step < max_step,
+                heartbeat_age_s=age,
+                healthy=age is not None and age < config.heartbeat_timeout,
+                participating=m.replica_id in participants,
+            )
+            members.append(row)
+
+    in_quorum = set(prev.replica_ids) if prev else set()
+    replicas = []
+    for rid in sorted(set(heartbeat_age) | set(participants)):
+        row = _member_row(known.get(rid), rid)
+        age = heartbeat_age.get(rid)
+        joined = participants.get(rid)
+        row.update(
+            heartbeat_age_s=age,
+            healthy=age is not None and age < config.heartbeat_timeout,
+            in_quorum=rid in in_quorum,
+            participating=joined is not None,
+            waiting_s=None if joined is None else now - joined,
+        )
+        replicas.append(row)
+
+    stats = server.statistics()
+    return {
+        "lighthouse": {
+            "implementation": "torchft_lite",
+            "grpc_port": server.grpc_port,
+            "http_port": server.http_port,
+            "min_replicas": config.min_replicas,
+            "join_timeout_s": config.join_timeout,
+            "heartbeat_timeout_s": config.heartbeat_timeout,
+            "quorum_tick_s": config.quorum_tick,
+            "admin_enabled": config.admin_token is not None,
+        },
+        "status": {"state": stats.status, "reason": stats.reason},
+        "quorum": None if prev is None else {
+            "quorum_id": prev.quorum_id,
+            "age_s": now - prev.issued_at,
+            "created": None if created_wall is None else
+            datetime.datetime.fromtimestamp(created_wall, datetime.timezone.utc).isoformat(),
+            "members": members,
+        },
+        "replicas": replicas,
+        "statistics": asdict(stats),
+    }

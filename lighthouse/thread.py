@@ -1,0 +1,105 @@
+"""Run a lighthouse on its own event loop in a background thread.
+
+For tests, demos and training scripts that want a lighthouse in-process
+(torchft offers the same with ``LighthouseServer(...).address()``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from typing import Any, Awaitable, Callable, TypeVar
+
+from lighthouse.config import LighthouseConfig
+from lighthouse.server import LighthouseServer
+
+T = TypeVar("T")
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+class BackgroundLighthouse:
+    """``with BackgroundLighthouse(config) as lh: ... lh.address() ...``"""
+
+    def __init__(self, config: LighthouseConfig, *, start_timeout: float = 30.0, **server_kwargs: Any) -> None:
+        self.config = config
+        self.start_timeout = start_timeout
+        self._server_kwargs = server_kwargs
+        self._loop = new_event_loop()
+        self._thread = threading.Thread(target=self._run, name="lighthouse", daemon=True)
+        self._started = concurrent.futures.Future()
+        self.server: LighthouseServer | None = None
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+
+        async def main() -> None:
+            self.server = LighthouseServer(self.config, **self._server_kwargs)
+            try:
+                await self.server.serve(lambda: self._started.set_result(None))
+            except BaseException as exc:
+                if not self._started.done():
+                    self._started.set_exception(exc)
+                raise
+
+        try:
+            self._loop.run_until_complete(main())
+        except BaseException:  # reported through self._started, or at stop()
+            pass
+        finally:
+            self._loop.close()
+
+    def start(self) -> "BackgroundLighthouse":
+        self._thread.start()
+        try:
+            self._started.result(timeout=self.start_timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"lighthouse did not start within {self.start_timeout:.0f}s") from None
+        return self
+
+    def call(self, fn: Callable[[], Awaitable[T]], timeout: float = 10.0) -> T:
+        """Run ``fn()`` on the lighthouse's loop and return its result."""
+        return asyncio.run_coroutine_threadsafe(fn(), self._loop).result(timeout)
+
+    def snapshot(self, timeout: float = 10.0) -> dict:
+        async def get() -> dict:
+            return self.server.snapshot()
+
+        return self.call(get, timeout)
+
+    def statistics(self, timeout: float = 10.0):
+        async def get():
+            return self.server.statistics()
+
+        return self.call(get, timeout)
+
+    def address(self) -> str:
+        return self.server.address()
+
+    @property
+    def grpc_port(self) -> int:
+        return self.server.grpc_port
+
+    @property
+    def http_port(self) -> int | None:
+        return self.server.http_port
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._thread.is_alive() and self.server is not None:
+            self._loop.call_soon_threadsafe(self.server.request_stop)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"lighthouse thread did not stop within {timeout:.0f}s")
+
+    def __enter__(self) -> "BackgroundLighthouse":
+        return self.start()
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()

@@ -1,0 +1,68 @@
+import argparse
+
+import pytest
+
+from lighthouse.config import LighthouseConfig, split_host_port
+from lighthouse.fencing import QuorumIdStore
+
+
+class TestQuorumIdStore:
+    def test_without_state_dir_seeds_from_wall_clock_millis(self):
+        assert QuorumIdStore(None, wall_clock=lambda: 1000.5).initial() == 1_000_500
+
+    def test_restart_with_state_dir_continues_after_last_id_even_if_clock_stepped_back(self, tmp_path):
+        first = QuorumIdStore(tmp_path, wall_clock=lambda: 2000.0)
+        assert first.initial() == 2_000_000
+        first.save(2_000_007)
+        restarted = QuorumIdStore(tmp_path, wall_clock=lambda: 1000.0)  # clock went back
+        assert restarted.initial() == 2_000_007
+
+    def test_wall_clock_wins_when_ahead_of_stored_id(self, tmp_path):
+        QuorumIdStore(tmp_path, wall_clock=lambda: 1.0).save(5)
+        assert QuorumIdStore(tmp_path, wall_clock=lambda: 3.0).initial() == 3000
+
+    def test_corrupt_state_file_is_a_clear_error(self, tmp_path):
+        (tmp_path / "last_quorum_id").write_text("garbage")
+        with pytest.raises(ValueError, match="does not hold a quorum id"):
+            QuorumIdStore(tmp_path).initial()
+
+
+class TestConfig:
+    def parse(self, *argv, environ=None):
+        args = LighthouseConfig.arg_parser().parse_args(list(argv))
+        return LighthouseConfig.from_args(args, environ or {})
+
+    def test_torchft_flag_names_and_units(self):
+        c = self.parse("--min_replicas", "3", "--join_timeout_ms", "1500", "--quorum_tick_ms", "50",
+                       "--heartbeat_timeout_ms", "2000", "--bind", "127.0.0.1:0")
+        assert (c.min_replicas, c.join_timeout, c.quorum_tick, c.heartbeat_timeout) == (3, 1.5, 0.05, 2.0)
+        assert c.bind == "127.0.0.1:0"
+        assert c.http_bind == "[::]:29511"
+        assert c.admin_token is None
+
+    def test_defaults_match_torchft(self):
+        c = self.parse("--min_replicas", "1")
+        assert (c.bind, c.join_timeout, c.quorum_tick, c.heartbeat_timeout) == ("[::]:29510", 60.0, 0.1, 5.0)
+
+    def test_admin_token_from_env_and_http_off(self):
+        c = self.parse("--min_replicas", "1", "--http-bind", "off", environ={"TORCHFT_LITE_ADMIN_TOKEN": "t"})
+        assert c.admin_token == "t"
+        assert c.http_bind is None
+
+    def test_min_replicas_is_required(self, capsys):
+        with pytest.raises(SystemExit):
+            LighthouseConfig.arg_parser().parse_args([])
+        assert "--min_replicas" in capsys.readouterr().err
+
+    @pytest.mark.parametrize("argv", [["--min_replicas", "0"], ["--min_replicas", "1", "--bind", "nohostport"],
+                                      ["--min_replicas", "1", "--quorum_tick_ms", "0"],
+                                      ["--min_replicas", "1", "--heartbeat_timeout_ms", "-5"]])
+    def test_bad_values_are_value_errors(self, argv):
+        with pytest.raises(ValueError):
+            self.parse(*argv)
+
+    def test_split_host_port(self):
+        assert split_host_port("[::]:29510") == ("::", 29510)
+        assert split_host_port("localhost:0") == ("localhost", 0)
+        with pytest.raises(ValueError):
+            split_host_port("host:99999")

@@ -1,0 +1,245 @@
+"""The quorum rules, with literal timestamps (no clock, no network)."""
+
+import pytest
+
+from lighthouse.quorum import Member, QuorumConfig, QuorumState, Status
+
+
+def state(min_replicas=1, join_timeout=10.0, heartbeat_timeout=5.0, last_id=0) -> QuorumState:
+    return QuorumState(QuorumConfig(min_replicas, join_timeout, heartbeat_timeout), last_quorum_id=last_id)
+
+
+def join(s: QuorumState, now: float, *ids: str, **kw) -> None:
+    for rid in ids:
+        s.join(Member(rid, **kw), now)
+
+
+def issue(s: QuorumState, now: float):
+    decision, _ = s.decide(now)
+    assert decision.quorum is not None, decision.reason
+    return decision.quorum
+
+
+class TestHealth:
+    def test_healthy_while_younger_than_timeout(self):
+        s = state(heartbeat_timeout=5.0)
+        s.heartbeat("a", 100.0)
+        assert s.is_healthy("a", 104.9)
+        assert not s.is_healthy("a", 105.0)
+
+    def test_expire_forgets_stale_heartbeats_and_reports_them(self):
+        s = state(heartbeat_timeout=5.0)
+        s.heartbeat("a", 0.0)
+        s.heartbeat("b", 3.0)
+        assert s.expire(4.0) == []
+        assert s.expire(5.0) == ["a"]
+        assert s.num_heartbeating == 1
+        s.heartbeat("b", 7.0)  # refreshed: survives past its first deadline
+        assert s.expire(9.0) == []
+        assert s.expire(12.0) == ["b"]
+
+    def test_joining_counts_as_heartbeat(self):
+        s = state()
+        join(s, 1.0, "a")
+        assert s.is_healthy("a", 1.0)
+
+    def test_time_going_backwards_is_clamped(self):
+        s = state(heartbeat_timeout=5.0)
+        s.heartbeat("a", 10.0)
+        s.heartbeat("b", 2.0)  # treated as 10.0
+        assert s.expire(14.9) == []
+        assert sorted(s.expire(15.0)) == ["a", "b"]
+
+    def test_memory_stays_bounded_as_replicas_come_and_go(self):
+        s = state(heartbeat_timeout=1.0)
+        for i in range(10_000):
+            s.heartbeat(f"r{i}", i * 0.1)
+            if i % 100 == 0:
+                s.decide(i * 0.1)
+        s.decide(10_000 * 0.1)
+        assert s.num_heartbeating <= 11
+
+
+class TestMinReplicasAndSplitBrain:
+    def test_waits_for_min_replicas(self):
+        s = state(min_replicas=2)
+        join(s, 0.0, "a")
+        decision, _ = s.decide(0.0)
+        assert decision.status is Status.BELOW_MIN_REPLICAS
+        assert "need min_replicas=2" in decision.reason
+        join(s, 0.5, "b")
+        q = issue(s, 0.5)
+        assert q.replica_ids == ("a", "b")
+
+    def test_split_brain_guard_needs_strictly_more_than_half(self):
+        s = state(min_replicas=1)
+        for rid in "abcd":
+            s.heartbeat(rid, 0.0)
+        join(s, 0.0, "a", "b")
+        decision, _ = s.decide(0.1)
+        assert decision.status is Status.SPLIT_BRAIN_GUARD
+        assert "not more than half of 4 healthy replicas" in decision.reason
+        join(s, 0.2, "c")
+        decision, _ = s.decide(0.2)
+        assert decision.status is Status.WAITING_FOR_STRAGGLERS  # 3 of 4 passes the guard
+
+    def test_unhealthy_participants_do_not_count(self):
+        s = state(min_replicas=2, heartbeat_timeout=5.0)
+        join(s, 0.0, "a")
+        join(s, 6.0, "b")
+        decision, expired = s.decide(6.0)
+        assert expired == ["a"]
+        assert decision.status is Status.BELOW_MIN_REPLICAS
+        s.heartbeat("a", 6.5)  # alive again: counts again without rejoining
+        q = issue(s, 6.5)
+        assert q.replica_ids == ("a", "b")
+
+
+class TestJoinTimeout:
+    def test_waits_for_stragglers_until_join_timeout_from_first_join(self):
+        s = state(min_replicas=1, join_timeout=10.0, heartbeat_timeout=100.0)
+        s.heartbeat("c", 0.0)
+        join(s, 1.0, "a")
+        join(s, 5.0, "b")
+        s.heartbeat("c", 9.0)
+        decision, _ = s.decide(10.6)
+        assert decision.status is Status.WAITING_FOR_STRAGGLERS
+        assert decision.reason.startswith("waiting for 1 straggler, 0.4 s of join timeout left")
+        assert decision.wake_at == 11.0
+        q = issue(s, 11.0)
+        assert q.replica_ids == ("a", "b")
+        assert s.quorums_issued == 1
+
+    def test_all_healthy_joined_issues_without_waiting(self):
+        s = state(min_replicas=1, join_timeout=1000.0)
+        s.heartbeat("c", 0.0)
+        join(s, 0.0, "a", "b")
+        assert s.decide(0.0)[0].status is Status.WAITING_FOR_STRAGGLERS
+        join(s, 0.1, "c")
+        assert issue(s, 0.1).replica_ids == ("a", "b", "c")
+
+    def test_retry_keeps_original_join_time(self):
+        s = state(min_replicas=1, join_timeout=10.0, heartbeat_timeout=100.0)
+        s.heartbeat("z", 0.0)
+        join(s, 0.0, "a", "b")
+        join(s, 8.0, "a")  # same replica calling again must not extend the wait
+        assert s.decide(9.9)[0].status is Status.WAITING_FOR_STRAGGLERS
+        assert s.decide(10.0)[0].quorum.replica_ids == ("a", "b")
+
+
+class TestFastQuorum:
+    def test_fast_quorum_when_all_previous_members_rejoin(self):
+        s = state(min_replicas=2, join_timeout=100.0)
+        join(s, 0.0, "a", "b")
+        first = issue(s, 0.0)
+        s.heartbeat("c", 1.0)  # healthy but not joining: a slow path would wait for it
+        join(s, 2.0, "b", "a")
+        decision, _ = s.decide(2.0)
+        assert decision.status is Status.FAST_QUORUM
+        assert decision.quorum.replica_ids == ("a", "b")
+        assert decision.quorum.quorum_id == first.quorum_id  # same members: same id
+
+    def test_fast_quorum_ignores_split_brain_and_min_replicas(self):
+        s = state(min_replicas=1, join_timeout=100.0)
+        join(s, 0.0, "a")
+        issue(s, 0.0)
+        for rid in "bc":
+            s.heartbeat(rid, 1.0)
+        join(s, 1.0, "a")
+        assert s.decide(1.0)[0].status is Status.FAST_QUORUM
+
+    def test_fast_quorum_includes_new_participants(self):
+        s = state(min_replicas=1)
+        join(s, 0.0, "b", "a")
+        first = issue(s, 0.0)
+        join(s, 1.0, "c", "b", "a")
+        q = issue(s, 1.0)
+        assert q.replica_ids == ("a", "b", "c")
+        assert q.quorum_id == first.quorum_id + 1
+
+    def test_missing_member_means_no_fast_quorum(self):
+        s = state(min_replicas=1, join_timeout=5.0)
+        join(s, 0.0, "a", "b", "c")
+        issue(s, 0.0)
+        join(s, 1.0, "a", "b")
+        decision, _ = s.decide(1.0)
+        assert decision.status is Status.WAITING_FOR_STRAGGLERS  # c still heartbeating
+        assert issue(s, 5.0).replica_ids == ("a", "b")
+
+
+class TestShrinkOnly:
+    def test_shrink_only_admits_only_previous_members(self):
+        s = state(min_replicas=1)
+        join(s, 0.0, "a", "b")
+        first = issue(s, 0.0)
+        join(s, 1.0, "c")
+        s.join(Member("a", shrink_only=True), 1.0)
+        join(s, 1.0, "b")
+        q = issue(s, 1.0)
+        assert q.replica_ids == ("a", "b")
+        assert q.quorum_id == first.quorum_id
+        # c was left out and keeps waiting for the next quorum.
+        assert [m.replica_id for m, _ in s.participants()] == ["c"]
+
+    def test_without_previous_quorum_shrink_only_has_no_effect(self):
+        s = state(min_replicas=1)
+        s.join(Member("a", shrink_only=True), 0.0)
+        assert issue(s, 0.0).replica_ids == ("a",)
+
+
+class TestQuorumId:
+    def test_first_quorum_id_follows_the_seed(self):
+        s = state(last_id=41)
+        join(s, 0.0, "a")
+        assert issue(s, 0.0).quorum_id == 42
+
+    def test_id_changes_on_membership_change_and_commit_failures(self):
+        s = state(min_replicas=1, heartbeat_timeout=5.0)
+        join(s, 0.0, "a", "b")
+        q1 = issue(s, 0.0)
+        join(s, 1.0, "a", "b")
+        assert issue(s, 1.0).quorum_id == q1.quorum_id
+        s.join(Member("a", commit_failures=2), 2.0)
+        join(s, 2.0, "b")
+        assert issue(s, 2.0).quorum_id == q1.quorum_id + 1
+        # b dies: after heartbeat expiry a alone forms a new quorum with a new id.
+        s.heartbeat("a", 6.0)
+        join(s, 8.0, "a")
+        q = issue(s, 8.0)
+        assert q.replica_ids == ("a",)
+        assert q.quorum_id == q1.quorum_id + 2
+
+    def test_members_are_sorted_and_cleared_after_issue(self):
+        s = state(min_replicas=3)
+        join(s, 0.0, "c", "a", "b")
+        assert issue(s, 0.0).replica_ids == ("a", "b", "c")
+        assert s.num_participants == 0
+        assert s.first_joined is None
+
+
+class TestLeave:
+    def test_leaving_participant_is_not_counted(self):
+        s = state(min_replicas=2)
+        join(s, 0.0, "a", "b")
+        s.leave("b")
+        assert s.decide(0.0)[0].status is Status.BELOW_MIN_REPLICAS
+        s.leave("nobody")  # harmless
+
+
+class TestConfig:
+    @pytest.mark.parametrize(
+        "kwargs, message",
+        [
+            (dict(min_replicas=0), "min_replicas"),
+            (dict(min_replicas=1, join_timeout=-1), "join_timeout"),
+            (dict(min_replicas=1, heartbeat_timeout=0), "heartbeat_timeout"),
+            (dict(min_replicas=1, heartbeat_timeout=float("nan")), "heartbeat_timeout"),
+        ],
+    )
+    def test_bad_config_raises_value_error(self, kwargs, message):
+        with pytest.raises(ValueError, match=message):
+            QuorumConfig(**kwargs)
+
+    def test_empty_replica_id_rejected(self):
+        with pytest.raises(ValueError, match="replica_id"):
+            state().join(Member(""), 0.0)
