@@ -35,6 +35,7 @@ GRPC_OPTIONS = [
     ("grpc.so_reuseport", 0),  # a second lighthouse on the same port must fail, not share it
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
+    ("grpc.http2.max_ping_strikes", 0),
     ("grpc.max_receive_message_length", 16 * 1024 * 1024),
 ]
 
@@ -259,6 +260,9 @@ class LighthouseServer:
             return await future
         except _Shutdown:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "lighthouse is shutting down")
+        except asyncio.CancelledError:
+            logger.debug("Quorum call of %s cancelled (client gone or deadline passed)", replica_id)
+            raise
         finally:
             self._forget_waiter(replica_id, future)
 

@@ -1,0 +1,246 @@
+"""Lighthouse scaling benchmark: N simulated replica groups in lockstep.
+
+Each simulated group has its own gRPC channel, heartbeats every second and
+calls Quorum once per round (step) with every other group; a round ends when
+all N have their quorum. The lighthouse runs in its own process: ours
+(``python -m lighthouse``) and, when ``torchft`` is installed, torchft's Rust
+``torchft_lighthouse`` in the same run as the reference.
+
+Prints a table and one JSON line (the last line of output). Figures on a
+2-core shared machine are noisy; compare the ratio within one run.
+
+    python benchmarks/lighthouse_bench.py --sizes 10,100,300,1000 --rounds 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import grpc  # noqa: E402
+
+from benchmarks import torchft_ref  # noqa: E402
+from lighthouse.protocol import torchft_pb2 as pb  # noqa: E402
+
+LISTEN_RE = re.compile(r"Lighthouse listening on: \S+?:(\d+)")
+
+
+@dataclass
+class Result:
+    impl: str
+    n: int
+    rounds: int
+    first_round_s: float
+    p50_s: float
+    p90_s: float
+    max_s: float
+    rounds_per_s: float
+    server_cpu_ms_per_round: float
+    client_cpu_ms_per_round: float
+
+
+def torchft_lighthouse_cmd() -> list[str] | None:
+    """torchft's Rust lighthouse, if the torchft package is installed (see torchft_ref.py)."""
+    if torchft_ref.find_extension() is None:
+        return None
+    return [sys.executable, str(REPO / "benchmarks" / "torchft_ref.py")]
+
+
+def start_server(impl: str, n: int, startup_timeout: float = 60.0) -> tuple[subprocess.Popen, int]:
+    flags = ["--bind", "127.0.0.1:0", "--min_replicas", str(n), "--join_timeout_ms", "60000",
+             "--quorum_tick_ms", "100", "--heartbeat_timeout_ms", "5000"]
+    if impl == "ours":
+        cmd = [sys.executable, *(os.environ.get("BENCH_SERVER_CMD", "-m lighthouse").split()), *flags, "--http-bind", "off", "--log-level", "WARNING"]
+    else:
+        cmd = [*torchft_lighthouse_cmd(), *flags]
+    env = dict(os.environ, RUST_LOG="warn", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    deadline = time.monotonic() + startup_timeout
+    seen = []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            if proc.poll() is not None:
+                break
+            continue
+        seen.append(line)
+        match = LISTEN_RE.search(line)
+        if match:
+            # Keep draining its output so the server never blocks on a full pipe;
+            # the tail is shown if the run fails.
+            proc.output_tail = collections.deque(seen, maxlen=40)
+            threading.Thread(target=proc.output_tail.extend, args=(proc.stdout,), daemon=True).start()
+            return proc, int(match.group(1))
+    proc.kill()
+    raise RuntimeError(f"{impl} lighthouse did not start within {startup_timeout}s:\n{''.join(seen[-20:])}")
+
+
+class Group:
+    """One simulated replica group: its own channel, heartbeat loop and quorum calls."""
+
+    def __init__(self, target: str, replica_id: str) -> None:
+        self.replica_id = replica_id
+        # A local subchannel pool gives every group its own TCP connection, as
+        # separate processes would have; otherwise grpc shares one connection
+        # between all channels to the same target.
+        self.channel = grpc.aio.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
+        # Responses stay bytes: one group per round parses its quorum fully and
+        # the others are checked against it by size, so the client measures the
+        # lighthouse rather than a million protobuf objects per round at N=1000.
+        self.quorum_call = self.channel.unary_unary(
+            "/torchft.LighthouseService/Quorum",
+            request_serializer=pb.LighthouseQuorumRequest.SerializeToString,
+        )
+        self.heartbeat_call = self.channel.unary_unary(
+            "/torchft.LighthouseService/Heartbeat",
+            request_serializer=pb.LighthouseHeartbeatRequest.SerializeToString,
+            response_deserializer=pb.LighthouseHeartbeatResponse.FromString,
+        )
+        self.heartbeat_errors = 0
+
+    async def heartbeat_forever(self, interval: float) -> None:
+        await asyncio.sleep(random.random() * interval)
+        request = pb.LighthouseHeartbeatRequest(replica_id=self.replica_id)
+        while True:
+            try:
+                await self.heartbeat_call(request, timeout=5.0)
+            except grpc.aio.AioRpcError:
+                self.heartbeat_errors += 1
+            await asyncio.sleep(interval)
+
+    async def quorum(self, step: int, timeout: float) -> bytes:
+        member = pb.QuorumMember(
+            replica_id=self.replica_id, address=f"http://host-{self.replica_id}:29512",
+            store_address=f"host-{self.replica_id}:29500", step=step, world_size=8,
+        )
+        return await self.quorum_call(pb.LighthouseQuorumRequest(requester=member), timeout=timeout,
+                                      wait_for_ready=True)
+
+
+async def run_rounds(port: int, n: int, rounds: int, round_timeout: float) -> list[float]:
+    groups = [Group(f"127.0.0.1:{port}", f"replica-{i:05d}") for i in range(n)]
+    heartbeats = [asyncio.create_task(g.heartbeat_forever(1.0)) for g in groups]
+    times = []
+    try:
+        for step in range(rounds + 1):  # round 0 forms the first quorum (connections, joins)
+            start = time.perf_counter()
+            responses = await asyncio.gather(*(g.quorum(step, round_timeout) for g in groups))
+            times.append(time.perf_counter() - start)
+            quorum = pb.LighthouseQuorumResponse.FromString(responses[step % n]).quorum
+            members = {m.replica_id for m in quorum.participants}
+            if members != {g.replica_id for g in groups} or any(m.step != step for m in quorum.participants):
+                raise RuntimeError(f"round {step}: quorum had {len(members)} members, expected all {n} at step {step}")
+            # Every member must get the same quorum; the timestamp's encoding may vary by a byte or two.
+            sizes = {len(r) for r in responses}
+            if max(sizes) - min(sizes) > 8:
+                raise RuntimeError(f"round {step}: responses differ in size: {sorted(sizes)[:3]}...")
+    finally:
+        for task in heartbeats:
+            task.cancel()
+        await asyncio.gather(*heartbeats, return_exceptions=True)
+        await asyncio.gather(*(g.channel.close() for g in groups))
+    return times
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (Linux /proc), all its threads."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def bench(impl: str, n: int, rounds: int, round_timeout: float) -> Result:
+    proc, port = start_server(impl, n)
+    server_cpu0 = process_cpu_seconds(proc.pid)
+    client_cpu0 = time.process_time()
+    try:
+        try:
+            import uvloop
+
+            loop = uvloop.new_event_loop()
+        except ImportError:
+            loop = asyncio.new_event_loop()
+        try:
+            times = loop.run_until_complete(run_rounds(port, n, rounds, round_timeout))
+        except BaseException:
+            print(f"{impl} lighthouse (exit code {proc.poll()}) last output:\n{''.join(proc.output_tail)}",
+                  file=sys.stderr)
+            raise
+        finally:
+            loop.close()
+        server_cpu = process_cpu_seconds(proc.pid) - server_cpu0
+        client_cpu = time.process_time() - client_cpu0
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    steady = times[1:]
+    qs = statistics.quantiles(steady, n=10) if len(steady) >= 2 else [steady[0]] * 9
+    p50 = statistics.median(steady)
+    per_round = 1000 / len(times)  # CPU includes the warm-up round and heartbeats
+    return Result(impl, n, len(steady), times[0], p50, qs[8], max(steady), 1.0 / p50,
+                  server_cpu * per_round, client_cpu * per_round)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="10,100,300,1000", help="comma-separated N (replica groups)")
+    parser.add_argument("--rounds", type=int, default=10, help="timed rounds per size (after one warm-up)")
+    parser.add_argument("--impls", default="ours,torchft", help="ours, torchft, or both (torchft skipped if absent)")
+    parser.add_argument("--round-timeout", type=float, default=120.0, help="seconds a round may take")
+    args = parser.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    impls = [i for i in args.impls.split(",") if i]
+    if "torchft" in impls and torchft_lighthouse_cmd() is None:
+        print("torchft not installed: skipping torchft's lighthouse (pip install --no-deps torchft-nightly)")
+        impls.remove("torchft")
+
+    results: list[Result] = []
+    for n in sizes:
+        for impl in impls:
+            result = bench(impl, n, args.rounds, args.round_timeout)
+            results.append(result)
+            print(f"  {impl:8s} N={n:5d}: p50 {result.p50_s * 1000:8.1f} ms  first {result.first_round_s:.2f} s  "
+                  f"CPU/round: server {result.server_cpu_ms_per_round:.0f} ms, "
+                  f"client {result.client_cpu_ms_per_round:.0f} ms", flush=True)
+
+    print()
+    print(f"{'N':>6} {'impl':>8} {'p50 ms':>9} {'p90 ms':>9} {'max ms':>9} {'rounds/s':>9} {'vs torchft':>11}")
+    by_key = {(r.impl, r.n): r for r in results}
+    summary = {}
+    for r in results:
+        ref = by_key.get(("torchft", r.n))
+        ratio = r.rounds_per_s / ref.rounds_per_s if ref and r.impl == "ours" else None
+        if ratio is not None:
+            summary[f"speedup_vs_torchft_n{r.n}"] = round(ratio, 2)
+        print(f"{r.n:6d} {r.impl:>8} {r.p50_s * 1000:9.1f} {r.p90_s * 1000:9.1f} {r.max_s * 1000:9.1f} "
+              f"{r.rounds_per_s:9.2f} {'' if ratio is None else f'{ratio:.2f}x':>11}")
+    targets = {}
+    if ("ours", 1000) in by_key:
+        targets["n1000_p50_le_500ms"] = by_key[("ours", 1000)].p50_s <= 0.5
+    if "speedup_vs_torchft_n300" in summary:
+        targets["n300_ge_2x_torchft"] = summary["speedup_vs_torchft_n300"] >= 2.0
+    print(json.dumps({"benchmark": "lighthouse", "cpus": os.cpu_count(), "results": [asdict(r) for r in results],
+                      **summary, "targets_met": targets}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

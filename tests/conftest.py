@@ -1,0 +1,89 @@
+"""Shared helpers: a lighthouse on port 0, condition polling, a fake ManagerService."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import AsyncIterator, Awaitable, Callable
+
+import grpc
+import pytest
+
+from lighthouse.config import LighthouseConfig
+from lighthouse.protocol import torchft_pb2 as pb
+from lighthouse.server import LighthouseServer
+
+# Generous: the suite shares two cores with other processes.
+WAIT = 60.0
+
+
+def lighthouse_config(**overrides) -> LighthouseConfig:
+    settings = dict(min_replicas=1, bind="127.0.0.1:0", http_bind="127.0.0.1:0", join_timeout=30.0,
+                    heartbeat_timeout=5.0, quorum_tick=0.05)
+    settings.update(overrides)
+    return LighthouseConfig(**settings)
+
+
+@contextlib.asynccontextmanager
+async def running_lighthouse(**overrides) -> AsyncIterator[LighthouseServer]:
+    server = LighthouseServer(lighthouse_config(**overrides))
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()
+
+
+async def wait_until(predicate: Callable[[], bool | Awaitable[bool]], what: str, timeout: float = WAIT) -> None:
+    """Poll ``predicate`` until true; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = predicate()
+        if asyncio.iscoroutine(result):
+            result = await result
+        if result:
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+def wait_until_sync(predicate: Callable[[], bool], what: str, timeout: float = WAIT) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.05)
+
+
+class FakeManager:
+    """A ManagerService that records Kill requests (for the dashboard's kill button)."""
+
+    def __init__(self) -> None:
+        self.kills: list[str] = []
+        self.port: int | None = None
+        self._server: grpc.aio.Server | None = None
+
+    async def _kill(self, request: bytes, context) -> bytes:
+        self.kills.append(pb.KillRequest.FromString(request).msg)
+        return b""
+
+    async def start(self) -> "FakeManager":
+        self._server = grpc.aio.server()
+        handler = grpc.method_handlers_generic_handler(
+            "torchft.ManagerService",
+            {"Kill": grpc.unary_unary_rpc_method_handler(self._kill, lambda b: b, lambda b: b)},
+        )
+        self._server.add_generic_rpc_handlers((handler,))
+        self.port = self._server.add_insecure_port("127.0.0.1:0")
+        await self._server.start()
+        return self
+
+    @property
+    def address(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            await self._server.stop(None)
