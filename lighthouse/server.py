@@ -317,6 +317,9 @@ class LighthouseServer:
         self._note(decision, now)
         if decision.quorum is not None:
             self._publish(decision.quorum, now - first_joined if first_joined is not None else 0.0)
+            # Show what the next round is waiting for, not the decision just served.
+            self._last_decision = self._state.evaluate(now)
+            self._status_since, self._status_logged = now, False
 
     def _note(self, decision: Decision, now: float) -> None:
         """Log the decision's reason when it changes.

@@ -1,0 +1,92 @@
+"""Wire compatibility with torchft's own (Rust) implementation.
+
+torchft's ManagerServer/ManagerClient drive our lighthouse, and our client
+drives torchft's lighthouse. Uses torchft's native extension directly
+(benchmarks/torchft_ref.py), so it needs neither torch nor OpenTelemetry and
+takes well under a second. Skipped when torchft-nightly is not installed.
+"""
+
+import asyncio
+import threading
+from datetime import timedelta
+
+import pytest
+
+from benchmarks import torchft_ref
+from lighthouse.client import LighthouseClient
+from lighthouse.thread import BackgroundLighthouse
+from tests.conftest import lighthouse_config
+
+pytestmark = pytest.mark.integration
+
+native = torchft_ref.load()
+requires_torchft = pytest.mark.skipif(native is None, reason="torchft-nightly not installed (make installs it)")
+
+
+@requires_torchft
+def test_torchft_managers_form_quorums_on_our_lighthouse():
+    with BackgroundLighthouse(lighthouse_config(min_replicas=2, join_timeout=5.0)) as lighthouse:
+        address = f"http://127.0.0.1:{lighthouse.grpc_port}"
+        managers = {
+            rid: native.ManagerServer(
+                replica_id=rid, lighthouse_addr=address, hostname="127.0.0.1", bind="127.0.0.1:0",
+                store_addr=f"127.0.0.1:{port}", world_size=1, heartbeat_interval=timedelta(milliseconds=100),
+                connect_timeout=timedelta(seconds=30), quorum_retries=0,
+            )
+            for rid, port in (("ft-a", 1111), ("ft-b", 2222))
+        }
+        results, errors = {}, []
+
+        def step(rid: str, step_number: int) -> None:
+            try:
+                client = native.ManagerClient(managers[rid].address(), connect_timeout=timedelta(seconds=30))
+                for _ in range(2):  # a second round exercises the fast-quorum path
+                    result = client._quorum(
+                        group_rank=0, step=step_number, checkpoint_metadata=f"meta-{rid}", shrink_only=False,
+                        init_sync=True, commit_failures=0, timeout=timedelta(seconds=60),
+                        reconfigure_handle=f"handle-{rid}",
+                    )
+                results[rid] = result
+            except Exception as exc:  # reported below with the replica id
+                errors.append((rid, exc))
+
+        threads = [threading.Thread(target=step, args=(rid, s)) for rid, s in (("ft-a", 5), ("ft-b", 3))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        for manager in managers.values():
+            manager.shutdown()
+        assert not errors, errors
+        a, b = results["ft-a"], results["ft-b"]
+        assert a.quorum_id == b.quorum_id > 0
+        assert (a.replica_world_size, a.max_step) == (2, 5)
+        # b is behind and heals from a, the torchft way.
+        assert b.heal and b.recover_src_replica_rank == 0 and not a.heal
+        assert a.recover_dst_replica_ranks == [1]
+        assert a.store_address == "127.0.0.1:1111"
+        status = lighthouse.snapshot()
+        assert [m["replica_id"] for m in status["quorum"]["members"]] == ["ft-a", "ft-b"]
+
+
+@requires_torchft
+def test_our_client_on_torchfts_lighthouse():
+    server = native.LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=5000)
+    try:
+        port = server.address().rsplit(":", 1)[1]
+
+        async def scenario():
+            async with LighthouseClient(f"127.0.0.1:{port}") as client:
+                await client.heartbeat("x", timeout=30)
+                quorums = await asyncio.gather(
+                    client.quorum("x", timeout=60, step=2, address="http://x:1", world_size=3),
+                    client.quorum("y", timeout=60, step=4, data='{"k": 1}'),
+                )
+            return quorums
+
+        quorums = asyncio.run(scenario())
+    finally:
+        server.shutdown()
+    assert quorums[0].quorum_id == quorums[1].quorum_id
+    members = {m.replica_id: m for m in quorums[0].participants}
+    assert (members["x"].step, members["x"].world_size, members["y"].data) == (2, 3, '{"k": 1}')

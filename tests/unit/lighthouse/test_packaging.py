@@ -1,0 +1,48 @@
+"""Things that must stay true of the package as shipped."""
+
+import subprocess
+import sys
+
+import lighthouse
+from lighthouse.protocol import generate
+
+
+def test_lighthouse_never_imports_torch():
+    code = (
+        "import sys, lighthouse, lighthouse.server, lighthouse.http, lighthouse.__main__, lighthouse.thread; "
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_generated_protocol_code_is_not_stale():
+    stale = generate.stale_files()
+    assert not stale, "run `make proto`; stale files:\n" + "\n".join(stale)
+
+
+def test_public_api_is_pinned():
+    assert sorted(lighthouse.__all__) == [
+        "BackgroundLighthouse", "Decision", "IssuedQuorum", "LighthouseClient", "LighthouseConfig",
+        "LighthouseError", "LighthouseServer", "LighthouseStatistics", "LighthouseTimeout", "Member",
+        "QuorumConfig", "QuorumState", "Status",
+    ]
+    for name in lighthouse.__all__:
+        assert hasattr(lighthouse, name)
+
+
+def test_wire_field_numbers_match_torchft():
+    from lighthouse.protocol import torchft_pb2 as pb
+
+    def numbers(message):
+        return {f.name: f.number for f in message.DESCRIPTOR.fields}
+
+    assert numbers(pb.QuorumMember) == {
+        "replica_id": 1, "address": 2, "store_address": 3, "step": 4, "world_size": 5, "shrink_only": 6,
+        "data": 7, "commit_failures": 8, "reconfigure_handles": 9,
+    }
+    assert numbers(pb.Quorum) == {"quorum_id": 1, "participants": 2, "created": 3}
+    assert pb.QuorumMember.DESCRIPTOR.fields_by_name["world_size"].type == 4  # TYPE_UINT64
+    assert pb.DESCRIPTOR.package == "torchft"
+    services = {s.name: [m.name for m in s.methods] for s in pb.DESCRIPTOR.services_by_name.values()}
+    assert services["LighthouseService"][:2] == ["Quorum", "Heartbeat"]
+    assert services["ManagerService"] == ["Quorum", "CheckpointMetadata", "ShouldCommit", "Kill"]
