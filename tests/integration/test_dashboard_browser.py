@@ -1,0 +1,129 @@
+"""The dashboard in a real headless Chromium (Debian's package, installed by `make test`)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import shutil
+
+import pytest
+
+from lighthouse.thread import BackgroundLighthouse
+from tests.conftest import FakeManager, lighthouse_config
+
+pytestmark = [pytest.mark.integration, pytest.mark.browser]
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.fixture
+def browser():
+    if CHROMIUM is None:
+        pytest.skip("chromium is not installed (make test installs Debian's package when run as root)")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.skip("playwright is not installed (dev extras)")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM,
+            args=["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync"],
+        )
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+def form_quorum(lighthouse: BackgroundLighthouse, members: dict[str, tuple[int, str]]) -> None:
+    import asyncio
+
+    from lighthouse.client import LighthouseClient
+
+    async def join():
+        async with LighthouseClient(f"127.0.0.1:{lighthouse.grpc_port}") as client:
+            await asyncio.gather(*(client.quorum(rid, timeout=60, step=step, address=address, world_size=2)
+                                   for rid, (step, address) in members.items()))
+
+    # Playwright's sync API owns this thread's event loop; run the client on another thread.
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pool.submit(lambda: asyncio.run(join())).result(120)
+
+
+class ManagerThread:
+    """A FakeManager served from its own event loop thread (the page calls it via the lighthouse)."""
+
+    def __init__(self) -> None:
+        import asyncio
+        import threading
+
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.manager = asyncio.run_coroutine_threadsafe(FakeManager().start(), self.loop).result(30)
+
+    def stop(self) -> None:
+        import asyncio
+
+        asyncio.run_coroutine_threadsafe(self.manager.stop(), self.loop).result(30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(30)
+
+
+def test_dashboard_shows_quorum_and_kill_button_works(browser, tmp_path):
+    managers = ManagerThread()
+    try:
+        with BackgroundLighthouse(lighthouse_config(min_replicas=2, admin_token="tok")) as lighthouse:
+            form_quorum(lighthouse, {"alpha": (10, managers.manager.address), "<b>beta</b>": (7, "http://beta:1")})
+            page = browser.new_page()
+            errors = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            page.goto(f"http://127.0.0.1:{lighthouse.http_port}/")
+            quorum_id = str(lighthouse.snapshot()["quorum"]["quorum_id"])
+            page.wait_for_function(f"document.getElementById('quorum-id').textContent === '{quorum_id}'",
+                                   timeout=30_000)
+            rows = page.locator("#members tbody tr")
+            assert rows.count() == 2
+            # Replica ids are shown as text, never interpreted as HTML.
+            assert rows.nth(0).locator("td").nth(0).inner_text() == "<b>beta</b>"
+            assert page.locator("#members b").count() == 0
+            assert "recovering" in rows.nth(0).inner_text()  # step 7 < max step 10
+            assert "up to date" in rows.nth(1).inner_text()
+            assert page.locator("#member-count").inner_text() == "2"
+            assert page.locator("#reason").inner_text().strip() != "-"
+            page.screenshot(path=str(tmp_path / "dashboard.png"))
+
+            page.on("dialog", lambda dialog: dialog.accept())
+            page.fill("#token", "wrong")
+            rows.nth(1).locator("button.kill").click()
+            page.wait_for_function("document.getElementById('flash').textContent.includes('403')", timeout=30_000)
+            assert managers.manager.kills == []
+
+            page.fill("#token", "tok")
+            rows.nth(1).locator("button.kill").click()
+            page.wait_for_function("document.getElementById('flash').textContent.includes('kill sent to alpha')",
+                                   timeout=30_000)
+            assert managers.manager.kills == ["killed from the lighthouse dashboard"]
+            assert errors == []
+    finally:
+        managers.stop()
+
+
+def test_kill_buttons_are_disabled_without_admin_token(browser):
+    with BackgroundLighthouse(lighthouse_config(min_replicas=1)) as lighthouse:
+        form_quorum(lighthouse, {"solo": (0, "http://solo:1")})
+        page = browser.new_page()
+        page.goto(f"http://127.0.0.1:{lighthouse.http_port}/")
+        page.wait_for_selector("#members tbody tr button.kill", timeout=30_000)
+        assert page.locator("button.kill").first.is_disabled()
+        assert "admin actions disabled" in page.locator("#admin-note").inner_text()
+
+
+def test_dashboard_says_when_the_lighthouse_is_unreachable(browser):
+    lighthouse = BackgroundLighthouse(lighthouse_config()).start()
+    page = browser.new_page()
+    page.goto(f"http://127.0.0.1:{lighthouse.http_port}/")
+    page.wait_for_function("document.getElementById('config').textContent.includes('min_replicas')",
+                           timeout=30_000)
+    lighthouse.stop()
+    page.wait_for_function("document.getElementById('error').textContent.includes('unreachable')", timeout=30_000)
