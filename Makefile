@@ -53,7 +53,9 @@ demo: $(STAMP)
 proto: $(STAMP)
 	$(BIN)/python -m lighthouse.protocol.generate
 
+# torchft's own CLI imports OpenTelemetry; only the benchmark runs it.
 bench: $(STAMP)
+	-$(BIN)/python -m pip install --quiet "opentelemetry-sdk>=1.39" "opentelemetry-exporter-otlp-proto-http>=1.39"
 	$(BIN)/python benchmarks/lighthouse_bench.py
 
 clean:

@@ -23,6 +23,7 @@ import random
 import re
 import statistics
 import subprocess
+import shutil
 import sys
 import threading
 import time
@@ -31,6 +32,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+# The client never forks; gRPC's fork support only adds per-call cost to the
+# client, which is shared by every server measured.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 
 import grpc  # noqa: E402
 
@@ -54,21 +58,31 @@ class Result:
     client_cpu_ms_per_round: float
 
 
-def torchft_lighthouse_cmd() -> list[str] | None:
-    """torchft's Rust lighthouse, if the torchft package is installed (see torchft_ref.py)."""
-    if torchft_ref.find_extension() is None:
-        return None
-    return [sys.executable, str(REPO / "benchmarks" / "torchft_ref.py")]
+def torchft_cli_available() -> bool:
+    """torchft's own ``torchft_lighthouse`` CLI runs only when its package imports
+    (it needs torch and OpenTelemetry; ``make bench`` installs the latter)."""
+    probe = subprocess.run([sys.executable, "-c", "import torchft._torchft"], capture_output=True, timeout=120)
+    return probe.returncode == 0 and shutil.which("torchft_lighthouse", path=str(Path(sys.executable).parent))
+
+
+def server_cmd(impl: str, flags: list[str]) -> list[str]:
+    if impl == "ours":
+        return [sys.executable, "-m", "lighthouse", *flags, "--http-bind", "off"]
+    if impl == "torchft":
+        # As users run it: torchft's CLI with its default (INFO) logging.
+        return [str(Path(sys.executable).parent / "torchft_lighthouse"), *flags]
+    if impl == "torchft-nolog":
+        # torchft's Rust server started in-process without its CLI: no logger is set up.
+        return [sys.executable, str(REPO / "benchmarks" / "torchft_ref.py"), *flags]
+    raise ValueError(f"unknown implementation {impl!r}")
 
 
 def start_server(impl: str, n: int, startup_timeout: float = 60.0) -> tuple[subprocess.Popen, int]:
     flags = ["--bind", "127.0.0.1:0", "--min_replicas", str(n), "--join_timeout_ms", "60000",
              "--quorum_tick_ms", "100", "--heartbeat_timeout_ms", "5000"]
-    if impl == "ours":
-        cmd = [sys.executable, *(os.environ.get("BENCH_SERVER_CMD", "-m lighthouse").split()), *flags, "--http-bind", "off", "--log-level", "WARNING"]
-    else:
-        cmd = [*torchft_lighthouse_cmd(), *flags]
-    env = dict(os.environ, RUST_LOG="warn", PYTHONUNBUFFERED="1")
+    cmd = server_cmd(impl, flags)
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("GRPC_ENABLE_FORK_SUPPORT", None)  # each server runs with its own defaults
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     deadline = time.monotonic() + startup_timeout
     seen = []
@@ -203,13 +217,21 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="10,100,300,1000", help="comma-separated N (replica groups)")
     parser.add_argument("--rounds", type=int, default=10, help="timed rounds per size (after one warm-up)")
-    parser.add_argument("--impls", default="ours,torchft", help="ours, torchft, or both (torchft skipped if absent)")
+    parser.add_argument(
+        "--impls", default="ours,torchft,torchft-nolog",
+        help="comma-separated: ours; torchft (its torchft_lighthouse CLI with default logging, as users run it); "
+        "torchft-nolog (its Rust server in-process, no logger). torchft ones are skipped when not installed",
+    )
     parser.add_argument("--round-timeout", type=float, default=120.0, help="seconds a round may take")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",") if s]
     impls = [i for i in args.impls.split(",") if i]
-    if "torchft" in impls and torchft_lighthouse_cmd() is None:
-        print("torchft not installed: skipping torchft's lighthouse (pip install --no-deps torchft-nightly)")
+    if "torchft-nolog" in impls and torchft_ref.find_extension() is None:
+        print("torchft not installed: skipping torchft-nolog (pip install --no-deps torchft-nightly)")
+        impls.remove("torchft-nolog")
+    if "torchft" in impls and not torchft_cli_available():
+        print("torchft's CLI cannot start (needs torchft-nightly, torch and opentelemetry-sdk; `make bench` "
+              "installs them): skipping torchft")
         impls.remove("torchft")
 
     results: list[Result] = []
@@ -217,21 +239,27 @@ def main() -> int:
         for impl in impls:
             result = bench(impl, n, args.rounds, args.round_timeout)
             results.append(result)
-            print(f"  {impl:8s} N={n:5d}: p50 {result.p50_s * 1000:8.1f} ms  first {result.first_round_s:.2f} s  "
+            print(f"  {impl:13s} N={n:5d}: p50 {result.p50_s * 1000:8.1f} ms  first {result.first_round_s:.2f} s  "
                   f"CPU/round: server {result.server_cpu_ms_per_round:.0f} ms, "
                   f"client {result.client_cpu_ms_per_round:.0f} ms", flush=True)
 
     print()
-    print(f"{'N':>6} {'impl':>8} {'p50 ms':>9} {'p90 ms':>9} {'max ms':>9} {'rounds/s':>9} {'vs torchft':>11}")
+    print(f"{'N':>6} {'impl':>13} {'p50 ms':>9} {'p90 ms':>9} {'max ms':>9} {'rounds/s':>9} {'srv CPU ms':>10} "
+          f"{'cli CPU ms':>10} {'vs torchft/nolog':>17}")
     by_key = {(r.impl, r.n): r for r in results}
     summary = {}
     for r in results:
         ref = by_key.get(("torchft", r.n))
+        nolog = by_key.get(("torchft-nolog", r.n))
         ratio = r.rounds_per_s / ref.rounds_per_s if ref and r.impl == "ours" else None
+        ratio_nolog = r.rounds_per_s / nolog.rounds_per_s if nolog and r.impl == "ours" else None
         if ratio is not None:
             summary[f"speedup_vs_torchft_n{r.n}"] = round(ratio, 2)
-        print(f"{r.n:6d} {r.impl:>8} {r.p50_s * 1000:9.1f} {r.p90_s * 1000:9.1f} {r.max_s * 1000:9.1f} "
-              f"{r.rounds_per_s:9.2f} {'' if ratio is None else f'{ratio:.2f}x':>11}")
+        if ratio_nolog is not None:
+            summary[f"speedup_vs_torchft_nolog_n{r.n}"] = round(ratio_nolog, 2)
+        shown = " / ".join(f"{x:.2f}x" for x in (ratio, ratio_nolog) if x is not None)
+        print(f"{r.n:6d} {r.impl:>13} {r.p50_s * 1000:9.1f} {r.p90_s * 1000:9.1f} {r.max_s * 1000:9.1f} "
+              f"{r.rounds_per_s:9.2f} {r.server_cpu_ms_per_round:10.0f} {r.client_cpu_ms_per_round:10.0f} {shown:>17}")
     targets = {}
     if ("ours", 1000) in by_key:
         targets["n1000_p50_le_500ms"] = by_key[("ours", 1000)].p50_s <= 0.5
