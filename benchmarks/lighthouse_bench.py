@@ -41,7 +41,7 @@ import grpc  # noqa: E402
 from benchmarks import torchft_ref  # noqa: E402
 from lighthouse.protocol import torchft_pb2 as pb  # noqa: E402
 
-LISTEN_RE = re.compile(r"Lighthouse listening on: \S+?:(\d+)")
+LISTEN_RE = re.compile(r"Lighthouse listening on: \S+?:(\d+)\s*$")
 
 
 @dataclass
@@ -68,6 +68,8 @@ def torchft_cli_available() -> bool:
 def server_cmd(impl: str, flags: list[str]) -> list[str]:
     if impl == "ours":
         return [sys.executable, "-m", "lighthouse", *flags, "--http-bind", "off"]
+    if impl == "ours-grpcio":
+        return [sys.executable, "-m", "lighthouse", *flags, "--http-bind", "off", "--grpc-engine", "grpcio"]
     if impl == "torchft":
         # As users run it: torchft's CLI with its default (INFO) logging.
         return [str(Path(sys.executable).parent / "torchft_lighthouse"), *flags]
@@ -219,7 +221,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=10, help="timed rounds per size (after one warm-up)")
     parser.add_argument(
         "--impls", default="ours,torchft,torchft-nolog",
-        help="comma-separated: ours; torchft (its torchft_lighthouse CLI with default logging, as users run it); "
+        help="comma-separated: ours (native gRPC engine); ours-grpcio (the same lighthouse on grpc.aio); torchft (its torchft_lighthouse CLI with default logging, as users run it); "
         "torchft-nolog (its Rust server in-process, no logger). torchft ones are skipped when not installed",
     )
     parser.add_argument("--round-timeout", type=float, default=120.0, help="seconds a round may take")

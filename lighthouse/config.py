@@ -19,6 +19,7 @@ ADMIN_TOKEN_ENV = "TORCHFT_LITE_ADMIN_TOKEN"
 DEFAULT_BIND = "[::]:29510"
 DEFAULT_HTTP_BIND = "[::]:29511"
 HTTP_DISABLED = "off"
+GRPC_ENGINES = ("native", "grpcio")
 
 
 def split_host_port(address: str) -> tuple[str, int]:
@@ -60,6 +61,9 @@ class LighthouseConfig:
     even if the clock steps back. Without it ids are seeded from wall time."""
     kill_timeout: float = 10.0
     """Timeout of the Kill RPC the dashboard sends to a replica's manager."""
+    grpc_engine: str = "native"
+    """'native': the lighthouse's own h2c gRPC server (lighthouse/h2grpc, 3-4x less
+    CPU per call); 'grpcio': grpc.aio."""
 
     def __post_init__(self) -> None:
         self.quorum_config()  # validates min_replicas and the timeouts
@@ -70,6 +74,8 @@ class LighthouseConfig:
         split_host_port(self.bind)
         if self.http_bind is not None:
             split_host_port(self.http_bind)
+        if self.grpc_engine not in GRPC_ENGINES:
+            raise ValueError(f"grpc_engine must be one of {', '.join(GRPC_ENGINES)}, got {self.grpc_engine!r}")
         if self.admin_token is not None and not self.admin_token.strip():
             raise ValueError("admin_token must not be empty; leave it unset to disable admin actions")
 
@@ -127,6 +133,11 @@ class LighthouseConfig:
             "(without it they are seeded from wall-clock milliseconds)",
         )
         parser.add_argument(
+            "--grpc-engine", "--grpc_engine", default="native", choices=GRPC_ENGINES,
+            help="gRPC server implementation: 'native' (built in, h2c, 3-4x less CPU per call) or "
+            "'grpcio' (grpc.aio)",
+        )
+        parser.add_argument(
             "--log-level", "--log_level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
             help="logging level",
         )
@@ -149,4 +160,5 @@ class LighthouseConfig:
             http_bind=http_bind,
             admin_token=token,
             state_dir=args.state_dir,
+            grpc_engine=args.grpc_engine,
         )

@@ -23,6 +23,7 @@ from google.protobuf.message import DecodeError
 
 from lighthouse.config import LighthouseConfig, split_host_port
 from lighthouse.fencing import QuorumIdStore
+from lighthouse.h2grpc import GrpcServer
 from lighthouse.protocol import torchft_pb2 as pb
 from lighthouse.quorum import Decision, IssuedQuorum, Member, QuorumState, Status
 
@@ -100,7 +101,7 @@ class LighthouseServer:
         self._formation_observers: list[Callable[[float], None]] = []
         self._published_id: int | None = None
         self._previous_ids: set[str] = set()
-        self._grpc: grpc.aio.Server | None = None
+        self._grpc: grpc.aio.Server | GrpcServer | None = None
         self._http = None  # aiohttp AppRunner, see lighthouse.http
         self._grpc_port: int | None = None
         self._http_port: int | None = None
@@ -144,13 +145,24 @@ class LighthouseServer:
             await task
 
     async def _bind(self) -> None:
-        server = grpc.aio.server(options=GRPC_OPTIONS)
-        server.add_generic_rpc_handlers((self._grpc_handlers(),))
-        try:
-            self._grpc_port = server.add_insecure_port(self.config.bind)
-        except RuntimeError as exc:
-            raise OSError(f"lighthouse could not bind gRPC to {self.config.bind}: {exc} (address in use?)") from exc
-        await server.start()
+        if self.config.grpc_engine == "grpcio":
+            server = grpc.aio.server(options=GRPC_OPTIONS)
+            server.add_generic_rpc_handlers((self._grpc_handlers(),))
+            try:
+                self._grpc_port = server.add_insecure_port(self.config.bind)
+            except RuntimeError as exc:
+                raise OSError(f"lighthouse could not bind gRPC to {self.config.bind}: {exc} (address in use?)") from exc
+            await server.start()
+        else:
+            server = GrpcServer()
+            for method, handler in self._unary_methods().items():
+                server.add_unary(f"/{SERVICE}/{method}", handler)
+            server.add_server_stream(f"/{SERVICE}/SubscribeFailures", self._rpc_subscribe_failures)
+            host, port = split_host_port(self.config.bind)
+            try:
+                self._grpc_port = await server.start(host, port)
+            except OSError as exc:
+                raise OSError(f"lighthouse could not bind gRPC to {self.config.bind}: {exc}") from exc
         self._grpc = server
         if self.config.http_bind is not None:
             from lighthouse.http import start_http  # aiohttp is only needed with HTTP on
@@ -158,12 +170,12 @@ class LighthouseServer:
             try:
                 self._http, self._http_port = await start_http(self, self.config.http_bind)
             except BaseException:
-                await server.stop(None)
+                await self._stop_grpc()
                 raise
         logger.info(
-            "lighthouse serving gRPC on %s (port %d)%s; min_replicas=%d join_timeout=%.1fs heartbeat_timeout=%.1fs "
+            "lighthouse serving gRPC (%s engine) on %s (port %d)%s; min_replicas=%d join_timeout=%.1fs heartbeat_timeout=%.1fs "
             "first quorum id will be > %d",
-            self.config.bind, self._grpc_port,
+            self.config.grpc_engine, self.config.bind, self._grpc_port,
             f", HTTP on port {self._http_port}" if self._http_port is not None else ", HTTP disabled",
             self.config.min_replicas, self.config.join_timeout, self.config.heartbeat_timeout, self._state.quorum_id,
         )
@@ -176,10 +188,13 @@ class LighthouseServer:
         if self._http is not None:
             await self._http.cleanup()
             self._http = None
-        if self._grpc is not None:
-            await self._grpc.stop(grace=0.5)
-            self._grpc = None
+        await self._stop_grpc()
         logger.info("lighthouse stopped at quorum id %d", self._state.quorum_id)
+
+    async def _stop_grpc(self) -> None:
+        if self._grpc is not None:
+            server, self._grpc = self._grpc, None
+            await server.stop(0.5)
 
     async def _tick_loop(self) -> None:
         while True:
@@ -209,21 +224,19 @@ class LighthouseServer:
 
     # ------------------------------------------------------------ gRPC
 
-    def _grpc_handlers(self) -> grpc.GenericRpcHandler:
-        def unary(fn):
-            return grpc.unary_unary_rpc_method_handler(fn, request_deserializer=_identity, response_serializer=_identity)
+    def _unary_methods(self) -> dict[str, Callable]:
+        return {"Quorum": self._rpc_quorum, "Heartbeat": self._rpc_heartbeat, "GetConfig": self._rpc_get_config}
 
-        return grpc.method_handlers_generic_handler(
-            SERVICE,
-            {
-                "Quorum": unary(self._rpc_quorum),
-                "Heartbeat": unary(self._rpc_heartbeat),
-                "GetConfig": unary(self._rpc_get_config),
-                "SubscribeFailures": grpc.unary_stream_rpc_method_handler(
-                    self._rpc_subscribe_failures, request_deserializer=_identity, response_serializer=_identity
-                ),
-            },
+    def _grpc_handlers(self) -> grpc.GenericRpcHandler:
+        """The same handlers for the grpc.aio engine (requests and responses stay bytes)."""
+        handlers = {
+            name: grpc.unary_unary_rpc_method_handler(fn, request_deserializer=_identity, response_serializer=_identity)
+            for name, fn in self._unary_methods().items()
+        }
+        handlers["SubscribeFailures"] = grpc.unary_stream_rpc_method_handler(
+            self._rpc_subscribe_failures, request_deserializer=_identity, response_serializer=_identity
         )
+        return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
     async def _invalid(self, context: grpc.aio.ServicerContext, message: str) -> None:
         self._counts["invalid_requests"] += 1

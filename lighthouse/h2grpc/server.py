@@ -1,0 +1,208 @@
+"""A small gRPC server (h2c) on asyncio/uvloop for the lighthouse's hot path.
+
+Why not ``grpc.aio``: measured with benchmarks/lighthouse_bench.py on the
+project's 2-core machine, a grpc.aio server spends 230-320 us of CPU per unary
+call against ~75 us here, and under a thousand concurrent long-poll Quorum
+calls it intermittently fails some calls with CANCELLED before they reach the
+handler. The lighthouse serves tiny requests and identical responses, which
+this server handles with one write per answer.
+
+Handlers have the same shape as grpc.aio generic handlers over raw bytes:
+``async def unary(request: bytes, context) -> bytes`` and
+``async def server_stream(request: bytes, context) -> AsyncIterator[bytes]``;
+``context`` offers ``peer()`` and ``await abort(code, details)``, so the same
+handler functions run on either engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import socket
+from dataclasses import dataclass
+from typing import AsyncIterator, Awaitable, Callable
+
+import grpc
+
+from lighthouse.h2grpc import wire
+from lighthouse.h2grpc.connection import H2Connection, Stream
+
+logger = logging.getLogger(__name__)
+
+UnaryHandler = Callable[[bytes, "RpcContext"], Awaitable[bytes]]
+StreamHandler = Callable[[bytes, "RpcContext"], AsyncIterator[bytes]]
+
+_RESPONSE_HEADERS = wire.encode_headers([(b":status", b"200"), (b"content-type", b"application/grpc")])
+
+
+def _status_block(code: grpc.StatusCode, details: str = "", trailers_only: bool = False) -> bytes:
+    headers = [(b":status", b"200"), (b"content-type", b"application/grpc")] if trailers_only else []
+    headers.append((b"grpc-status", str(code.value[0]).encode()))
+    if details:
+        headers.append((b"grpc-message", wire.percent_encode(details)))
+    return wire.encode_headers(headers)
+
+
+_OK_TRAILERS = _status_block(grpc.StatusCode.OK)
+
+
+class RpcAbort(Exception):
+    """Raised by ``context.abort``: finishes the call with ``code``."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+class RpcContext:
+    __slots__ = ("method", "_peer", "timeout")
+
+    def __init__(self, method: str, peer: str, timeout: float | None) -> None:
+        self.method = method
+        self._peer = peer
+        self.timeout = timeout
+
+    def peer(self) -> str:
+        return self._peer
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> None:
+        raise RpcAbort(code, details)
+
+
+@dataclass(frozen=True)
+class _Method:
+    handler: Callable
+    streaming: bool
+
+
+class GrpcServer:
+    def __init__(self, *, max_concurrent_streams: int = 4096, max_request_bytes: int = 4 * 1024 * 1024) -> None:
+        self.max_concurrent_streams = max_concurrent_streams
+        self.max_request_bytes = max_request_bytes
+        self.connections: set[H2Connection] = set()
+        self.protocol_errors = 0
+        self._methods: dict[str, _Method] = {}
+        self._listener: asyncio.AbstractServer | None = None
+        self._calls: set[asyncio.Task] = set()
+
+    def add_unary(self, path: str, handler: UnaryHandler) -> None:
+        self._methods[path] = _Method(handler, streaming=False)
+
+    def add_server_stream(self, path: str, handler: StreamHandler) -> None:
+        self._methods[path] = _Method(handler, streaming=True)
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen on host:port (host '' or '::' means every interface); returns the port."""
+        loop = asyncio.get_running_loop()
+        hosts = [host or None]
+        if host == "::":  # dual stack; fall back to IPv4 where IPv6 is unavailable
+            hosts = ["::", "0.0.0.0"]
+        last_error: OSError | None = None
+        for candidate in hosts:
+            try:
+                self._listener = await loop.create_server(
+                    lambda: H2Connection(self), candidate, port, reuse_address=True, backlog=4096
+                )
+                break
+            except OSError as exc:
+                last_error = exc
+                if exc.errno == errno.EADDRINUSE:
+                    break
+        if self._listener is None:
+            raise OSError(f"could not bind {host}:{port}: {last_error}") from last_error
+        sockets = self._listener.sockets
+        for sock in sockets:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sockets[0].getsockname()[1]
+
+    async def stop(self, grace: float) -> None:
+        """Stop accepting, let calls in flight finish for ``grace`` seconds, then cut the rest."""
+        if self._listener is not None:
+            self._listener.close()
+        for connection in list(self.connections):
+            connection.go_away()
+        if self._calls:
+            await asyncio.wait(set(self._calls), timeout=grace)
+        for task in list(self._calls):
+            task.cancel()
+        if self._calls:
+            await asyncio.wait(set(self._calls), timeout=grace)
+        for connection in list(self.connections):
+            connection.abort()
+        if self._listener is not None:
+            await self._listener.wait_closed()
+            self._listener = None
+
+    # ------------------------------------------------------------ calls
+
+    def dispatch(self, connection: H2Connection, stream: Stream) -> None:
+        headers = stream.headers
+        if headers.get(b":method") != b"POST":
+            connection.trailers_only(stream, wire.encode_headers([(b":status", b"405")]))
+            return
+        if not headers.get(b"content-type", b"").startswith(b"application/grpc"):
+            connection.trailers_only(stream, wire.encode_headers([(b":status", b"415")]))
+            return
+        path = headers.get(b":path", b"").decode("utf-8", "replace")
+        method = self._methods.get(path)
+        if method is None:
+            connection.trailers_only(
+                stream, _status_block(grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {path}", True)
+            )
+            return
+        timeout = wire.parse_grpc_timeout(headers.get(b"grpc-timeout", b""))
+        context = RpcContext(path, connection.peer, timeout)
+        task = asyncio.get_running_loop().create_task(self._call(connection, stream, method, context))
+        stream.task = task
+        self._calls.add(task)
+        task.add_done_callback(self._calls.discard)
+
+    def reject_oversized(self, connection: H2Connection, stream: Stream) -> None:
+        connection.trailers_only(stream, _status_block(
+            grpc.StatusCode.RESOURCE_EXHAUSTED, f"request larger than {self.max_request_bytes} bytes", True))
+        connection.reset(stream, wire.NO_ERROR)
+
+    async def _call(self, connection: H2Connection, stream: Stream, method: _Method, context: RpcContext) -> None:
+        try:
+            try:
+                messages = wire.split_grpc_messages(bytes(stream.body))
+            except ValueError as exc:
+                raise RpcAbort(grpc.StatusCode.INTERNAL, f"malformed request framing: {exc}") from None
+            stream.body = bytearray()
+            if len(messages) != 1:
+                raise RpcAbort(grpc.StatusCode.UNIMPLEMENTED if len(messages) > 1 else grpc.StatusCode.INTERNAL,
+                               f"expected one request message, got {len(messages)}")
+            compressed, request = messages[0]
+            if compressed:
+                raise RpcAbort(grpc.StatusCode.UNIMPLEMENTED, "compressed messages are not supported")
+            async with asyncio.timeout(context.timeout):
+                if method.streaming:
+                    async for message in method.handler(request, context):
+                        connection.send_messages(stream, _RESPONSE_HEADERS, wire.grpc_message(message))
+                    connection.send_response(stream, _RESPONSE_HEADERS, b"", _OK_TRAILERS)
+                else:
+                    response = await method.handler(request, context)
+                    connection.send_response(stream, _RESPONSE_HEADERS, wire.grpc_message(response), _OK_TRAILERS)
+        except RpcAbort as abort:
+            self._finish_with_status(connection, stream, abort.code, abort.details)
+        except TimeoutError:
+            self._finish_with_status(connection, stream, grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+        except asyncio.CancelledError:
+            # The peer reset the stream, the connection dropped, or the server is stopping.
+            self._finish_with_status(connection, stream, grpc.StatusCode.CANCELLED, "call cancelled")
+            raise
+        except Exception as exc:
+            logger.exception("handler for %s failed", context.method)
+            self._finish_with_status(connection, stream, grpc.StatusCode.UNKNOWN,
+                                     f"Exception calling application: {exc!r}")
+
+    @staticmethod
+    def _finish_with_status(connection: H2Connection, stream: Stream, code: grpc.StatusCode, details: str) -> None:
+        if stream.response_started:
+            connection.send_response(stream, _RESPONSE_HEADERS, b"", _status_block(code, details))
+        else:
+            connection.trailers_only(stream, _status_block(code, details, trailers_only=True))
