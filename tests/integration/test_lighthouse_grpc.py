@@ -19,9 +19,10 @@ def client_for(server: LighthouseServer) -> LighthouseClient:
     return LighthouseClient(f"127.0.0.1:{server.grpc_port}", connect_timeout=WAIT)
 
 
-def test_concurrent_joins_form_one_sorted_quorum():
+@pytest.mark.parametrize("engine", ["native", "grpcio"])
+def test_concurrent_joins_form_one_sorted_quorum(engine):
     async def scenario():
-        async with running_lighthouse(min_replicas=3) as server, client_for(server) as c:
+        async with running_lighthouse(min_replicas=3, grpc_engine=engine) as server, client_for(server) as c:
             quorums = await asyncio.gather(
                 *(c.quorum(rid, timeout=WAIT, step=i, address=f"http://{rid}:1") for i, rid in enumerate("cab"))
             )
@@ -109,9 +110,10 @@ def test_state_dir_keeps_ids_increasing_when_the_clock_steps_back(tmp_path):
     assert second > first
 
 
-def test_unknown_fields_survive_the_round_trip():
+@pytest.mark.parametrize("engine", ["native", "grpcio"])
+def test_unknown_fields_survive_the_round_trip(engine):
     async def scenario():
-        async with running_lighthouse() as server:
+        async with running_lighthouse(grpc_engine=engine) as server:
             member = pb.QuorumMember(replica_id="newer-manager", step=7)
             # Field 200 (length-delimited "future"), as a newer manager might send.
             raw_member = member.SerializeToString() + b"\xc2\x0c\x06future"
@@ -140,9 +142,10 @@ def test_unknown_fields_survive_the_round_trip():
         ("Heartbeat", b"\x0a\xff", "malformed LighthouseHeartbeatRequest"),
     ],
 )
-def test_bad_input_gets_invalid_argument_and_server_survives(method, payload, message):
+@pytest.mark.parametrize("engine", ["native", "grpcio"])
+def test_bad_input_gets_invalid_argument_and_server_survives(method, payload, message, engine):
     async def scenario():
-        async with running_lighthouse() as server:
+        async with running_lighthouse(grpc_engine=engine) as server:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
                 call = channel.unary_unary(f"/torchft.LighthouseService/{method}")
                 with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -160,9 +163,10 @@ def test_bad_input_gets_invalid_argument_and_server_survives(method, payload, me
     asyncio.run(scenario())
 
 
-def test_garbage_bytes_on_the_port_are_survived():
+@pytest.mark.parametrize("engine", ["native", "grpcio"])
+def test_garbage_bytes_on_the_port_are_survived(engine):
     async def scenario():
-        async with running_lighthouse() as server:
+        async with running_lighthouse(grpc_engine=engine) as server:
             for garbage in (b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", b"\x00" * 64, bytes(range(256)) * 8):
                 reader, writer = await asyncio.open_connection("127.0.0.1", server.grpc_port)
                 writer.write(garbage)
@@ -178,9 +182,10 @@ def test_garbage_bytes_on_the_port_are_survived():
     asyncio.run(scenario())
 
 
-def test_get_config_and_failure_notifications():
+@pytest.mark.parametrize("engine", ["native", "grpcio"])
+def test_get_config_and_failure_notifications(engine):
     async def scenario():
-        async with running_lighthouse(min_replicas=2, heartbeat_timeout=0.4) as server, client_for(server) as c:
+        async with running_lighthouse(min_replicas=2, heartbeat_timeout=0.4, grpc_engine=engine) as server, client_for(server) as c:
             config = await c.get_config(timeout=WAIT)
             assert config["min_replicas"] == "2" and config["heartbeat_timeout_ms"] == "400"
             async with grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}") as channel:
