@@ -19,6 +19,7 @@ import asyncio
 import collections
 import json
 import os
+import queue
 import random
 import re
 import statistics
@@ -86,24 +87,32 @@ def start_server(impl: str, n: int, startup_timeout: float = 60.0) -> tuple[subp
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("GRPC_ENABLE_FORK_SUPPORT", None)  # each server runs with its own defaults
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    # A reader thread drains the output for the whole run (a full pipe would block
+    # the server) and keeps its tail for error reports; here we only wait for the
+    # "listening" line, with a deadline.
+    lines: queue.Queue[str] = queue.Queue()
+    proc.output_tail = collections.deque(maxlen=40)
+
+    def drain() -> None:
+        for line in proc.stdout:
+            proc.output_tail.append(line)
+            lines.put(line)
+
+    threading.Thread(target=drain, daemon=True).start()
     deadline = time.monotonic() + startup_timeout
-    seen = []
     while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
+        try:
+            line = lines.get(timeout=0.5)
+        except queue.Empty:
             if proc.poll() is not None:
                 break
             continue
-        seen.append(line)
         match = LISTEN_RE.search(line)
         if match:
-            # Keep draining its output so the server never blocks on a full pipe;
-            # the tail is shown if the run fails.
-            proc.output_tail = collections.deque(seen, maxlen=40)
-            threading.Thread(target=proc.output_tail.extend, args=(proc.stdout,), daemon=True).start()
             return proc, int(match.group(1))
     proc.kill()
-    raise RuntimeError(f"{impl} lighthouse did not start within {startup_timeout}s:\n{''.join(seen[-20:])}")
+    proc.wait()
+    raise RuntimeError(f"{impl} lighthouse did not start within {startup_timeout}s:\n{''.join(proc.output_tail)}")
 
 
 class Group:
@@ -169,7 +178,7 @@ async def run_rounds(port: int, n: int, rounds: int, round_timeout: float) -> li
         for task in heartbeats:
             task.cancel()
         await asyncio.gather(*heartbeats, return_exceptions=True)
-        await asyncio.gather(*(g.channel.close() for g in groups))
+        await asyncio.wait_for(asyncio.gather(*(g.channel.close() for g in groups)), round_timeout)
     return times
 
 
@@ -187,17 +196,16 @@ def bench(impl: str, n: int, rounds: int, round_timeout: float) -> Result:
         try:
             import uvloop
 
-            loop = uvloop.new_event_loop()
+            loop_factory = uvloop.new_event_loop
         except ImportError:
-            loop = asyncio.new_event_loop()
+            loop_factory = None
         try:
-            times = loop.run_until_complete(run_rounds(port, n, rounds, round_timeout))
+            with asyncio.Runner(loop_factory=loop_factory) as runner:  # also makes it the current loop
+                times = runner.run(run_rounds(port, n, rounds, round_timeout))
         except BaseException:
             print(f"{impl} lighthouse (exit code {proc.poll()}) last output:\n{''.join(proc.output_tail)}",
                   file=sys.stderr)
             raise
-        finally:
-            loop.close()
         server_cpu = process_cpu_seconds(proc.pid) - server_cpu0
         client_cpu = time.process_time() - client_cpu0
     finally:

@@ -32,12 +32,16 @@ logger = logging.getLogger(__name__)
 SERVICE = "torchft.LighthouseService"
 MAX_REPLICA_ID_LEN = 1024
 MAX_FAILURE_BACKLOG = 1024
-GRPC_OPTIONS = [
+GRPC_OPTIONS = [  # for --grpc-engine grpcio
     ("grpc.so_reuseport", 0),  # a second lighthouse on the same port must fail, not share it
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
-    ("grpc.http2.max_ping_strikes", 0),
     ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+    # Since grpcio 1.82 the core sheds calls (as a bare CANCELLED, before any
+    # handler runs) once more than 1000 are queued for the Python server; a round
+    # of N Quorum calls plus heartbeats exceeds that at N~1000.
+    ("grpc.server.max_pending_requests", 100_000),
+    ("grpc.server.max_pending_requests_hard_limit", 200_000),
 ]
 
 
@@ -337,18 +341,18 @@ class LighthouseServer:
     def _note(self, decision: Decision, now: float) -> None:
         """Log the decision's reason when it changes.
 
-        Every round starts below the minimum until the members rejoin, so a
-        change out of (or into) a ready state is DEBUG; a change between two
-        waiting states, or a wait that lasts over a second, is INFO.
+        Every round passes through waiting states until the members rejoin, so
+        changes are DEBUG; a wait with participants that lasts over a second is
+        logged once at INFO (that is when someone wants to know why). "No
+        participants" is the idle state between steps and stays DEBUG.
         """
         previous = self._last_decision
         self._last_decision = decision
         if decision.status != previous.status:
-            self._status_since = now
-            self._status_logged = not (previous.ready or decision.ready)
-            log = logger.info if self._status_logged else logger.debug
-            log("quorum status: %s", decision.reason)
-        elif not decision.ready and not self._status_logged and now - self._status_since > 1.0:
+            self._status_since, self._status_logged = now, False
+            logger.debug("quorum status: %s", decision.reason)
+        elif (not decision.ready and decision.status is not Status.NO_PARTICIPANTS
+              and not self._status_logged and now - self._status_since > 1.0):
             self._status_logged = True
             logger.info("quorum status: %s", decision.reason)
         elif decision.reason != previous.reason:

@@ -2,10 +2,11 @@
 
 Why not ``grpc.aio``: measured with benchmarks/lighthouse_bench.py on the
 project's 2-core machine, a grpc.aio server spends 230-320 us of CPU per unary
-call against ~75 us here, and under a thousand concurrent long-poll Quorum
-calls it intermittently fails some calls with CANCELLED before they reach the
-handler. The lighthouse serves tiny requests and identical responses, which
-this server handles with one write per answer.
+call against ~75 us here, which decides whether a lighthouse keeps up with
+1000 replica groups. (grpc.aio also sheds calls as CANCELLED once more than
+1000 are queued, since grpcio 1.82; lighthouse/server.py raises that limit for
+the grpcio engine.) The lighthouse serves tiny requests and identical
+responses, which this server handles with one write per answer.
 
 Handlers have the same shape as grpc.aio generic handlers over raw bytes:
 ``async def unary(request: bytes, context) -> bytes`` and
