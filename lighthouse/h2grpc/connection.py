@@ -68,6 +68,7 @@ class H2Connection(asyncio.Protocol):
         self._blocked: dict[int, Stream] = {}
         self._paused = False
         self._going_away = False
+        self._handshake_timer: asyncio.TimerHandle | None = None
 
     # ------------------------------------------------------------ asyncio
 
@@ -78,6 +79,8 @@ class H2Connection(asyncio.Protocol):
             family = "ipv6" if ":" in address[0] else "ipv4"
             self.peer = f"{family}:{address[0]}:{address[1]}"
         self.server.connections.add(self)
+        loop = asyncio.get_running_loop()
+        self._handshake_timer = loop.call_later(self.server.handshake_timeout, self._handshake_expired)
         self._write(
             wire.settings_frame({
                 wire.SETTINGS_MAX_CONCURRENT_STREAMS: self.server.max_concurrent_streams,
@@ -88,7 +91,15 @@ class H2Connection(asyncio.Protocol):
             + wire.window_update(0, CONN_RECV_WINDOW - wire.DEFAULT_WINDOW)
         )
 
+    def _handshake_expired(self) -> None:
+        if not self._preface_seen and self.transport is not None:
+            logger.warning("closing connection from %s: no HTTP/2 preface within %.0fs",
+                           self.peer, self.server.handshake_timeout)
+            self.transport.close()
+
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._handshake_timer is not None:
+            self._handshake_timer.cancel()
         self.server.connections.discard(self)
         for stream in self._streams.values():
             if stream.task is not None:

@@ -79,8 +79,15 @@ class _Method:
 
 
 class GrpcServer:
-    def __init__(self, *, max_concurrent_streams: int = 4096, max_request_bytes: int = 4 * 1024 * 1024) -> None:
+    def __init__(
+        self,
+        *,
+        max_concurrent_streams: int = 4096,
+        max_request_bytes: int = 4 * 1024 * 1024,
+        handshake_timeout: float = 10.0,
+    ) -> None:
         self.max_concurrent_streams = max_concurrent_streams
+        self.handshake_timeout = handshake_timeout  # seconds a new connection has to send the HTTP/2 preface
         self.max_request_bytes = max_request_bytes
         self.connections: set[H2Connection] = set()
         self.protocol_errors = 0

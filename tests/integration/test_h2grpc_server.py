@@ -198,6 +198,25 @@ def test_non_http2_clients_are_disconnected():
     asyncio.run(scenario())
 
 
+def test_silent_connections_are_closed_after_the_handshake_timeout():
+    async def scenario():
+        server = GrpcServer(handshake_timeout=0.3)
+        port = await server.start("127.0.0.1", 0)
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(wire.PREFACE[:5])  # starts, then goes quiet
+            await writer.drain()
+            # The server's SETTINGS arrive first; then the connection must be closed (EOF).
+            while await asyncio.wait_for(reader.read(65536), timeout=WAIT):
+                pass
+            writer.close()
+            await wait_until(lambda: not server.connections, "the server to drop the connection")
+        finally:
+            await server.stop(1.0)
+
+    asyncio.run(scenario())
+
+
 def test_stop_lets_calls_in_flight_finish_within_grace():
     async def scenario():
         async with serve() as (server, probe, port), grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
