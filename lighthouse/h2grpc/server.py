@@ -1,8 +1,8 @@
 """A small gRPC server (h2c) on asyncio/uvloop for the lighthouse's hot path.
 
 Why not ``grpc.aio``: measured with benchmarks/lighthouse_bench.py on the
-project's 2-core machine, the lighthouse on grpc.aio spends 2.3-2.8x the server
-CPU per round of this server (106 vs 45 ms at 300 replica groups, 439 vs 191 ms
+project's 2-core machine, the lighthouse on grpc.aio spends 2.3-2.9x the server
+CPU per round of this server (115 vs 40 ms at 300 replica groups, 508 vs 177 ms
 at 1000; a bare prototype measured 230-320 vs ~75 us per call), which decides
 whether a lighthouse keeps up with 1000 replica groups. (grpc.aio also sheds calls as CANCELLED once more than
 1000 are queued, since grpcio 1.82; lighthouse/server.py raises that limit for
