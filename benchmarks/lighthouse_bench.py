@@ -226,7 +226,7 @@ def bench(impl: str, n: int, rounds: int, round_timeout: float) -> Result:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="10,100,300,1000", help="comma-separated N (replica groups)")
-    parser.add_argument("--rounds", type=int, default=10, help="timed rounds per size (after one warm-up)")
+    parser.add_argument("--rounds", type=int, default=30, help="timed rounds per size (after one warm-up); fewer is noisy")
     parser.add_argument(
         "--impls", default="ours,torchft,torchft-nolog",
         help="comma-separated: ours (native gRPC engine); ours-grpcio (the same lighthouse on grpc.aio); torchft (its torchft_lighthouse CLI with default logging, as users run it); "
