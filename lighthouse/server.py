@@ -293,6 +293,8 @@ class LighthouseServer:
             del self._waiters[replica_id]
             # Nobody is waiting for this replica any more (cancelled or timed out).
             self._state.leave(replica_id)
+            # Its heartbeat may have expired while it waited: nothing else would prune it.
+            self._prune_known(replica_id)
 
     async def _rpc_heartbeat(self, data: bytes, context: grpc.aio.ServicerContext) -> bytes:
         request = await self._parse(pb.LighthouseHeartbeatRequest, data, context)

@@ -74,12 +74,15 @@ def test_heartbeat_expiry_is_visible_in_status():
     asyncio.run(scenario())
 
 
-def test_cancelled_quorum_call_stops_being_a_participant():
+def test_cancelled_quorum_call_stops_being_a_participant_and_is_forgotten():
     async def scenario():
-        async with running_lighthouse(min_replicas=2) as server, client_for(server) as c:
+        async with running_lighthouse(min_replicas=2, heartbeat_timeout=0.2) as server, client_for(server) as c:
+            # Its heartbeat (the join) expires while it waits; then the call times out.
             with pytest.raises(LighthouseTimeout, match="no answer within"):
-                await c.quorum("impatient", timeout=0.3)
+                await c.quorum("impatient", timeout=0.8)
             await wait_until(lambda: server.statistics().participants == 0, "the timed-out caller to leave")
+            await wait_until(lambda: server.known_member("impatient") is None, "its data to be pruned")
+            assert server.snapshot()["replicas"] == []
 
     asyncio.run(scenario())
 
