@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 from typing import Any, Awaitable, Callable, TypeVar
 
@@ -15,6 +16,7 @@ from lighthouse.config import LighthouseConfig
 from lighthouse.server import LighthouseServer
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -36,6 +38,7 @@ class BackgroundLighthouse:
         self._thread = threading.Thread(target=self._run, name="lighthouse", daemon=True)
         self._started = concurrent.futures.Future()
         self.server: LighthouseServer | None = None
+        self._error: BaseException | None = None
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
@@ -51,8 +54,12 @@ class BackgroundLighthouse:
 
         try:
             self._loop.run_until_complete(main())
-        except BaseException:  # reported through self._started, or at stop()
-            pass
+        except BaseException as exc:
+            # Before start-up the caller gets it from start(); afterwards it is
+            # logged now and raised again by stop().
+            self._error = exc
+            if self._started.done():
+                logger.exception("lighthouse thread failed")
         finally:
             self._loop.close()
 
@@ -97,6 +104,8 @@ class BackgroundLighthouse:
         self._thread.join(timeout)
         if self._thread.is_alive():
             raise TimeoutError(f"lighthouse thread did not stop within {timeout:.0f}s")
+        if self._error is not None and self._started.done() and self._started.exception() is None:
+            raise RuntimeError("the lighthouse failed while running") from self._error
 
     def __enter__(self) -> "BackgroundLighthouse":
         return self.start()
