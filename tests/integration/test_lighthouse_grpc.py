@@ -231,3 +231,20 @@ def test_client_errors_name_the_call():
                     await c.heartbeat("", timeout=WAIT)
 
     asyncio.run(scenario())
+
+
+def test_background_lighthouse_reports_a_failure_after_start(caplog):
+    from lighthouse.thread import BackgroundLighthouse
+    from tests.conftest import lighthouse_config, wait_until_sync
+
+    lighthouse = BackgroundLighthouse(lighthouse_config()).start()
+
+    def broken() -> None:
+        raise RuntimeError("tick broke")
+
+    lighthouse.server._decide = broken  # the tick loop calls it next
+    wait_until_sync(lambda: not lighthouse._thread.is_alive(), "the lighthouse thread to end")
+    with pytest.raises(RuntimeError, match="failed while running") as info:
+        lighthouse.stop()
+    assert "tick broke" in repr(info.value.__cause__)
+    assert "lighthouse thread failed" in caplog.text
