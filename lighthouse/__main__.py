@@ -16,17 +16,9 @@ import sys  # noqa: E402
 
 from lighthouse.config import LighthouseConfig  # noqa: E402
 from lighthouse.server import LighthouseServer  # noqa: E402
+from lighthouse.thread import new_event_loop  # noqa: E402
 
 logger = logging.getLogger("lighthouse")
-
-
-def _new_event_loop() -> asyncio.AbstractEventLoop:
-    try:
-        import uvloop
-    except ImportError:  # uvloop is a dependency, but don't die without it
-        logger.warning("uvloop not installed; using the default asyncio event loop")
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
 
 
 async def _run(config: LighthouseConfig) -> None:
@@ -54,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         config = LighthouseConfig.from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
-    loop = _new_event_loop()
+    loop = new_event_loop()
     try:
         loop.run_until_complete(_run(config))
     except OSError as exc:

@@ -436,7 +436,3 @@ class H2Connection(asyncio.Protocol):
     def abort(self) -> None:
         if self.transport is not None:
             self.transport.abort()
-
-    @property
-    def open_streams(self) -> int:
-        return len(self._streams)

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
-import socket
 from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable
 
@@ -123,10 +122,7 @@ class GrpcServer:
                     break
         if self._listener is None:
             raise OSError(f"could not bind {host}:{port}: {last_error}") from last_error
-        sockets = self._listener.sockets
-        for sock in sockets:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return sockets[0].getsockname()[1]
+        return self._listener.sockets[0].getsockname()[1]
 
     async def stop(self, grace: float) -> None:
         """Stop accepting, let calls in flight finish for ``grace`` seconds, then cut the rest."""

@@ -1,5 +1,3 @@
-import argparse
-
 import pytest
 
 from lighthouse.config import LighthouseConfig, split_host_port
