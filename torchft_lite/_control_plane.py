@@ -1,0 +1,83 @@
+"""The process-wide control-plane event loop.
+
+One background thread per process runs a uvloop event loop that holds every
+network client and server torchft_lite needs (the lighthouse and
+ManagerServer gRPC clients, the ManagerServer itself on group rank 0, the HTTP
+checkpoint server). The training thread talks to it only through futures with
+timeouts: :meth:`ControlPlane.submit` and :meth:`ControlPlane.run`.
+
+The loop starts lazily on first use and lives until the process exits (the
+thread is a daemon, so it never keeps a finished training script alive).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+from typing import Any, Coroutine, TypeVar
+
+from lighthouse.thread import new_event_loop
+
+__all__ = ["ControlPlane", "control_plane"]
+
+T = TypeVar("T")
+logger = logging.getLogger(__name__)
+
+
+class ControlPlane:
+    """An event loop running in a daemon thread."""
+
+    def __init__(self, name: str = "torchft-control-plane") -> None:
+        self.loop = new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+        self._ready.wait()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.call_soon(self._ready.set)
+        try:
+            self.loop.run_forever()
+        finally:
+            logger.debug("control-plane loop stopped")
+
+    def in_loop_thread(self) -> bool:
+        """True when called from the control-plane thread itself."""
+        return threading.get_ident() == self._thread.ident
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Schedule ``coro`` on the loop; the returned future is thread-safe."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float, what: str) -> T:
+        """Run ``coro`` on the loop and wait for its result from another thread.
+
+        Raises ``TimeoutError`` naming ``what`` after ``timeout`` seconds (the
+        coroutine is cancelled). Calling this from the loop's own thread would
+        deadlock, so it raises ``RuntimeError`` instead.
+        """
+        if self.in_loop_thread():
+            coro.close()
+            raise RuntimeError(f"{what}: blocking call made from the control-plane thread")
+        future = self.submit(coro)
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"timed out after {timeout:.1f}s waiting for {what}") from None
+
+
+_lock = threading.Lock()
+_instance: ControlPlane | None = None
+
+
+def control_plane() -> ControlPlane:
+    """The process's control plane, started on first call."""
+    global _instance
+    with _lock:
+        if _instance is None or not _instance._thread.is_alive():
+            _instance = ControlPlane()
+        return _instance
