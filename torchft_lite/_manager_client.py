@@ -1,0 +1,107 @@
+"""An asyncio client for a group's ``ManagerService`` (the ManagerServer).
+
+Used on the control-plane loop by every rank of a replica group (to reach its
+own group's ManagerServer) and by healing replicas (to ask a peer's
+ManagerServer for its checkpoint metadata). gRPC errors become
+:class:`~torchft_lite.errors.ManagerError` here, with the call and the address.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Training scripts fork (DataLoader workers); the children never use gRPC, so
+# grpc's fork handlers are only a source of stalls. Must precede the import.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
+
+import grpc  # noqa: E402
+
+from lighthouse.client import CHANNEL_OPTIONS, grpc_target  # noqa: E402
+from lighthouse.protocol import torchft_pb2 as pb  # noqa: E402
+from torchft_lite.errors import ManagerError, ManagerTimeout, QuorumError, QuorumTimeout  # noqa: E402
+
+__all__ = ["ManagerClient"]
+
+SERVICE = "torchft.ManagerService"
+
+
+class ManagerClient:
+    """One channel to one ManagerServer. Create and use it on a single event loop."""
+
+    def __init__(self, address: str) -> None:
+        if not address:
+            raise ValueError("ManagerServer address is empty")
+        self.address = address
+        self._channel: grpc.aio.Channel | None = None
+        self._calls: dict[str, grpc.aio.UnaryUnaryMultiCallable] = {}
+
+    def _callable(self, method: str, request_cls, response_cls) -> grpc.aio.UnaryUnaryMultiCallable:
+        call = self._calls.get(method)
+        if call is None:
+            if self._channel is None:
+                self._channel = grpc.aio.insecure_channel(grpc_target(self.address), options=CHANNEL_OPTIONS)
+            call = self._channel.unary_unary(
+                f"/{SERVICE}/{method}",
+                request_serializer=request_cls.SerializeToString,
+                response_deserializer=response_cls.FromString,
+            )
+            self._calls[method] = call
+        return call
+
+    async def _invoke(self, method: str, request, response_cls, timeout: float, what: str,
+                      error=ManagerError, timeout_error=ManagerTimeout):
+        call = self._callable(method, type(request), response_cls)
+        try:
+            # wait_for_ready: a server that is starting (rank 0 comes up after
+            # the others) is waited for until the deadline instead of failing.
+            return await call(request, timeout=timeout, wait_for_ready=True)
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise timeout_error(f"ManagerServer {self.address}: {what} got no answer within {timeout:.1f}s") from exc
+            name = code.name if code else "UNKNOWN"
+            raise error(f"ManagerServer {self.address}: {what} failed: {name}: {exc.details()}") from exc
+
+    async def quorum(
+        self,
+        *,
+        group_rank: int,
+        step: int,
+        checkpoint_metadata: str,
+        shrink_only: bool,
+        init_sync: bool,
+        commit_failures: int,
+        timeout: float,
+    ) -> pb.ManagerQuorumResponse:
+        request = pb.ManagerQuorumRequest(
+            group_rank=group_rank, step=step, checkpoint_metadata=checkpoint_metadata,
+            shrink_only=shrink_only, init_sync=init_sync, commit_failures=commit_failures,
+        )
+        return await self._invoke(
+            "Quorum", request, pb.ManagerQuorumResponse, timeout,
+            f"Quorum for group rank {group_rank} at step {step}", QuorumError, QuorumTimeout,
+        )
+
+    async def checkpoint_metadata(self, rank: int, *, timeout: float) -> str:
+        response = await self._invoke(
+            "CheckpointMetadata", pb.CheckpointMetadataRequest(rank=rank), pb.CheckpointMetadataResponse,
+            timeout, f"CheckpointMetadata for group rank {rank}",
+        )
+        return response.checkpoint_metadata
+
+    async def should_commit(self, *, group_rank: int, step: int, should_commit: bool, timeout: float) -> bool:
+        request = pb.ShouldCommitRequest(group_rank=group_rank, step=step, should_commit=should_commit)
+        response = await self._invoke(
+            "ShouldCommit", request, pb.ShouldCommitResponse, timeout,
+            f"ShouldCommit for group rank {group_rank} at step {step}",
+        )
+        return response.should_commit
+
+    async def kill(self, msg: str, *, timeout: float) -> None:
+        await self._invoke("Kill", pb.KillRequest(msg=msg), pb.KillResponse, timeout, "Kill")
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            channel, self._channel = self._channel, None
+            self._calls.clear()
+            await channel.close()

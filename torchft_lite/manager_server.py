@@ -1,0 +1,363 @@
+"""The ManagerServer: one per replica group, in group rank 0's process.
+
+It serves torchft's ``ManagerService`` to the ranks of its own group (and
+``CheckpointMetadata`` to healing peers, ``Kill`` to the lighthouse's admin):
+
+* ``Quorum``: waits until every rank of the group asked for the same step,
+  makes one lighthouse ``Quorum`` call for the group (retrying up to
+  ``quorum_retries`` times when the lighthouse is briefly gone), then answers
+  each rank with :func:`~torchft_lite._quorum_compute.compute_quorum_result`
+  for its group rank. When the call finally fails, every waiting rank gets the
+  error at once.
+* ``ShouldCommit``: collects one vote per rank for a step; all get the AND.
+* ``CheckpointMetadata``: what each rank's checkpoint transport advertised.
+* ``Kill``: logs the reason and exits the process (``EXIT_CODE_KILLED``).
+
+It also heartbeats the lighthouse every ``heartbeat_interval``. It runs on the
+control-plane event loop and uses the lighthouse package's h2c gRPC server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from lighthouse.client import LighthouseClient, LighthouseError
+from lighthouse.config import split_host_port
+from lighthouse.h2grpc import GrpcServer
+from lighthouse.h2grpc.server import RpcAbort
+from lighthouse.protocol import torchft_pb2 as pb
+from torchft_lite._quorum_compute import QuorumMember, compute_quorum_result
+
+__all__ = ["ManagerServer", "ManagerServerConfig", "EXIT_CODE_KILLED"]
+
+logger = logging.getLogger(__name__)
+SERVICE = "torchft.ManagerService"
+EXIT_CODE_KILLED = 1  # torchft's manager exits with 1 when killed
+
+
+@dataclass(frozen=True)
+class ManagerServerConfig:
+    replica_id: str
+    """This incarnation's replica id (the user's id plus a unique suffix)."""
+    lighthouse_addr: str
+    """The lighthouse, ``http://host:port``."""
+    hostname: str
+    """Advertised host in this server's address (what peers and the lighthouse dial)."""
+    store_address: str
+    """``host:port`` of this group's TCPStore, advertised to the quorum."""
+    world_size: int
+    """Ranks in this replica group; a quorum request waits for all of them."""
+    bind: str = "[::]:0"
+    """Where to listen; port 0 picks a free port."""
+    heartbeat_interval: float = 0.1
+    """Seconds between lighthouse heartbeats."""
+    connect_timeout: float = 60.0
+    """Seconds to wait for the lighthouse's first answer on a heartbeat."""
+    quorum_timeout: float = 60.0
+    """Lighthouse Quorum timeout used when a rank's request carries no deadline."""
+    quorum_retries: int = 0
+    """Extra lighthouse Quorum attempts after a failure before giving up."""
+
+    def __post_init__(self) -> None:
+        if not self.replica_id:
+            raise ValueError("replica_id must be non-empty")
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if self.heartbeat_interval <= 0:
+            raise ValueError(f"heartbeat_interval must be > 0, got {self.heartbeat_interval}")
+        if self.quorum_retries < 0:
+            raise ValueError(f"quorum_retries must be >= 0, got {self.quorum_retries}")
+
+
+@dataclass
+class _QuorumRound:
+    requests: dict[int, pb.ManagerQuorumRequest] = field(default_factory=dict)
+    timeout: float | None = None
+    result: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+@dataclass
+class _VoteRound:
+    step: int
+    votes: dict[int, bool] = field(default_factory=dict)
+    result: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+@dataclass(frozen=True)
+class ManagerServerStatistics:
+    quorums: int
+    quorum_failures: int
+    heartbeat_failures: int
+    last_quorum_id: int | None
+
+
+class ManagerServer:
+    """``await server.start()`` ... ``await server.stop()``; on the control-plane loop."""
+
+    def __init__(
+        self,
+        config: ManagerServerConfig,
+        *,
+        lighthouse: LighthouseClient | None = None,
+        on_kill: Callable[[str], None] | None = None,
+    ) -> None:
+        self.config = config
+        self._lighthouse = lighthouse or LighthouseClient(config.lighthouse_addr, connect_timeout=config.connect_timeout)
+        self._on_kill = on_kill or _exit_process
+        self._grpc = GrpcServer()
+        for name, handler in {
+            "Quorum": self._rpc_quorum,
+            "CheckpointMetadata": self._rpc_checkpoint_metadata,
+            "ShouldCommit": self._rpc_should_commit,
+            "Kill": self._rpc_kill,
+        }.items():
+            self._grpc.add_unary(f"/{SERVICE}/{name}", handler)
+        self._port: int | None = None
+        self._quorum_round: _QuorumRound | None = None
+        self._vote_round: _VoteRound | None = None
+        self._checkpoint_metadata: dict[int, str] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._heartbeat_task: asyncio.Task | None = None
+        self._quorums = 0
+        self._quorum_failures = 0
+        self._heartbeat_failures = 0
+        self._last_quorum_id: int | None = None
+
+    # ------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        host, port = split_host_port(self.config.bind)
+        self._port = await self._grpc.start(host, port)
+        self._heartbeat_task = asyncio.get_running_loop().create_task(self._heartbeat_loop())
+        logger.info("[%s] ManagerServer listening on %s for %d rank(s)",
+                    self.config.replica_id, self.address(), self.config.world_size)
+
+    def address(self) -> str:
+        if self._port is None:
+            raise RuntimeError("ManagerServer not started")
+        host = self.config.hostname
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        return f"http://{host}:{self._port}"
+
+    async def stop(self) -> None:
+        if self._heartbeat_task is not None:
+            self._heartbeat_task.cancel()
+            await asyncio.gather(self._heartbeat_task, return_exceptions=True)
+            self._heartbeat_task = None
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._grpc.stop(grace=1.0)
+        await self._lighthouse.close()
+
+    def statistics(self) -> ManagerServerStatistics:
+        return ManagerServerStatistics(
+            self._quorums, self._quorum_failures, self._heartbeat_failures, self._last_quorum_id
+        )
+
+    # ------------------------------------------------------------ heartbeats
+
+    async def _heartbeat_loop(self) -> None:
+        interval = self.config.heartbeat_interval
+        failing = False
+        while True:
+            try:
+                await self._lighthouse.heartbeat(self.config.replica_id, timeout=max(interval * 10, 1.0))
+                if failing:
+                    logger.info("[%s] lighthouse heartbeats succeed again", self.config.replica_id)
+                failing = False
+            except LighthouseError as exc:
+                self._heartbeat_failures += 1
+                if not failing:  # log the first failure of a streak, not every one
+                    logger.warning("[%s] heartbeat failed: %s", self.config.replica_id, exc)
+                failing = True
+            await asyncio.sleep(interval)
+
+    # ------------------------------------------------------------ Quorum
+
+    async def _rpc_quorum(self, data: bytes, context) -> bytes:
+        request = _parse(pb.ManagerQuorumRequest, data)
+        rank = request.group_rank
+        self._check_rank(rank, "ManagerQuorumRequest.group_rank")
+        self._checkpoint_metadata[rank] = request.checkpoint_metadata
+        round_ = self._quorum_round
+        if round_ is None:
+            round_ = self._quorum_round = _QuorumRound()
+        round_.requests[rank] = request  # a rank that retries replaces its request
+        if context.timeout is not None:
+            round_.timeout = context.timeout if round_.timeout is None else min(round_.timeout, context.timeout)
+        if len(round_.requests) == self.config.world_size:
+            self._quorum_round = None  # later requests start the next round
+            self._start_lighthouse_quorum(round_)
+        try:
+            quorum: pb.Quorum = await asyncio.shield(round_.result)
+        except _RoundFailed as exc:
+            raise RpcAbort(exc.code, str(exc)) from None
+        members = [
+            QuorumMember(p.replica_id, p.address, p.store_address, p.step, p.world_size, p.commit_failures)
+            for p in quorum.participants
+        ]
+        try:
+            result = compute_quorum_result(
+                quorum.quorum_id, members, self.config.replica_id, rank, init_sync=request.init_sync
+            )
+        except ValueError as exc:
+            raise RpcAbort(grpc.StatusCode.INTERNAL, str(exc)) from None
+        response = pb.ManagerQuorumResponse(
+            quorum_id=result.quorum_id,
+            recover_src_manager_address=result.recover_src_manager_address,
+            recover_dst_replica_ranks=result.recover_dst_replica_ranks,
+            store_address=result.store_address,
+            max_step=result.max_step,
+            max_world_size=result.max_world_size,
+            replica_rank=result.replica_rank,
+            replica_world_size=result.replica_world_size,
+            heal=result.heal,
+            commit_failures=result.commit_failures,
+            replica_ids=result.replica_ids,
+        )
+        if result.recover_src_replica_rank is not None:
+            response.recover_src_replica_rank = result.recover_src_replica_rank
+        if result.max_replica_rank is not None:
+            response.max_replica_rank = result.max_replica_rank
+        return response.SerializeToString()
+
+    def _start_lighthouse_quorum(self, round_: _QuorumRound) -> None:
+        steps = {rank: r.step for rank, r in sorted(round_.requests.items())}
+        if len(set(steps.values())) > 1:
+            detail = ", ".join(f"rank {rank} at step {step}" for rank, step in steps.items())
+            self._quorum_failures += 1
+            round_.result.set_exception(_RoundFailed(
+                grpc.StatusCode.FAILED_PRECONDITION, f"ranks of replica group {self.config.replica_id} disagree on the step: {detail}"
+            ))
+            return
+        task = asyncio.get_running_loop().create_task(self._lighthouse_quorum(round_))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _lighthouse_quorum(self, round_: _QuorumRound) -> None:
+        requests = list(round_.requests.values())
+        step = requests[0].step
+        timeout = round_.timeout if round_.timeout is not None else self.config.quorum_timeout
+        deadline = asyncio.get_running_loop().time() + timeout
+        attempts = self.config.quorum_retries + 1
+        last_error: LighthouseError | None = None
+        for attempt in range(attempts):
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0:
+                break
+            try:
+                quorum = await self._lighthouse.quorum(
+                    self.config.replica_id,
+                    timeout=remaining,
+                    address=self.address(),
+                    store_address=self.config.store_address,
+                    step=step,
+                    world_size=self.config.world_size,
+                    shrink_only=any(r.shrink_only for r in requests),
+                    commit_failures=max(r.commit_failures for r in requests),
+                )
+            except LighthouseError as exc:
+                last_error = exc
+                logger.warning("[%s] lighthouse quorum attempt %d/%d at step %d failed: %s",
+                               self.config.replica_id, attempt + 1, attempts, step, exc)
+                if attempt + 1 < attempts:
+                    await asyncio.sleep(min(0.1 * 2**attempt, 1.0))
+                continue
+            except asyncio.CancelledError:
+                round_.result.cancel()
+                raise
+            self._quorums += 1
+            if quorum.quorum_id != self._last_quorum_id:
+                logger.info("[%s] quorum %d at step %d: %d member(s)", self.config.replica_id,
+                            quorum.quorum_id, step, len(quorum.participants))
+            self._last_quorum_id = quorum.quorum_id
+            round_.result.set_result(quorum)
+            return
+        self._quorum_failures += 1
+        code = grpc.StatusCode.DEADLINE_EXCEEDED if last_error is None else grpc.StatusCode.UNAVAILABLE
+        why = "no time left" if last_error is None else str(last_error)
+        round_.result.set_exception(_RoundFailed(
+            code, f"replica group {self.config.replica_id}: lighthouse quorum at step {step} failed "
+                  f"after {attempts} attempt(s): {why}"
+        ))
+
+    # ------------------------------------------------------------ ShouldCommit
+
+    async def _rpc_should_commit(self, data: bytes, context) -> bytes:
+        request = _parse(pb.ShouldCommitRequest, data)
+        rank = request.group_rank
+        self._check_rank(rank, "ShouldCommitRequest.group_rank")
+        round_ = self._vote_round
+        if round_ is not None and round_.step != request.step:
+            others = ", ".join(f"rank {r}" for r in sorted(round_.votes))
+            message = (f"replica group {self.config.replica_id}: rank {rank} voted for step {request.step} "
+                       f"while {others} voted for step {round_.step}")
+            round_.result.set_exception(_RoundFailed(grpc.StatusCode.FAILED_PRECONDITION, message))
+            self._vote_round = None
+            raise RpcAbort(grpc.StatusCode.FAILED_PRECONDITION, message)
+        if round_ is None:
+            round_ = self._vote_round = _VoteRound(step=request.step)
+        round_.votes[rank] = request.should_commit
+        if len(round_.votes) == self.config.world_size:
+            self._vote_round = None
+            decision = all(round_.votes.values())
+            if not decision:
+                against = [r for r, v in sorted(round_.votes.items()) if not v]
+                logger.info("[%s] step %d not committed: rank(s) %s voted no",
+                            self.config.replica_id, round_.step, against)
+            round_.result.set_result(decision)
+        try:
+            decision = await asyncio.shield(round_.result)
+        except _RoundFailed as exc:
+            raise RpcAbort(exc.code, str(exc)) from None
+        return pb.ShouldCommitResponse(should_commit=decision).SerializeToString()
+
+    # ------------------------------------------------------------ metadata, kill
+
+    async def _rpc_checkpoint_metadata(self, data: bytes, context) -> bytes:
+        request = _parse(pb.CheckpointMetadataRequest, data)
+        metadata = self._checkpoint_metadata.get(request.rank)
+        if metadata is None:
+            raise RpcAbort(grpc.StatusCode.NOT_FOUND,
+                           f"rank not found: group rank {request.rank} of {self.config.replica_id} has not joined a quorum")
+        return pb.CheckpointMetadataResponse(checkpoint_metadata=metadata).SerializeToString()
+
+    async def _rpc_kill(self, data: bytes, context) -> bytes:
+        request = _parse(pb.KillRequest, data)
+        logger.warning("[%s] killed on request from %s: %s", self.config.replica_id, context.peer(), request.msg)
+        # Answer first, then exit: the caller learns the kill was accepted.
+        asyncio.get_running_loop().call_later(0.05, self._on_kill, request.msg)
+        return pb.KillResponse().SerializeToString()
+
+    def _check_rank(self, rank: int, what: str) -> None:
+        if not 0 <= rank < self.config.world_size:
+            raise RpcAbort(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"{what}={rank} is outside [0, {self.config.world_size})")
+
+
+class _RoundFailed(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _parse(cls, data: bytes):
+    try:
+        return cls.FromString(data)
+    except DecodeError as exc:
+        raise RpcAbort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed {cls.__name__}: {exc}") from None
+
+
+def _exit_process(msg: str) -> None:
+    logging.shutdown()
+    os._exit(EXIT_CODE_KILLED)
