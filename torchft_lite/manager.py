@@ -1,0 +1,459 @@
+"""The Manager: per-step fault tolerance inside every training process.
+
+Per step (see DESIGN.md): ``start_quorum`` (from ``Optimizer.zero_grad``) asks
+the group's ManagerServer for a quorum on the control-plane loop while the
+forward pass runs; on a new quorum id the process group is reconfigured on a
+store prefix unique to (quorum id, group rank); a replica behind the max step
+receives the state dict from its assigned peer; ``allreduce`` averages
+gradients over the participants; ``should_commit`` (from ``Optimizer.step``)
+applies a received state dict on the training thread, collects the group's
+votes, and advances the step only on commit.
+
+Failures never raise into the training loop: the first error of a step is
+recorded (:meth:`Manager.report_error`), logged once, and the step is not
+committed. Only exceeding ``max_retries`` consecutive failed commits raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+from datetime import timedelta
+from enum import Enum
+from typing import Any, Callable, TypeVar
+
+import torch
+from torch.distributed import ReduceOp, TCPStore
+from torch.distributed.distributed_c10d import AllreduceOptions
+
+from torchft_lite._control_plane import control_plane
+from torchft_lite._manager_client import ManagerClient
+from torchft_lite._manager_settings import ManagerSettings
+from torchft_lite.errors import CheckpointError, QuorumTimeout, TorchFTError
+from torchft_lite.manager_server import ManagerServer, ManagerServerConfig
+from torchft_lite.work import DoneWork, ManagedWork, guard_future
+
+__all__ = ["Manager", "WorldSizeMode"]
+
+T = TypeVar("T")
+logger = logging.getLogger(__name__)
+MANAGER_ADDR_KEY = "manager_addr"
+REPLICA_ID_KEY = "replica_id"
+
+
+class WorldSizeMode(Enum):
+    """How many replicas take part in a step.
+
+    DYNAMIC: every up-to-date replica participates; gradients are averaged over them.
+    FIXED_WITH_SPARES: exactly ``min_replica_size`` participate; spares contribute zeros.
+    """
+
+    DYNAMIC = 0
+    FIXED_WITH_SPARES = 1
+
+
+class Manager:
+    """Fault-tolerance manager for one rank of one replica group (torchft's API)."""
+
+    def __init__(
+        self,
+        pg: Any,
+        load_state_dict: Callable[[T], None] | None,
+        state_dict: Callable[[], T] | None,
+        min_replica_size: int,
+        use_async_quorum: bool = True,
+        timeout: timedelta = timedelta(seconds=60),
+        quorum_timeout: timedelta = timedelta(seconds=60),
+        connect_timeout: timedelta = timedelta(seconds=60),
+        rank: int | None = None,
+        world_size: int | None = None,
+        world_size_mode: WorldSizeMode = WorldSizeMode.DYNAMIC,
+        store_addr: str | None = None,
+        store_port: int | None = None,
+        lighthouse_addr: str | None = None,
+        replica_id: str | None = None,
+        port: int | None = None,
+        hostname: str | None = None,
+        heartbeat_interval: timedelta = timedelta(milliseconds=100),
+        checkpoint_transport: Any = None,
+        init_sync: bool = True,
+        max_retries: int | None = None,
+        quorum_retries: int = 0,
+    ) -> None:
+        # Everything is validated before anything starts.
+        s = self._settings = ManagerSettings.resolve(
+            min_replica_size=min_replica_size, timeout=timeout, quorum_timeout=quorum_timeout,
+            connect_timeout=connect_timeout, rank=rank, world_size=world_size, store_addr=store_addr,
+            store_port=store_port, lighthouse_addr=lighthouse_addr, replica_id=replica_id, port=port,
+            hostname=hostname, heartbeat_interval=heartbeat_interval, max_retries=max_retries,
+            quorum_retries=quorum_retries,
+        )
+        self._pg = pg
+        self._min_replica_size = s.min_replica_size
+        self._use_async_quorum = use_async_quorum
+        self._world_size_mode = world_size_mode
+        self._init_sync = init_sync
+        self._group_rank = s.group_rank
+        self._timeout = s.timeout
+        self._quorum_timeout = s.quorum_timeout
+        self._load_state_dict_fns: dict[str, Callable[[Any], None]] = {}
+        self._user_state_dict_fns: dict[str, Callable[[], Any]] = {}
+        if load_state_dict is not None and state_dict is not None:
+            self.register_state_dict_fn("default", load_state_dict, state_dict)
+
+        self._step = 0
+        self._batches_committed = 0
+        self._commit_failures = 0
+        self._quorum_id = -1
+        self._errored: BaseException | None = None
+        self._healing = False
+        self._pending_state_dict: dict[str, Any] | None = None
+        self._pending_send: tuple[list[int], int] | None = None
+        self._published = False
+        self._pending_work: list[ManagedWork] = []
+        self._quorum_future = None
+        self._participating_rank: int | None = None
+        self._participating_world_size = 0
+        self._training_thread: int | None = None
+        self._heal_stats: tuple[float, int] | None = None
+
+        self._control = control_plane()
+        self._server: ManagerServer | None = None
+        if checkpoint_transport is None:
+            from torchft_lite.checkpointing import HTTPTransport
+
+            checkpoint_transport = HTTPTransport(timeout=timedelta(seconds=s.timeout), num_chunks=0, hostname=s.hostname)
+        self._checkpoint_transport = checkpoint_transport
+
+        self._store = TCPStore(
+            s.store_host, s.store_port, is_master=False, wait_for_workers=False,
+            timeout=timedelta(seconds=s.connect_timeout),
+        )
+        prefix = f"torchft_lite/{s.restart_count}/"
+        if s.group_rank == 0:
+            suffix = uuid.uuid4().hex[:12]
+            incarnation_id = f"{s.replica_id}:{suffix}" if s.replica_id else suffix
+            self._server = ManagerServer(ManagerServerConfig(
+                replica_id=incarnation_id, lighthouse_addr=s.lighthouse_addr or "", hostname=s.hostname,
+                store_address=s.store_address, world_size=s.group_world_size, bind=f"[::]:{s.port}",
+                heartbeat_interval=s.heartbeat_interval, connect_timeout=s.connect_timeout,
+                quorum_timeout=s.quorum_timeout, quorum_retries=s.quorum_retries,
+            ))
+            self._control.run(self._server.start(), s.connect_timeout, "the ManagerServer to start")
+            self._store.set(prefix + MANAGER_ADDR_KEY, self._server.address())
+            self._store.set(prefix + REPLICA_ID_KEY, incarnation_id)
+        try:
+            manager_addr = self._store.get(prefix + MANAGER_ADDR_KEY).decode()
+            self._replica_id = self._store.get(prefix + REPLICA_ID_KEY).decode()
+        except RuntimeError as exc:  # the store's own timeout (DistStoreError)
+            raise TorchFTError(
+                f"group rank {s.group_rank}: group rank 0 did not publish its ManagerServer address in the "
+                f"TCPStore at {s.store_address} within {s.connect_timeout:.0f}s"
+            ) from exc
+        self._client = ManagerClient(manager_addr)
+        self._log(logging.INFO, "manager ready (group rank %d of %d, ManagerServer %s)",
+                  s.group_rank, s.group_world_size, manager_addr)
+
+    # ------------------------------------------------------------ state dicts
+
+    def register_state_dict_fn(self, key: str, load_state_dict: Callable[[Any], None], state_dict: Callable[[], Any]) -> None:
+        """Add a piece of user state that heals carry (e.g. "model", "optim")."""
+        if key in self._user_state_dict_fns:
+            raise ValueError(f"state dict fn {key!r} is already registered")
+        self._load_state_dict_fns[key] = load_state_dict
+        self._user_state_dict_fns[key] = state_dict
+
+    def state_dict(self) -> dict[str, int]:
+        """The Manager's own state, for durable checkpoints: step and batches committed."""
+        return {"step": self._step, "batches_committed": self._batches_committed}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        self._step = int(state_dict["step"])
+        self._batches_committed = int(state_dict["batches_committed"])
+
+    def _manager_state_dict(self) -> dict[str, Any]:
+        return {"user": {key: fn() for key, fn in self._user_state_dict_fns.items()}, "torchft": self.state_dict()}
+
+    # ------------------------------------------------------------ quorum
+
+    def start_quorum(self, allow_heal: bool = True, shrink_only: bool = False, timeout: timedelta | None = None) -> None:
+        """Begin this step's quorum in the background (``wait_quorum`` waits for it)."""
+        if self._quorum_future is not None:
+            self._await_quorum_future()
+        self._errored = None
+        self._healing = False
+        self._pending_state_dict = None
+        self._pending_send = None
+        self._published = False
+        self._pending_work = []
+        self._heal_stats = None
+        self._training_thread = threading.get_ident()
+        quorum_timeout = timeout.total_seconds() if timeout is not None else self._quorum_timeout
+        self._quorum_future = self._control.submit(self._async_quorum(allow_heal, shrink_only, quorum_timeout))
+        if not self._use_async_quorum:
+            self.wait_quorum()
+            if self._healing:
+                self._apply_pending_state_dict()
+
+    def wait_quorum(self) -> None:
+        """Wait for the quorum started by ``start_quorum`` (errors are recorded, not raised)."""
+        if self._quorum_future is None:
+            raise RuntimeError("wait_quorum() called before start_quorum()")
+        self._await_quorum_future()
+
+    def _await_quorum_future(self) -> None:
+        future = self._quorum_future
+        # The coroutine bounds its own steps; this is the backstop.
+        limit = self._quorum_timeout + 2 * self._timeout + 5.0
+        try:
+            future.result(timeout=limit)
+        except TimeoutError:
+            future.cancel()
+            self.report_error(QuorumTimeout(f"quorum and heal did not finish within {limit:.0f}s"))
+        except Exception as exc:
+            self.report_error(exc)
+
+    async def _async_quorum(self, allow_heal: bool, shrink_only: bool, quorum_timeout: float) -> None:
+        response = await self._client.quorum(
+            group_rank=self._group_rank, step=self._step,
+            checkpoint_metadata=self._checkpoint_transport.metadata(), shrink_only=shrink_only,
+            init_sync=self._init_sync, commit_failures=self._commit_failures, timeout=quorum_timeout,
+        )
+        if self._world_size_mode is WorldSizeMode.FIXED_WITH_SPARES:
+            rank = response.max_replica_rank if response.HasField("max_replica_rank") else None
+            self._participating_rank = rank if rank is not None and rank < self._min_replica_size else None
+            self._participating_world_size = min(response.max_world_size, self._min_replica_size)
+        else:
+            self._participating_rank = response.max_replica_rank if response.HasField("max_replica_rank") else None
+            self._participating_world_size = response.max_world_size
+
+        if response.quorum_id != self._quorum_id:
+            store = f"{response.store_address}/torchft/{response.quorum_id}/{self._group_rank}"
+            started = time.monotonic()
+            await asyncio.to_thread(
+                self._pg.configure, store, self._replica_id, response.replica_rank, response.replica_world_size
+            )
+            self._log(logging.INFO, "quorum %d: reconfigured as replica %d of %d (%d up to date, max step %d) in %.2fs",
+                      response.quorum_id, response.replica_rank, response.replica_world_size,
+                      response.max_world_size, response.max_step, time.monotonic() - started)
+            self._quorum_id = response.quorum_id
+
+        if not allow_heal:
+            return
+        if response.recover_dst_replica_ranks:
+            self._pending_send = (list(response.recover_dst_replica_ranks), response.max_step)
+        if response.heal:
+            self._healing = True
+            src_rank = response.recover_src_replica_rank
+            self._log(logging.INFO, "healing from replica %d (%s) to step %d",
+                      src_rank, response.recover_src_manager_address, response.max_step)
+            peer = ManagerClient(response.recover_src_manager_address)
+            try:
+                metadata = await peer.checkpoint_metadata(self._group_rank, timeout=self._timeout)
+            finally:
+                await peer.close()
+            started = time.monotonic()
+            state = await asyncio.to_thread(
+                self._checkpoint_transport.recv_checkpoint, src_rank=src_rank, metadata=metadata,
+                step=response.max_step, timeout=timedelta(seconds=self._timeout),
+            )
+            got = state.get("torchft", {}).get("step") if isinstance(state, dict) else None
+            if got != response.max_step:
+                raise CheckpointError(f"healing expected a checkpoint of step {response.max_step}, got step {got}")
+            self._heal_stats = (time.monotonic() - started, _tensor_bytes(state))
+            self._pending_state_dict = state
+
+    def _apply_pending_state_dict(self) -> None:
+        """Load a received state dict; runs on the training thread only."""
+        state, self._pending_state_dict = self._pending_state_dict, None
+        if state is None:
+            return  # the heal failed; the error is recorded and the step won't commit
+        try:
+            user = state["user"]
+            missing = set(self._load_state_dict_fns) - set(user)
+            if missing:
+                raise CheckpointError(f"received checkpoint lacks registered state {sorted(missing)}")
+            for key, load in self._load_state_dict_fns.items():
+                load(user[key])
+            self.load_state_dict(state["torchft"])
+        except Exception as exc:
+            self.report_error(exc)
+            return
+        seconds, nbytes = self._heal_stats or (0.0, 0)
+        self._log(logging.INFO, "healed: %.1f MB in %.2fs (%.1f MB/s)", nbytes / 1e6, seconds,
+                  nbytes / 1e6 / seconds if seconds > 0 else 0.0)
+
+    def _maybe_publish_checkpoint(self) -> None:
+        """Serve our state to the replicas healing from us; training thread only."""
+        if self._pending_send is None or self._published:
+            return
+        if threading.get_ident() != self._training_thread:
+            return
+        self._published = True
+        dst_ranks, step = self._pending_send
+        try:
+            if step != self._step:
+                raise CheckpointError(f"asked to serve step {step} but this replica is at step {self._step}")
+            self._checkpoint_transport.send_checkpoint(
+                dst_ranks, step, self._manager_state_dict(), timedelta(seconds=self._timeout)
+            )
+        except Exception as exc:
+            self.report_error(exc)
+
+    # ------------------------------------------------------------ collectives
+
+    def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False, reduce_op: ReduceOp = ReduceOp.AVG) -> ManagedWork:
+        """Allreduce ``tensor`` across replica groups in place (AVG over participants).
+
+        Never raises: on error the step is marked failed and the returned work
+        resolves with ``tensor`` as it is.
+        """
+        if self._errored is not None:
+            return DoneWork(tensor)
+        self.wait_quorum()
+        self._maybe_publish_checkpoint()
+        if self._errored is not None:
+            return DoneWork(tensor)
+        participants = self.num_participants()
+        if not self.is_participating():
+            tensor.zero_()
+        average = reduce_op == ReduceOp.AVG
+        try:
+            opts = AllreduceOptions()
+            opts.reduceOp = ReduceOp.SUM if average else reduce_op
+            fut = self._pg.allreduce([tensor], opts).get_future()
+            if average:
+                def divide(f: torch.futures.Future) -> torch.Tensor:
+                    f.value()  # re-raises a failed collective
+                    return tensor.div_(participants)
+
+                fut = fut.then(divide)
+            else:
+                fut = fut.then(lambda f: (f.value(), tensor)[1])
+        except Exception as exc:
+            self.report_error(exc)
+            return DoneWork(tensor)
+        return ManagedWork(self.wrap_future(fut, tensor))
+
+    def wrap_future(self, fut: torch.futures.Future, default: T, timeout: timedelta | None = None) -> torch.futures.Future:
+        """``fut``, except that an error or timeout is recorded and yields ``default``."""
+        seconds = timeout.total_seconds() if timeout is not None else self._timeout
+        loop = self._control.loop
+        guarded = guard_future(
+            fut, default, self.report_error, seconds, "a collective",
+            schedule_timeout=lambda delay, fn: loop.call_soon_threadsafe(loop.call_later, delay, fn),
+        )
+        self._pending_work.append(ManagedWork(guarded))
+        return guarded
+
+    def report_error(self, e: BaseException) -> None:
+        """Record an error for this step: the step will not be committed."""
+        if self._errored is None:
+            self._errored = e
+            self._log(logging.WARNING, "step failed, will not commit: %s: %s", type(e).__name__, e,
+                      exc_info=(type(e), e, e.__traceback__))
+
+    def errored(self) -> BaseException | None:
+        return self._errored
+
+    # ------------------------------------------------------------ commit
+
+    def should_commit(self, timeout: timedelta | None = None) -> bool:
+        """Vote with the group's other ranks; True means step the optimizer now.
+
+        Raises ``RuntimeError`` only after more than ``max_retries`` consecutive failed commits.
+        """
+        if self._quorum_future is None:
+            raise RuntimeError("should_commit() called before start_quorum()")
+        self._await_quorum_future()
+        if self._healing:
+            self._apply_pending_state_dict()
+        self._maybe_publish_checkpoint()
+        for work in self._pending_work:
+            work.wait()
+        self._pending_work = []
+        enough = self._participating_world_size >= self._min_replica_size
+        local_vote = enough and self._errored is None
+        if not enough:
+            self._log(logging.WARNING, "only %d replica(s) participate, min_replica_size is %d",
+                      self._participating_world_size, self._min_replica_size)
+        seconds = timeout.total_seconds() if timeout is not None else self._timeout
+        try:
+            decision = self._control.run(
+                self._client.should_commit(group_rank=self._group_rank, step=self._step,
+                                           should_commit=local_vote, timeout=seconds),
+                seconds + 5.0, "the group's commit vote",
+            )
+        except Exception as exc:
+            self.report_error(exc)
+            decision = False
+        self._checkpoint_transport.disallow_checkpoint()
+        if decision:
+            self._step += 1
+            self._batches_committed += self._participating_world_size
+            self._commit_failures = 0
+            self._healing = False
+        else:
+            self._commit_failures += 1
+            self._log(logging.INFO, "step not committed (%d consecutive)", self._commit_failures)
+            if self._settings.max_retries is not None and self._commit_failures > self._settings.max_retries:
+                raise RuntimeError(f"{self._commit_failures} consecutive steps failed to commit "
+                                   f"(max_retries={self._settings.max_retries}); last error: {self._errored!r}")
+        return decision
+
+    # ------------------------------------------------------------ accessors
+
+    def current_step(self) -> int:
+        return self._step
+
+    def batches_committed(self) -> int:
+        return self._batches_committed
+
+    def participating_rank(self) -> int | None:
+        return self._participating_rank
+
+    def num_participants(self) -> int:
+        return self._participating_world_size
+
+    def is_participating(self) -> bool:
+        return self._participating_rank is not None and not self._healing
+
+    @property
+    def replica_id(self) -> str:
+        """This incarnation's replica id as the lighthouse knows it."""
+        return self._replica_id
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Stop the ManagerServer and checkpoint transport of this process."""
+        if self._quorum_future is not None:
+            self._quorum_future.cancel()
+        self._checkpoint_transport.shutdown(wait=wait)
+
+        async def close() -> None:
+            await self._client.close()
+            if self._server is not None:
+                await self._server.stop()
+
+        try:
+            self._control.run(close(), 10.0, "the ManagerServer to stop")
+        except TimeoutError as exc:
+            self._log(logging.WARNING, "shutdown incomplete: %s", exc)
+
+    def _log(self, level: int, msg: str, *args: Any, exc_info: Any = None) -> None:
+        if logger.isEnabledFor(level):
+            replica = getattr(self, "_replica_id", self._settings.replica_id)
+            logger.log(level, "[%s/%d step=%d quorum=%d] " + msg, replica, self._group_rank,
+                       self._step, self._quorum_id, *args, exc_info=exc_info)
+
+
+def _tensor_bytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0

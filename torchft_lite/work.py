@@ -1,0 +1,106 @@
+"""Futures and Work objects the Manager hands to training code.
+
+``Manager.allreduce`` returns a :class:`ManagedWork`: its future never raises
+into the training loop. A failure (or a timeout) is reported to the Manager,
+which then votes not to commit the step, and the future resolves with a
+default value (the input tensor) so backward can finish.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from typing import Callable, Generic, TypeVar
+
+import torch
+
+__all__ = ["ManagedWork", "DoneWork", "guard_future"]
+
+T = TypeVar("T")
+
+
+def completed_future(value: T) -> torch.futures.Future:
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(value)
+    return fut
+
+
+def guard_future(
+    fut: torch.futures.Future,
+    default: T,
+    on_error: Callable[[BaseException], None],
+    timeout: float | None,
+    what: str,
+    schedule_timeout: Callable[[float, Callable[[], None]], None] | None = None,
+) -> torch.futures.Future:
+    """A future that resolves with ``fut``'s value, or ``default`` on error or timeout.
+
+    ``on_error`` is called once with the error (a ``TimeoutError`` naming
+    ``what`` when ``timeout`` seconds pass first). ``schedule_timeout(delay,
+    fn)`` arranges for ``fn`` to run after ``delay`` seconds (the Manager
+    passes its control-plane loop; without it a ``threading.Timer`` is used).
+    """
+    out: torch.futures.Future = torch.futures.Future()
+    lock = threading.Lock()
+    settled = False
+
+    def settle(value, error: BaseException | None) -> None:
+        nonlocal settled
+        with lock:
+            if settled:
+                return
+            settled = True
+        if error is not None:
+            on_error(error)
+            out.set_result(default)
+        else:
+            out.set_result(value)
+
+    def done(f: torch.futures.Future) -> None:
+        try:
+            value = f.value()
+        except Exception as exc:  # the error is recorded by the Manager, not lost
+            settle(None, exc)
+            return
+        settle(value, None)
+
+    if timeout is not None:
+        def expire() -> None:
+            settle(None, TimeoutError(f"{what} did not finish within {timeout:.1f}s"))
+
+        if schedule_timeout is not None:
+            schedule_timeout(timeout, expire)
+        else:
+            timer = threading.Timer(timeout, expire)
+            timer.daemon = True
+            timer.start()
+    fut.add_done_callback(done)
+    return out
+
+
+class ManagedWork(Generic[T]):
+    """A ``Work``-like handle around a future that never raises."""
+
+    def __init__(self, fut: torch.futures.Future) -> None:
+        self._fut = fut
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        # The future is already bounded by the Manager's timeout and never raises.
+        self._fut.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._fut.done()
+
+    def get_future(self) -> torch.futures.Future:
+        return self._fut
+
+    def result(self) -> T:
+        return self._fut.wait()
+
+
+class DoneWork(ManagedWork[T]):
+    """An already-finished work holding ``value`` (used when the step is already errored)."""
+
+    def __init__(self, value: T) -> None:
+        super().__init__(completed_future(value))
