@@ -247,7 +247,11 @@ class ManagerServer:
     async def _lighthouse_quorum(self, round_: _QuorumRound) -> None:
         requests = list(round_.requests.values())
         step = requests[0].step
-        timeout = round_.timeout if round_.timeout is not None else self.config.quorum_timeout
+        if round_.timeout is not None:
+            # Finish before the ranks' own deadlines so they get our error, not a bare timeout.
+            timeout = round_.timeout - min(1.0, 0.1 * round_.timeout)
+        else:
+            timeout = self.config.quorum_timeout
         deadline = asyncio.get_running_loop().time() + timeout
         attempts = self.config.quorum_retries + 1
         last_error: LighthouseError | None = None
@@ -258,7 +262,7 @@ class ManagerServer:
             try:
                 quorum = await self._lighthouse.quorum(
                     self.config.replica_id,
-                    timeout=remaining,
+                    timeout=remaining / (attempts - attempt),  # leave time for the retries
                     address=self.address(),
                     store_address=self.config.store_address,
                     step=step,

@@ -1,0 +1,150 @@
+"""ManagerServer against a real lighthouse: gathering ranks, votes, metadata, failures."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+
+from tests.conftest import running_lighthouse, wait_until
+from torchft_lite._manager_client import ManagerClient
+from torchft_lite.errors import ManagerError, QuorumError
+from torchft_lite.manager_server import ManagerServer, ManagerServerConfig
+
+pytestmark = pytest.mark.integration
+
+
+@contextlib.asynccontextmanager
+async def manager_server(lighthouse_addr: str, replica_id: str, world_size: int = 1, **overrides):
+    settings = dict(replica_id=replica_id, lighthouse_addr=lighthouse_addr, hostname="127.0.0.1",
+                    store_address=f"store-{replica_id}:1234", world_size=world_size, bind="127.0.0.1:0",
+                    heartbeat_interval=0.1, quorum_timeout=30.0)
+    settings.update(overrides)
+    kills: list[str] = []
+    server = ManagerServer(ManagerServerConfig(**settings), on_kill=kills.append)
+    server.kills = kills
+    await server.start()
+    client = ManagerClient(server.address())
+    try:
+        yield server, client
+    finally:
+        await client.close()
+        await server.stop()
+
+
+async def quorum(client: ManagerClient, rank: int, step: int, timeout: float = 30.0, **kw):
+    return await client.quorum(group_rank=rank, step=step, checkpoint_metadata=f"meta-{rank}", shrink_only=False,
+                               init_sync=kw.pop("init_sync", True), commit_failures=kw.pop("commit_failures", 0),
+                               timeout=timeout)
+
+
+def test_group_of_two_ranks_gets_one_quorum_and_per_rank_results():
+    async def scenario():
+        async with running_lighthouse(min_replicas=2) as lh:
+            async with manager_server(lh.address(), "a", world_size=2) as (a, ca), \
+                       manager_server(lh.address(), "b", world_size=2) as (b, cb):
+                results = await asyncio.gather(
+                    quorum(ca, 0, step=4), quorum(ca, 1, step=4), quorum(cb, 0, step=2), quorum(cb, 1, step=2)
+                )
+                a0, a1, b0, b1 = results
+                assert len({r.quorum_id for r in results}) == 1
+                assert [r.replica_rank for r in results] == [0, 0, 1, 1]
+                assert a0.max_step == 4 and not a0.heal and list(a0.recover_dst_replica_ranks) == [1]
+                assert b0.heal and b0.recover_src_replica_rank == 0 and b1.heal
+                assert b0.recover_src_manager_address == a.address()
+                assert a0.store_address == "store-a:1234" and b1.store_address == "store-a:1234"
+                assert list(a1.replica_ids) == ["a", "b"]
+                assert a.statistics().quorums == 1  # one lighthouse call for the two ranks
+                # a healing peer asks the source for its metadata, per group rank
+                assert await cb.checkpoint_metadata(1, timeout=10) == "meta-1"
+                assert await ca.checkpoint_metadata(1, timeout=10) == "meta-1"
+
+    asyncio.run(scenario())
+
+
+def test_ranks_reporting_different_steps_get_an_error_naming_them():
+    async def scenario():
+        async with running_lighthouse() as lh, manager_server(lh.address(), "a", world_size=2) as (_, client):
+            results = await asyncio.gather(quorum(client, 0, 3), quorum(client, 1, 5), return_exceptions=True)
+            for result in results:
+                assert isinstance(result, QuorumError)
+                assert "rank 0 at step 3, rank 1 at step 5" in str(result)
+
+    asyncio.run(scenario())
+
+
+def test_should_commit_is_the_and_of_the_group_votes():
+    async def scenario():
+        async with running_lighthouse() as lh, manager_server(lh.address(), "a", world_size=2) as (_, client):
+            votes = await asyncio.gather(client.should_commit(group_rank=0, step=1, should_commit=True, timeout=10),
+                                         client.should_commit(group_rank=1, step=1, should_commit=True, timeout=10))
+            assert votes == [True, True]
+            votes = await asyncio.gather(client.should_commit(group_rank=0, step=2, should_commit=True, timeout=10),
+                                         client.should_commit(group_rank=1, step=2, should_commit=False, timeout=10))
+            assert votes == [False, False]
+
+    asyncio.run(scenario())
+
+
+def test_votes_for_different_steps_fail_both_ranks():
+    async def scenario():
+        async with running_lighthouse() as lh, manager_server(lh.address(), "a", world_size=2) as (_, client):
+            first = asyncio.ensure_future(client.should_commit(group_rank=0, step=1, should_commit=True, timeout=10))
+            await asyncio.sleep(0.2)
+            with pytest.raises(ManagerError, match="voted for step 2 while rank 0 voted for step 1"):
+                await client.should_commit(group_rank=1, step=2, should_commit=True, timeout=10)
+            with pytest.raises(ManagerError, match="FAILED_PRECONDITION"):
+                await first
+
+    asyncio.run(scenario())
+
+
+def test_bad_input_is_rejected_with_a_clear_status():
+    async def scenario():
+        async with running_lighthouse() as lh, manager_server(lh.address(), "a", world_size=2) as (_, client):
+            with pytest.raises(QuorumError, match="INVALID_ARGUMENT.*group_rank=5 is outside"):
+                await quorum(client, 5, 0, timeout=5)
+            with pytest.raises(ManagerError, match="NOT_FOUND: rank not found"):
+                await client.checkpoint_metadata(0, timeout=5)
+
+    asyncio.run(scenario())
+
+
+def test_unreachable_lighthouse_fails_every_waiting_rank_after_retries():
+    async def scenario():
+        # Nothing listens on this lighthouse address (port 1 on loopback is never ours).
+        async with manager_server("http://127.0.0.1:1", "a", world_size=2, quorum_retries=2) as (server, client):
+            results = await asyncio.gather(quorum(client, 0, 0, timeout=3), quorum(client, 1, 0, timeout=3),
+                                           return_exceptions=True)
+            for result in results:
+                assert isinstance(result, QuorumError), result
+            assert server.statistics().quorum_failures == 1
+
+    asyncio.run(scenario())
+
+
+def test_lighthouse_restart_is_survived_with_quorum_retries():
+    async def scenario():
+        async with running_lighthouse() as lh:
+            port = lh.grpc_port
+            address = lh.address()
+        # The lighthouse is gone now; the quorum call waits for it (retries) until one comes back.
+        async with manager_server(address, "a", world_size=1, quorum_retries=3) as (_, client):
+            pending = asyncio.ensure_future(quorum(client, 0, 7, timeout=30))
+            await asyncio.sleep(0.5)
+            async with running_lighthouse(bind=f"127.0.0.1:{port}"):
+                result = await pending
+                assert result.max_step == 7 and result.replica_world_size == 1
+
+    asyncio.run(scenario())
+
+
+def test_heartbeats_reach_the_lighthouse_and_kill_calls_the_hook():
+    async def scenario():
+        async with running_lighthouse() as lh, manager_server(lh.address(), "a") as (server, client):
+            await wait_until(lambda: any(r["replica_id"] == "a" for r in lh.snapshot()["replicas"]), "the heartbeat")
+            await client.kill("operator asked", timeout=5)
+            await wait_until(lambda: server.kills == ["operator asked"], "the kill hook")
+
+    asyncio.run(scenario())
