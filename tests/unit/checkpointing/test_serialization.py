@@ -1,0 +1,238 @@
+"""The state-dict wire format: round trips, refusals, and hostile or damaged input."""
+
+import datetime
+import json
+import struct
+import zlib
+
+import pytest
+import torch
+
+from torchft_lite.checkpointing import _serialization as ser
+from torchft_lite.errors import CheckpointError, CheckpointTransferError
+
+
+def realistic_state_dict() -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    optim = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    optim.step()
+    return {
+        "model": model.state_dict(),
+        "optim": optim.state_dict(),  # int keys, 0-dim step tensors, nested lists of ints
+        "extra": {
+            "bf16": torch.randn(3, 5).to(torch.bfloat16),
+            "scalar": torch.tensor(7, dtype=torch.int64),
+            "transposed": torch.arange(12, dtype=torch.float32).reshape(3, 4).t(),
+            "empty": torch.zeros(0, 3),
+            "flags": torch.tensor([True, False]),
+            "grad": torch.ones(2, requires_grad=True),
+            "numbers": [1, -2**70, 0.5, float("inf"), float("-inf"), -0.0, True, None],
+            "text": ("héllo", b"\x00\xffraw", bytearray(b"ba")),
+            "meta": {("a", 1): torch.float16, 3.5: torch.Size([2, 3]), None: datetime.timedelta(seconds=1.5)},
+        },
+        "step": 12,
+    }
+
+
+def assert_same(actual, expected, path="") -> None:
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor), path
+        assert actual.dtype == expected.dtype and actual.shape == expected.shape, path
+        assert actual.device.type == "cpu" and not actual.requires_grad, path
+        assert torch.equal(actual, expected.detach()), path
+    elif isinstance(expected, dict):
+        assert isinstance(actual, dict) and list(actual) == list(expected), path
+        for key in expected:
+            assert_same(actual[key], expected[key], f"{path}.{key}")
+    elif isinstance(expected, (list, tuple)):
+        assert type(actual) is type(expected) or isinstance(expected, torch.Size), path
+        assert len(actual) == len(expected), path
+        for i, (a, e) in enumerate(zip(actual, expected)):
+            assert_same(a, e, f"{path}.{i}")
+    elif isinstance(expected, bytearray):
+        assert actual == bytes(expected), path
+    elif isinstance(expected, float) and expected != expected:
+        assert actual != actual, path
+    else:
+        assert actual == expected and type(actual) is type(expected), path
+
+
+def test_realistic_state_dict_round_trips():
+    state = realistic_state_dict()
+    state["extra"]["numbers"].append(float("nan"))
+    step, decoded = ser.decode_bytes(ser.encode_to_bytes(12, state))
+    assert step == 12
+    assert_same(decoded, state)
+    assert math_bits(decoded["extra"]["numbers"][5]) == math_bits(-0.0)
+    assert list(decoded["optim"]["state"]) == [0, 1, 2, 3]  # int keys survive
+
+
+def math_bits(value: float) -> bytes:
+    return struct.pack("<d", value)
+
+
+def test_non_contiguous_and_bfloat16_keep_their_values():
+    base = torch.randn(6, 8).to(torch.bfloat16)
+    view = base[::2, 1::3]
+    assert not view.is_contiguous()
+    _, decoded = ser.decode_bytes(ser.encode_to_bytes(0, {"v": view}))
+    assert decoded["v"].is_contiguous() and torch.equal(decoded["v"], view)
+
+
+def test_in_place_target_is_filled_and_returned():
+    source = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(3)}
+    target_w = torch.nn.Parameter(torch.zeros(2, 3))
+    target_b_wrong_shape = torch.zeros(4)
+    _, decoded = ser.decode_bytes(ser.encode_to_bytes(3, source), targets={("w",): target_w, ("b",): target_b_wrong_shape})
+    assert decoded["w"] is target_w and torch.equal(target_w.detach(), source["w"])
+    assert decoded["b"] is not target_b_wrong_shape and torch.equal(decoded["b"], source["b"])
+
+
+def test_non_contiguous_target_receives_through_a_buffer():
+    target = torch.zeros(3, 2).t()  # shape (2, 3), not contiguous
+    source = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    _, decoded = ser.decode_bytes(ser.encode_to_bytes(0, {"x": source}), targets={("x",): target})
+    assert decoded["x"] is target and torch.equal(target, source)
+
+
+class Opaque:
+    pass
+
+
+@pytest.mark.parametrize("value, path", [
+    ({"user": {"optim": {"state": {0: {"foo": Opaque()}}}}}, "user.optim.state.0.foo"),
+    ({"a": [1, {2, 3}]}, "a.1"),
+    ({"k": {object(): 1}}, "k"),
+    ({"q": torch.quantize_per_tensor(torch.ones(2), 0.1, 0, torch.qint8)}, "q"),
+    ({"s": torch.ones(2, 2).to_sparse()}, "s"),
+])
+def test_unsupported_values_are_named_with_their_path(value, path):
+    with pytest.raises(CheckpointError, match=rf"at {path}:"):
+        ser.flatten(value)
+
+
+def test_a_structure_that_contains_itself_is_refused():
+    loop: list = [1]
+    loop.append(loop)
+    with pytest.raises(CheckpointError, match="contains itself"):
+        ser.flatten({"loop": loop})
+
+
+def test_flatten_reads_no_tensor_data():
+    flat = ser.flatten({"t": torch.ones(3)})
+    assert flat.paths == (("t",),) and flat.tree == ["dict", [[["str", "t"], ["tensor", 0]]]]
+    with pytest.raises(CheckpointError, match="meta tensor"):
+        ser.flatten({"m": torch.empty(2, device="meta")})
+
+
+def sample_blob() -> bytes:
+    return ser.encode_to_bytes(5, {"a": torch.arange(100, dtype=torch.float32), "b": [torch.ones(2, 2), "x"]})
+
+
+def test_a_flipped_data_byte_fails_the_checksum_naming_the_tensor():
+    blob = bytearray(sample_blob())
+    blob[-10] ^= 0x01  # inside b.0, the last tensor
+    with pytest.raises(CheckpointTransferError, match=r"checksum mismatch in tensor b\.0"):
+        ser.decode_bytes(bytes(blob))
+
+
+def test_a_flipped_header_byte_fails_the_header_checksum():
+    blob = bytearray(sample_blob())
+    blob[ser.PREFIX_SIZE + 5] ^= 0x01
+    with pytest.raises(CheckpointTransferError, match="header checksum"):
+        ser.decode_bytes(bytes(blob))
+
+
+@pytest.mark.parametrize("cut", [0, 7, ser.PREFIX_SIZE, ser.PREFIX_SIZE + 10, -1, -400])
+def test_truncated_input_is_a_transfer_error(cut):
+    blob = sample_blob()
+    with pytest.raises(CheckpointTransferError, match="truncated|declares"):
+        ser.decode_bytes(blob[:cut])
+
+
+def test_a_reader_missing_data_reports_truncation():
+    blob = sample_blob()
+    length, crc = ser.unpack_prefix(blob[:ser.PREFIX_SIZE])
+    header = ser.parse_header(blob[ser.PREFIX_SIZE:ser.PREFIX_SIZE + length], crc)
+    reader = ser.StateDictReader(header)
+    reader.write(0, blob[ser.PREFIX_SIZE + length:-8])
+    with pytest.raises(CheckpointTransferError, match="truncated"):
+        reader.finish()
+    with pytest.raises(CheckpointTransferError, match="outside"):
+        reader.write(header.data_bytes - 4, b"12345678")
+
+
+def test_data_written_in_ranges_out_of_order_assembles():
+    state = {"a": torch.randn(1000), "b": torch.arange(77, dtype=torch.int16), "c": torch.zeros(0)}
+    encoded = ser.encode(9, ser.flatten(state))
+    length, crc = ser.unpack_prefix(encoded.header[:ser.PREFIX_SIZE])
+    reader = ser.StateDictReader(ser.parse_header(encoded.header[ser.PREFIX_SIZE:], crc, data_bytes=encoded.data_bytes))
+    bounds = [0, 1, 999, 3000, 4001, encoded.data_bytes]
+    for start, end in reversed(list(zip(bounds, bounds[1:]))):
+        reader.write(start, b"".join(bytes(v) for v in encoded.iter_data(start, end, slice_bytes=100)))
+    assert_same(reader.finish(), state)
+
+
+def hostile(header: dict, data: bytes = b"") -> bytes:
+    raw = json.dumps(header).encode()
+    return struct.pack("<8sQI", b"TFTLSD01", len(raw), zlib.crc32(raw)) + raw + data
+
+
+GOOD_ENTRY = {"dtype": "float32", "shape": [2], "offset": 0, "nbytes": 8, "crc32": 0}
+GOOD_TREE = ["list", [["tensor", 0]]]
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"format": 2}, "unsupported format"),
+    ({"step": "7"}, "step must be an integer"),
+    ({"data_bytes": -1}, "data_bytes must be"),
+    ({"tensors": [dict(GOOD_ENTRY, dtype="torch.evil")]}, "unknown dtype"),
+    ({"tensors": [dict(GOOD_ENTRY, shape=[-2])]}, "dimension must be"),
+    ({"tensors": [dict(GOOD_ENTRY, nbytes=9)]}, "declares 9 bytes"),
+    ({"tensors": [dict(GOOD_ENTRY, offset=4)]}, "starts at 4"),
+    ({"tree": ["list", [["tensor", 0], ["tensor", 0]]]}, "repeated tensor reference"),
+    ({"tree": ["list", []]}, "not referenced"),
+    ({"tree": ["pickle", "cos\nsystem"]}, "unknown tag"),
+    ({"tree": ["list", [["tensor", 0], ["dict", [[["list", []], ["none", None]]]]]]}, "malformed key|unknown tag"),
+    ({"tree": ["list", [["tensor", 0], ["int", 1.5]]]}, "holds float"),
+    ({"tree": ["list", [["tensor", 0], ["bytes", "!!"]]]}, "malformed 'bytes'"),
+])
+def test_hostile_headers_are_rejected(changes, message):
+    header = {"format": 1, "step": 1, "data_bytes": 8, "tensors": [GOOD_ENTRY], "tree": GOOD_TREE}
+    header.update(changes)
+    with pytest.raises(CheckpointTransferError, match=message):
+        ser.decode_bytes(hostile(header, b"\0" * 8))
+
+
+def test_huge_declared_sizes_are_rejected_before_allocating(monkeypatch):
+    def no_allocation(*args, **kwargs):
+        raise AssertionError("allocated for a hostile header")
+
+    monkeypatch.setattr(torch, "empty", no_allocation)
+    huge = {"dtype": "float64", "shape": [1 << 20, 1 << 20, 1 << 20], "offset": 0, "nbytes": 8 << 60, "crc32": 0}
+    blob = hostile({"format": 1, "step": 1, "data_bytes": 8 << 60, "tensors": [huge], "tree": GOOD_TREE})
+    with pytest.raises(CheckpointTransferError, match="must be an integer|declares"):
+        ser.decode_bytes(blob)
+    # Consistent with itself but not with what actually follows.
+    big = {"dtype": "uint8", "shape": [1 << 40], "offset": 0, "nbytes": 1 << 40, "crc32": 0}
+    with pytest.raises(CheckpointTransferError, match="follow"):
+        ser.decode_bytes(hostile({"format": 1, "step": 1, "data_bytes": 1 << 40, "tensors": [big], "tree": GOOD_TREE}))
+    too_long = struct.pack("<8sQI", b"TFTLSD01", 1 << 62, 0)
+    with pytest.raises(CheckpointTransferError, match="exceeds"):
+        ser.decode_bytes(too_long)
+
+
+def test_garbage_and_deep_nesting_are_rejected():
+    with pytest.raises(CheckpointTransferError, match="not a torchft_lite checkpoint"):
+        ser.decode_bytes(b"\x80\x04pickle" + b"\0" * 40)
+    raw = b"{" * 100_000
+    with pytest.raises(CheckpointTransferError, match="not JSON"):
+        ser.parse_header(raw, zlib.crc32(raw))
+    deep = ["list", [["tensor", 0]]]
+    for _ in range(ser.MAX_DEPTH + 2):
+        deep = ["list", [deep]]
+    with pytest.raises(CheckpointTransferError, match="deeper"):
+        ser.decode_bytes(hostile({"format": 1, "step": 1, "data_bytes": 8, "tensors": [GOOD_ENTRY], "tree": deep},
+                                 b"\0" * 8))
