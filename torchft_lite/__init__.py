@@ -1,0 +1,50 @@
+"""torchft_lite: per-step fault tolerance for PyTorch training, in pure Python.
+
+Drop-in for torchft training scripts (``import torchft_lite as torchft``)::
+
+    manager = Manager(pg=ProcessGroupGloo(), min_replica_size=1, load_state_dict=..., state_dict=...)
+    model = DistributedDataParallel(manager, model)
+    optimizer = Optimizer(manager, torch.optim.AdamW(model.parameters()))
+
+Names are resolved lazily so ``import torchft_lite`` stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = [
+    "DistributedDataParallel",
+    "DistributedSampler",
+    "Manager",
+    "Optimizer",
+    "OptimizerWrapper",
+    "ProcessGroupGloo",
+    "ProcessGroupNCCL",
+    "WorldSizeMode",
+]
+
+_LOCATIONS = {
+    "DistributedDataParallel": "torchft_lite.ddp",
+    "DistributedSampler": "torchft_lite.data",
+    "Manager": "torchft_lite.manager",
+    "Optimizer": "torchft_lite.optim",
+    "OptimizerWrapper": "torchft_lite.optim",
+    "ProcessGroupGloo": "torchft_lite.process_group",
+    "ProcessGroupNCCL": "torchft_lite.process_group",
+    "WorldSizeMode": "torchft_lite.manager",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LOCATIONS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'torchft_lite' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
