@@ -22,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from lighthouse.client import grpc_target
 from lighthouse.config import ADMIN_TOKEN_ENV, split_host_port
+from lighthouse.h2grpc.server import dual_stack_socket
 from lighthouse.metrics import build_registry
 from lighthouse.protocol import torchft_pb2 as pb
 
@@ -129,8 +130,11 @@ async def start_http(server: "LighthouseServer", bind: str) -> tuple[web.AppRunn
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
     host, port = split_host_port(bind)
-    site = web.TCPSite(runner, host or None, port, reuse_address=True)
     try:
+        if host in ("", "::"):  # every interface, IPv4 clients included (see dual_stack_socket)
+            site = web.SockSite(runner, dual_stack_socket(port))
+        else:
+            site = web.TCPSite(runner, host, port, reuse_address=True)
         await site.start()
     except OSError as exc:
         await runner.cleanup()

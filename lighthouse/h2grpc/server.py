@@ -19,8 +19,8 @@ handler functions run on either engine.
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
+import socket
 from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable
 
@@ -104,24 +104,19 @@ class GrpcServer:
     # ------------------------------------------------------------ lifecycle
 
     async def start(self, host: str, port: int) -> int:
-        """Listen on host:port (host '' or '::' means every interface); returns the port."""
+        """Listen on host:port (host '' or '::' means every interface, IPv4 too); returns the port."""
         loop = asyncio.get_running_loop()
-        hosts = [host or None]
-        if host == "::":  # dual stack; fall back to IPv4 where IPv6 is unavailable
-            hosts = ["::", "0.0.0.0"]
-        last_error: OSError | None = None
-        for candidate in hosts:
+        factory = lambda: H2Connection(self)  # noqa: E731
+        if host in ("", "::"):
+            # asyncio marks AF_INET6 listeners IPV6_V6ONLY, which would refuse
+            # IPv4 clients (127.0.0.1); one dual-stack socket takes both.
+            sock = dual_stack_socket(port)
+            self._listener = await loop.create_server(factory, sock=sock, backlog=4096)
+        else:
             try:
-                self._listener = await loop.create_server(
-                    lambda: H2Connection(self), candidate, port, reuse_address=True, backlog=4096
-                )
-                break
+                self._listener = await loop.create_server(factory, host, port, reuse_address=True, backlog=4096)
             except OSError as exc:
-                last_error = exc
-                if exc.errno == errno.EADDRINUSE:
-                    break
-        if self._listener is None:
-            raise OSError(f"could not bind {host}:{port}: {last_error}") from last_error
+                raise OSError(exc.errno, f"could not bind {host}:{port}: {exc.strerror or exc}") from exc
         return self._listener.sockets[0].getsockname()[1]
 
     async def stop(self, grace: float) -> None:
@@ -211,3 +206,23 @@ class GrpcServer:
             connection.send_response(stream, _RESPONSE_HEADERS, b"", _status_block(code, details))
         else:
             connection.trailers_only(stream, _status_block(code, details, trailers_only=True))
+
+
+def dual_stack_socket(port: int) -> socket.socket:
+    """A listening-ready TCP socket on every interface: IPv6 with IPv4 mapped, else IPv4 only."""
+    try:
+        sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+    except OSError:  # no IPv6 on this host
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        address: tuple = ("0.0.0.0", port)
+    else:
+        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        address = ("::", port)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise OSError(exc.errno, f"could not bind [::]:{port}: {exc.strerror or exc}") from exc
+    sock.setblocking(False)
+    return sock

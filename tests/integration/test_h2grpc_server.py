@@ -229,3 +229,30 @@ def test_stop_lets_calls_in_flight_finish_within_grace():
             assert probe.cancelled == 1
 
     asyncio.run(scenario())
+
+
+def test_wildcard_bind_accepts_ipv4_and_ipv6_clients():
+    """'[::]' (the lighthouse's default bind) must not refuse 127.0.0.1: asyncio alone makes it IPv6-only."""
+    import socket
+
+    from lighthouse.h2grpc import GrpcServer
+
+    async def scenario():
+        server = GrpcServer()
+        port = await server.start("::", 0)
+        try:
+            families = [(socket.AF_INET, "127.0.0.1")]
+            if socket.has_ipv6:
+                families.append((socket.AF_INET6, "::1"))
+            for family, address in families:
+                try:
+                    _, writer = await asyncio.open_connection(address, port, family=family)
+                except OSError as exc:
+                    if family == socket.AF_INET6:
+                        continue  # no IPv6 loopback in this sandbox
+                    raise AssertionError(f"{address} refused on a wildcard bind: {exc}") from exc
+                writer.close()
+        finally:
+            await server.stop(grace=1)
+
+    asyncio.run(scenario())
