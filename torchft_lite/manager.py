@@ -210,10 +210,10 @@ class Manager:
         limit = self._quorum_timeout + 2 * self._timeout + 5.0
         try:
             future.result(timeout=limit)
-        except TimeoutError:
-            future.cancel()
-            self.report_error(QuorumTimeout(f"quorum and heal did not finish within {limit:.0f}s"))
         except Exception as exc:
+            if not future.done():  # our backstop fired, not an error from the quorum itself
+                future.cancel()
+                exc = QuorumTimeout(f"quorum and heal did not finish within {limit:.0f}s")
             self.report_error(exc)
 
     async def _async_quorum(self, allow_heal: bool, shrink_only: bool, quorum_timeout: float) -> None:

@@ -1,0 +1,148 @@
+"""End to end: real lighthouse, real gloo, several training processes per test.
+
+Each test runs ``examples/train_ddp.py`` replica groups (see
+``torchft_lite.local_cluster``) and reads their per-step reports: one JSON line
+per committed step with a checksum of the parameters. Bit-identical
+parameters across groups at every common step is the core invariant.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from torchft_lite.local_cluster import LighthouseProcess, ReplicaGroup
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_ddp.py"
+WAIT = 240.0  # generous: several torch processes share two cores
+
+
+def read_reports(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        if line.strip():
+            rows.append(json.loads(line))
+    return rows
+
+
+def steps_of(rows: list[dict], group: int, rank: int = 0) -> list[int]:
+    return [r["step"] for r in rows if r["group"] == group and r["rank"] == rank]
+
+
+def assert_identical_per_step(rows: list[dict]) -> int:
+    """Every (group, rank) that committed a step holds the same parameters; returns #steps compared."""
+    by_step: dict[int, set[str]] = defaultdict(set)
+    shared = 0
+    for row in rows:
+        by_step[row["step"]].add(row["checksum"])
+    for step, sums in sorted(by_step.items()):
+        assert len(sums) == 1, f"parameters diverged at step {step}: {sums}"
+        shared += 1
+    return shared
+
+
+def wait_for(predicate, what: str, timeout: float = WAIT, groups: list[ReplicaGroup] = ()) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        for group in groups:
+            if not group.alive() and any(code not in (0, None) for code in group.wait(0)):
+                pytest.fail(f"group {group.group_id} exited with {group.wait(0)} while waiting for {what}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.2)
+
+
+@contextlib.contextmanager
+def cluster(tmp_path: Path, **lighthouse_kw):
+    lighthouse = LighthouseProcess(log_path=tmp_path / "lighthouse.log", **lighthouse_kw).start()
+    groups: list[ReplicaGroup] = []
+
+    def add(group_id: int, num_groups: int, steps: int, world_size: int = 1, sleep: float = 0.0) -> ReplicaGroup:
+        group = ReplicaGroup(group_id, num_groups, lighthouse.address, SCRIPT,
+                             ["--steps", str(steps), "--report", str(tmp_path / "report.jsonl"),
+                              "--step-sleep", str(sleep), "--timeout", "15"],
+                             world_size=world_size, log_dir=tmp_path)
+        groups.append(group)
+        return group.start()
+
+    try:
+        yield lighthouse, add, tmp_path / "report.jsonl"
+    finally:
+        for group in groups:
+            group.stop()
+        lighthouse.stop()
+
+
+def test_three_groups_one_with_two_ranks_train_to_identical_parameters(tmp_path):
+    with cluster(tmp_path, min_replicas=3, join_timeout=30.0) as (_, add, report):
+        groups = [add(0, 3, steps=15, world_size=2), add(1, 3, steps=15), add(2, 3, steps=15)]
+        for group in groups:
+            assert group.wait(WAIT) == [0] * group.world_size, f"group {group.group_id} failed; logs in {tmp_path}"
+        rows = read_reports(report)
+        for g, ranks in ((0, 2), (1, 1), (2, 1)):
+            for rank in range(ranks):
+                assert steps_of(rows, g, rank) == list(range(1, 16))
+        assert assert_identical_per_step(rows) == 15
+        # every step had all three groups participating
+        assert {r["participants"] for r in rows} == {3}
+
+
+def test_killed_group_leaves_survivors_committing_and_is_healed_on_restart(tmp_path):
+    with cluster(tmp_path, min_replicas=1, join_timeout=1.0, heartbeat_timeout=1.0) as (_, add, report):
+        survivor = add(0, 2, steps=400, sleep=0.05)
+        victim = add(1, 2, steps=400, sleep=0.05)
+        wait_for(lambda: len(steps_of(read_reports(report), 1)) >= 5, "the victim's 5th step", groups=[survivor, victim])
+        victim.kill(signal.SIGKILL)
+        killed_at = max(steps_of(read_reports(report), 0))
+        wait_for(lambda: max(steps_of(read_reports(report), 0)) >= killed_at + 10,
+                 "the survivor to commit 10 steps without the killed group", groups=[survivor])
+        rows = read_reports(report)
+        assert any(r["participants"] == 1 for r in rows if r["group"] == 0), "survivor never trained alone"
+
+        victim.start()
+        restarted_before = len(steps_of(read_reports(report), 1))
+        wait_for(lambda: len(steps_of(read_reports(report), 1)) >= restarted_before + 5,
+                 "the restarted group to commit 5 steps", groups=[survivor, victim])
+        rows = read_reports(report)
+        first_after = steps_of(rows, 1)[restarted_before]
+        assert first_after > killed_at, "the restarted group did not resume from the healed step"
+        assert assert_identical_per_step(rows) > 0
+        survivor.kill(signal.SIGKILL)
+        victim.kill(signal.SIGKILL)
+        logs = "".join(p.read_text(errors="replace") for p in tmp_path.glob("group1.2.*.log"))
+        assert "healed:" in logs
+
+
+def test_late_joiner_heals_at_step_above_zero(tmp_path):
+    with cluster(tmp_path, min_replicas=1, join_timeout=1.0) as (_, add, report):
+        early = add(0, 2, steps=60, sleep=0.05)
+        wait_for(lambda: len(steps_of(read_reports(report), 0)) >= 10, "the first group's 10th step", groups=[early])
+        late = add(1, 2, steps=60, sleep=0.05)
+        assert late.wait(WAIT) == [0] and early.wait(WAIT) == [0]
+        rows = read_reports(report)
+        late_steps = steps_of(rows, 1)
+        assert late_steps[0] > 10 and late_steps[-1] == 60
+        assert assert_identical_per_step(rows) == 60
+
+
+def test_lighthouse_restart_mid_run_is_survived(tmp_path):
+    with cluster(tmp_path, min_replicas=2, join_timeout=5.0) as (lighthouse, add, report):
+        groups = [add(0, 2, steps=400, sleep=0.05), add(1, 2, steps=400, sleep=0.05)]
+        wait_for(lambda: len(steps_of(read_reports(report), 1)) >= 5, "5 steps", groups=groups)
+        lighthouse.kill()
+        before = max(steps_of(read_reports(report), 0))
+        time.sleep(1.0)
+        lighthouse.start()
+        wait_for(lambda: min(max(steps_of(read_reports(report), g)) for g in (0, 1)) >= before + 10,
+                 "10 more steps after the lighthouse restart", groups=groups)
+        assert assert_identical_per_step(read_reports(report)) > 0

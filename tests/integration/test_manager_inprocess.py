@@ -1,0 +1,175 @@
+"""The Manager's state transitions with in-memory fakes: a fake process group and transport.
+
+A real lighthouse and ManagerServer run in this process (ports 0); the
+process group and checkpoint transport are fakes, so failures can be injected
+exactly where wanted.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.distributed import TCPStore
+
+from lighthouse.thread import BackgroundLighthouse
+from tests.conftest import lighthouse_config
+from torchft_lite.checkpointing import CheckpointTransport
+from torchft_lite.manager import Manager
+
+pytestmark = pytest.mark.integration
+
+
+class FakeProcessGroup:
+    """Allreduce returns the input (a one-replica sum); ``fail_next`` injects an error."""
+
+    def __init__(self) -> None:
+        self.configures: list[tuple[str, int, int]] = []
+        self.fail_next = False
+
+    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int) -> None:
+        self.configures.append((store_addr, rank, world_size))
+
+    def allreduce(self, tensors, opts):
+        fut = torch.futures.Future()
+        if self.fail_next:
+            self.fail_next = False
+            fut.set_exception(RuntimeError("injected allreduce failure"))
+        else:
+            fut.set_result(tensors)
+        return SimpleNamespace(get_future=lambda: fut)
+
+
+class InMemoryTransport(CheckpointTransport):
+    """Checkpoints pass through a dict shared by the transports of one test."""
+
+    def __init__(self, shelf: dict, name: str) -> None:
+        self.shelf, self.name = shelf, name
+        self.published = threading.Condition()
+
+    def metadata(self) -> str:
+        return self.name
+
+    def send_checkpoint(self, dst_ranks, step, state_dict, timeout) -> None:
+        with self.published:
+            self.shelf[(self.name, step)] = state_dict
+            self.published.notify_all()
+
+    def disallow_checkpoint(self) -> None:
+        pass
+
+    def recv_checkpoint(self, src_rank, metadata, step, timeout):
+        with self.published:
+            assert self.published.wait_for(lambda: (metadata, step) in self.shelf, timeout.total_seconds())
+            return self.shelf[(metadata, step)]
+
+    def shutdown(self, wait: bool = True) -> None:
+        pass
+
+
+@pytest.fixture
+def lighthouse():
+    with BackgroundLighthouse(lighthouse_config(min_replicas=1, join_timeout=1.0)) as lh:
+        yield lh
+
+
+def make_manager(lighthouse, pg, transport, replica_id, state=None, **kw) -> Manager:
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    weights = state if state is not None else {"w": torch.zeros(3)}
+    manager = Manager(
+        pg=pg, load_state_dict=lambda sd: weights.update(w=sd["w"].clone()), state_dict=lambda: {"w": weights["w"]},
+        min_replica_size=1, rank=0, world_size=1, store_addr="127.0.0.1", store_port=store.port,
+        lighthouse_addr=lighthouse.server.address(), replica_id=replica_id, hostname="127.0.0.1",
+        checkpoint_transport=transport, timeout=timedelta(seconds=20), quorum_timeout=timedelta(seconds=30), **kw,
+    )
+    manager._test_store = store  # keep the store alive as long as the manager
+    return manager
+
+
+def test_steps_commit_and_an_injected_allreduce_error_retries_the_step(lighthouse):
+    pg = FakeProcessGroup()
+    manager = make_manager(lighthouse, pg, InMemoryTransport({}, "a"), "solo")
+    try:
+        manager.start_quorum()
+        grad = torch.ones(3)
+        manager.allreduce(grad).wait()
+        assert manager.should_commit() and manager.current_step() == 1
+        assert manager.batches_committed() == 1 and manager.num_participants() == 1
+        assert len(pg.configures) == 1 and pg.configures[0][0].endswith("/0")
+
+        manager.start_quorum()
+        pg.fail_next = True
+        work = manager.allreduce(torch.ones(3))
+        work.wait()  # never raises into the training loop
+        assert "injected" in str(manager.errored())
+        assert manager.should_commit() is False
+        assert manager.current_step() == 1  # not lost, not advanced
+
+        manager.start_quorum()  # the retry: commit_failures makes a new quorum id -> reconfigure
+        assert manager.errored() is None
+        manager.allreduce(torch.ones(3)).wait()
+        assert manager.should_commit() and manager.current_step() == 2
+        assert len(pg.configures) == 2
+    finally:
+        manager.shutdown()
+
+
+def test_max_retries_exceeded_raises(lighthouse):
+    pg = FakeProcessGroup()
+    manager = make_manager(lighthouse, pg, InMemoryTransport({}, "a"), "flaky", max_retries=1)
+    try:
+        for attempt in range(2):
+            manager.start_quorum()
+            manager.report_error(RuntimeError(f"boom {attempt}"))
+            if attempt == 0:
+                assert manager.should_commit() is False
+        with pytest.raises(RuntimeError, match="2 consecutive steps failed to commit"):
+            manager.should_commit()
+    finally:
+        manager.shutdown()
+
+
+def test_init_sync_heals_the_second_replica_on_its_training_thread():
+    with BackgroundLighthouse(lighthouse_config(min_replicas=2, join_timeout=30.0)) as lighthouse:
+        _heal_two_replicas(lighthouse)
+
+
+def _heal_two_replicas(lighthouse) -> None:
+    shelf: dict = {}
+    managers, states, load_threads, train_threads = {}, {}, {}, {}
+
+    def run(name: str, value: float) -> None:
+        train_threads[name] = threading.get_ident()
+        states[name] = {"w": torch.full((3,), value)}
+        state = states[name]
+
+        def load(sd):
+            load_threads[name] = threading.get_ident()
+            state["w"] = sd["w"].clone()
+
+        manager = make_manager(lighthouse, FakeProcessGroup(), InMemoryTransport(shelf, name), name, state=state)
+        manager._load_state_dict_fns["default"] = load
+        managers[name] = manager
+        manager.start_quorum()
+        manager.allreduce(torch.ones(3)).wait()
+        manager.should_commit()
+
+    threads = [threading.Thread(target=run, args=(n, v)) for n, v in (("a", 1.0), ("b", 2.0))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    try:
+        assert set(managers) == {"a", "b"}
+        # "a:<suffix>" sorts first, so it is the primary and "b" takes its weights at step 0
+        assert torch.equal(states["b"]["w"], torch.full((3,), 1.0))
+        assert torch.equal(states["a"]["w"], torch.full((3,), 1.0))
+        assert set(load_threads) == {"b"}
+        assert load_threads["b"] == train_threads["b"], "state dict applied off the training thread"
+        assert managers["b"].current_step() == 1 and managers["a"].current_step() == 1
+    finally:
+        for manager in managers.values():
+            manager.shutdown()

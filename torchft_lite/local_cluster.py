@@ -1,0 +1,186 @@
+"""Run a lighthouse and replica groups as local processes (demo, tests, chaos runs).
+
+:class:`LighthouseProcess` runs ``python -m lighthouse``; :class:`ReplicaGroup`
+runs one replica group of a training script, either under ``torchrun`` (as a
+job would) or directly, one process per rank, with the group's TCPStore hosted
+by this process (leaner: no agent process per group). Each group runs in its
+own process group/session, so :meth:`ReplicaGroup.kill` takes down every rank
+at once, like a machine dying.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Sequence
+
+__all__ = ["LighthouseProcess", "ReplicaGroup", "free_port"]
+
+_LISTENING = re.compile(r"Lighthouse listening on: (\S+)")
+
+
+def free_port() -> int:
+    """A port that was free a moment ago (for torchrun's --master_port)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _stop(proc: subprocess.Popen, timeout: float) -> int | None:
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout)
+    return proc.returncode
+
+
+class LighthouseProcess:
+    """``python -m lighthouse`` on 127.0.0.1; ``address`` is what managers dial."""
+
+    def __init__(self, *, min_replicas: int = 1, join_timeout: float = 2.0, heartbeat_timeout: float = 5.0,
+                 quorum_tick: float = 0.05, port: int = 0, http: bool = False, log_path: Path | None = None,
+                 start_timeout: float = 60.0) -> None:
+        self.args = ["--bind", f"127.0.0.1:{port}", "--min_replicas", str(min_replicas),
+                     "--join_timeout_ms", str(int(join_timeout * 1000)),
+                     "--heartbeat_timeout_ms", str(int(heartbeat_timeout * 1000)),
+                     "--quorum_tick_ms", str(max(1, int(quorum_tick * 1000))),
+                     "--http-bind", "127.0.0.1:0" if http else "off"]
+        self.log_path = log_path
+        self.start_timeout = start_timeout
+        self.address: str | None = None
+        self.port = port
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "LighthouseProcess":
+        if self.port and self.address:  # a restart binds the same port again
+            self.args[1] = f"127.0.0.1:{self.port}"
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
+        # stdout carries the "listening on" line; logs go to stderr.
+        self.proc = subprocess.Popen([sys.executable, "-m", "lighthouse", *self.args], stdout=subprocess.PIPE,
+                                     stderr=log, env=env, start_new_session=True)
+        deadline = time.monotonic() + self.start_timeout
+        assert self.proc.stdout is not None
+        while True:
+            line = self.proc.stdout.readline().decode()
+            match = _LISTENING.search(line)
+            if match:
+                self.address = match.group(1)
+                self.port = int(self.address.rsplit(":", 1)[1])
+                return self
+            if not line or time.monotonic() > deadline:
+                code = _stop(self.proc, 10)
+                raise RuntimeError(f"lighthouse did not start (exit code {code}); see {self.log_path or 'its stderr'}")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc is not None:
+            _stop(self.proc, timeout)
+            if self.proc.stdout:
+                self.proc.stdout.close()
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+
+class ReplicaGroup:
+    """One replica group of ``script`` with ``world_size`` ranks."""
+
+    def __init__(self, group_id: int, num_groups: int, lighthouse: str, script: str | Path,
+                 script_args: Sequence[str] = (), *, world_size: int = 1, use_torchrun: bool = False,
+                 env: dict[str, str] | None = None, log_dir: Path | None = None) -> None:
+        self.group_id = group_id
+        self.num_groups = num_groups
+        self.lighthouse = lighthouse
+        self.script = str(script)
+        self.script_args = list(script_args)
+        self.world_size = world_size
+        self.use_torchrun = use_torchrun
+        self.extra_env = env or {}
+        self.log_dir = log_dir
+        self.procs: list[subprocess.Popen] = []
+        self.incarnation = 0
+        self._store = None
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(REPLICA_GROUP_ID=str(self.group_id), NUM_REPLICA_GROUPS=str(self.num_groups),
+                   TORCHFT_LIGHTHOUSE=self.lighthouse, TORCHFT_LITE_HOSTNAME="127.0.0.1",
+                   PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        env.update(self.extra_env)
+        return env
+
+    def _log(self, rank: int | str):
+        if self.log_dir is None:
+            return subprocess.DEVNULL
+        return open(self.log_dir / f"group{self.group_id}.{self.incarnation}.{rank}.log", "ab")
+
+    def start(self) -> "ReplicaGroup":
+        self.incarnation += 1
+        env = self._env()
+        if self.use_torchrun:
+            command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
+                       f"--nproc_per_node={self.world_size}", f"--master_port={free_port()}",
+                       "--master_addr=127.0.0.1", "--max_restarts=0", self.script, *self.script_args]
+            log = self._log("torchrun")
+            self.procs = [subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                           start_new_session=True)]
+            return self
+        from torch.distributed import TCPStore  # only the direct mode needs torch here
+
+        # A fresh store per incarnation, as a restarted torchrun job would have.
+        self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                               timeout=timedelta(seconds=60))
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self._store.port), WORLD_SIZE=str(self.world_size))
+        self.procs = []
+        for rank in range(self.world_size):
+            log = self._log(rank)
+            self.procs.append(subprocess.Popen(
+                [sys.executable, self.script, *self.script_args], env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            ))
+        return self
+
+    def alive(self) -> bool:
+        return any(p.poll() is None for p in self.procs)
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to every process of the group (the whole session under torchrun)."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    pass
+        if sig == signal.SIGKILL:
+            for proc in self.procs:
+                proc.wait(30)
+
+    def wait(self, timeout: float) -> list[int | None]:
+        """Wait for every rank to exit; return codes (None for one still running at the deadline)."""
+        deadline = time.monotonic() + timeout
+        for proc in self.procs:
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        return [p.poll() for p in self.procs]
+
+    def stop(self, timeout: float = 10.0) -> None:
+        for proc in self.procs:
+            _stop(proc, timeout)
+        self._store = None
