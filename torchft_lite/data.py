@@ -12,7 +12,7 @@ lossy by design, as torchft's is). Checkpoint the data loader with the model
 from __future__ import annotations
 
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import torch.distributed as dist
 from torch.utils.data import Dataset

@@ -78,11 +78,11 @@ def test_missing_defaults_name_what_to_set(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 @pytest.mark.parametrize("kwargs", [
-    dict(replica_rank=2, num_replica_groups=2, group_rank=0, num_replicas=1),
-    dict(replica_rank=-1, num_replica_groups=2, group_rank=0, num_replicas=1),
-    dict(replica_rank=0, num_replica_groups=0, group_rank=0, num_replicas=1),
-    dict(replica_rank=0, num_replica_groups=2, group_rank=1, num_replicas=1),
-    dict(replica_rank="0", num_replica_groups=2, group_rank=0, num_replicas=1),
+    {"replica_rank": 2, "num_replica_groups": 2, "group_rank": 0, "num_replicas": 1},
+    {"replica_rank": -1, "num_replica_groups": 2, "group_rank": 0, "num_replicas": 1},
+    {"replica_rank": 0, "num_replica_groups": 0, "group_rank": 0, "num_replicas": 1},
+    {"replica_rank": 0, "num_replica_groups": 2, "group_rank": 1, "num_replicas": 1},
+    {"replica_rank": "0", "num_replica_groups": 2, "group_rank": 0, "num_replicas": 1},
 ])
 def test_out_of_range_ranks_are_config_errors(kwargs: dict) -> None:
     with pytest.raises(ConfigError):
