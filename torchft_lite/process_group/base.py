@@ -1,0 +1,414 @@
+"""The reconfigurable process group: the contract and the machinery shared by backends.
+
+A replica process group spans one rank of every replica group (say group rank 0
+of each) and is rebuilt whenever the quorum changes. ``configure()`` tears down
+the previous communicator and rendezvouses a fresh c10d backend on a store
+prefix unique to the new quorum; collectives then run on that backend until
+the next ``configure()``.
+
+Failure model: any failure of a collective -- an exception from the call, or a
+``Work``/future that completes with an error (a dead peer, a timeout) -- is
+translated to :class:`~torchft_lite.errors.CollectiveError` (or
+:class:`~torchft_lite.errors.CollectiveTimeout`) and marks the group errored.
+``errored()`` returns that first error and further collectives fail fast with
+it until the next ``configure()``. Lower layers raise; the Manager decides to
+skip the step.
+
+Classes here subclass :class:`torch.distributed.ProcessGroup` so an instance can
+be handed to torch APIs that take a process group (``dist.all_reduce(t,
+group=pg)`` dispatches to the Python methods below).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+from torch.distributed.distributed_c10d import (
+    AllgatherOptions,
+    AllreduceOptions,
+    BarrierOptions,
+    BroadcastOptions,
+)
+
+from torchft_lite.errors import CollectiveError, ConfigError
+
+from .store import StoreAddress, connect_store, parse_store_addr
+from .work import TrackedWork, translate_error
+
+__all__ = ["DEFAULT_TIMEOUT", "ProcessGroup", "ReconfigurableProcessGroup"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT = timedelta(seconds=60)
+
+
+def _check_timeout(timeout: timedelta) -> timedelta:
+    if not isinstance(timeout, timedelta) or timeout <= timedelta(0):
+        raise ConfigError(f"process group timeout must be a positive timedelta, got {timeout!r}")
+    return timeout
+
+
+def _check_rank(rank: int, world_size: int) -> None:
+    for name, value in (("rank", rank), ("world_size", world_size)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{name} must be an int, got {value!r}")
+    if world_size < 1:
+        raise ConfigError(f"world_size must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"rank must be in [0, {world_size}), got {rank}")
+
+
+class ProcessGroup(dist.ProcessGroup):
+    """A process group whose membership can change at runtime.
+
+    The rank and size change with every ``configure()``: never cache them.
+    Collectives take and return what c10d's do (lists of tensors in, a
+    ``Work`` out); subclasses implement the ones they support.
+    """
+
+    def __init__(self) -> None:
+        # The C++ base wants a fixed rank and size; ours change with every
+        # configure(), so rank() and size() are overridden below.
+        super().__init__(0, 1)
+
+    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int) -> None:
+        """Tear down the current communicator and join a new one.
+
+        Args:
+            store_addr: ``host:port/prefix`` of an existing TCPStore; the
+                prefix must be unique to this configuration (quorum).
+            replica_id: this replica group's id, for logs.
+            rank: this process's rank in the new group.
+            world_size: the number of ranks in the new group.
+        """
+        raise NotImplementedError
+
+    def rank(self) -> int:
+        raise NotImplementedError
+
+    def size(self) -> int:
+        raise NotImplementedError
+
+    def getBackendName(self) -> str:
+        raise NotImplementedError
+
+    def errored(self) -> Exception | None:
+        """The first collective error since the last ``configure()``, or None."""
+        return None
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        """Set the timeout of later collectives and configures."""
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        """Abort the communicator; the group is errored until the next ``configure()``."""
+
+    def shutdown(self) -> None:
+        """Release the communicator; collectives fail until the next ``configure()``."""
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: AllreduceOptions | ReduceOp = ReduceOp.SUM) -> dist.Work:
+        raise NotImplementedError
+
+    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensor: list[torch.Tensor],
+                  opts: AllgatherOptions | None = None) -> dist.Work:
+        raise NotImplementedError
+
+    def broadcast(self, tensor_list: list[torch.Tensor], opts: BroadcastOptions | int = 0) -> dist.Work:
+        raise NotImplementedError
+
+    def broadcast_one(self, tensor: torch.Tensor, root: int) -> dist.Work:
+        """Broadcast one tensor from ``root``."""
+        return self.broadcast([tensor], root)
+
+    def barrier(self, opts: BarrierOptions | None = None) -> dist.Work:
+        raise NotImplementedError
+
+    def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int = 0) -> dist.Work:
+        raise NotImplementedError
+
+    def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int = 0) -> dist.Work:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+def _with_timeout(opts: Any, timeout: timedelta | None) -> Any:
+    # c10d marks an unset per-call timeout with a negative value.
+    if timeout is not None and opts.timeout < timedelta(0):
+        opts.timeout = timeout
+    return opts
+
+
+def _allreduce_options(opts: AllreduceOptions | ReduceOp, timeout: timedelta | None) -> AllreduceOptions:
+    options = AllreduceOptions()
+    if isinstance(opts, AllreduceOptions):
+        options.reduceOp = opts.reduceOp
+        options.timeout = opts.timeout
+    elif isinstance(opts, (ReduceOp, ReduceOp.RedOpType)):
+        options.reduceOp = opts
+    else:
+        raise TypeError(f"allreduce opts must be AllreduceOptions or ReduceOp, got {type(opts).__name__}")
+    return _with_timeout(options, timeout)
+
+
+def _broadcast_options(opts: BroadcastOptions | int, timeout: timedelta | None) -> BroadcastOptions:
+    options = BroadcastOptions()
+    if isinstance(opts, BroadcastOptions):
+        options.rootRank = opts.rootRank
+        options.rootTensor = opts.rootTensor
+        options.timeout = opts.timeout
+    elif isinstance(opts, int) and not isinstance(opts, bool):
+        options.rootRank = opts
+    else:
+        raise TypeError(f"broadcast opts must be BroadcastOptions or a root rank, got {type(opts).__name__}")
+    return _with_timeout(options, timeout)
+
+
+def _copy_options(opts: Any, factory: Callable[[], Any], timeout: timedelta | None) -> Any:
+    options = factory()
+    if opts is not None:
+        options.timeout = opts.timeout
+    return _with_timeout(options, timeout)
+
+
+# Teardown threads still destroying a communicator, with the time they may take.
+_teardowns: dict[threading.Thread, float] = {}
+_teardowns_lock = threading.Lock()
+# Beyond the collective timeout, for the destructor itself.
+_TEARDOWN_GRACE_S = 5.0
+
+
+def _teardown(holder: list[Any], name: str) -> None:
+    try:
+        if hasattr(holder[0], "abort"):
+            try:
+                holder[0].abort()
+            except Exception:  # the communicator is dropped below either way
+                logger.warning("aborting an old %s communicator failed", name, exc_info=True)
+        holder.clear()  # runs the destructor (without the GIL): closes the connections, joins gloo's threads
+    finally:
+        with _teardowns_lock:
+            _teardowns.pop(threading.current_thread(), None)
+
+
+def _start_teardown(holder: list[Any], name: str, timeout: timedelta) -> None:
+    thread = threading.Thread(target=_teardown, args=(holder, name), name="torchft_lite-pg-teardown", daemon=True)
+    with _teardowns_lock:
+        _teardowns[thread] = time.monotonic() + timeout.total_seconds() + _TEARDOWN_GRACE_S
+    thread.start()
+
+
+@atexit.register
+def _finish_teardowns() -> None:
+    """At exit, let pending teardowns finish (bounded): a gloo backend destroyed
+    mid-destructor by interpreter shutdown aborts the process (std::terminate)."""
+    with _teardowns_lock:
+        pending = list(_teardowns.items())
+    for thread, deadline in pending:
+        thread.join(max(0.0, deadline - time.monotonic()))
+        if thread.is_alive():
+            logger.warning("a process group teardown did not finish before exit")
+
+
+class ReconfigurableProcessGroup(ProcessGroup):
+    """A :class:`ProcessGroup` over a c10d backend rebuilt by every ``configure()``.
+
+    Subclasses provide :meth:`_create_backend`. State (backend, errored,
+    rank/size) is guarded by one lock; ``configure()`` calls are serialized by
+    another so a slow rendezvous never blocks ``errored()`` or ``abort()``.
+    """
+
+    def __init__(self, timeout: timedelta = DEFAULT_TIMEOUT) -> None:
+        super().__init__()
+        self._timeout = _check_timeout(timeout)
+        self._lock = threading.Lock()
+        self._configure_lock = threading.Lock()
+        self._backend: Any = None
+        self._errored: CollectiveError | None = None
+        # Bumped by every configure(): a Work of an older communicator that
+        # fails late must not mark the new one errored.
+        self._generation = 0
+        self._rank = 0
+        self._world_size = 1
+        self._replica_id = ""
+        self._address: StoreAddress | None = None
+
+    # -- backend hooks -------------------------------------------------------
+
+    def _create_backend(self, store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> Any:
+        """Build the c10d backend; blocks until ``world_size`` ranks joined ``store``."""
+        raise NotImplementedError
+
+    def _wait_work(self, work: dist.Work, timeout: timedelta) -> None:
+        """Block until ``work`` is done, at most ``timeout``; raise its error."""
+        work.wait(timeout)
+
+    def _op_timeout(self) -> timedelta | None:
+        """The timeout put in a collective's options (None: leave it to the backend)."""
+        return self._timeout
+
+    def _watch(self, work: TrackedWork) -> None:
+        """Called with every collective started (a backend without its own timeouts arms one here)."""
+
+    # -- lifecycle -----------------------------------------------------------
+
+    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int) -> None:
+        address = parse_store_addr(store_addr)
+        _check_rank(rank, world_size)
+        with self._configure_lock:
+            with self._lock:
+                self._generation += 1
+                generation = self._generation
+                old, self._backend = [self._backend], None
+                self._errored = None
+                self._rank, self._world_size = rank, world_size
+                self._replica_id, self._address = replica_id, address
+                timeout = self._timeout
+            self._discard(old)
+            logger.info("replica %s: configuring %s rank %s/%s on %s", replica_id, self.getBackendName(), rank,
+                        world_size, address)
+            try:
+                store = connect_store(address, timeout)
+                backend = self._create_backend(store, rank, world_size, timeout)
+            except ConfigError:
+                raise
+            except Exception as exc:
+                what = (f"{self.getBackendName()} rendezvous of {world_size} ranks on store "
+                        f"{address.host}:{address.port} prefix {address.prefix!r}")
+                error = translate_error(exc, what, timeout)
+                with self._lock:
+                    if generation == self._generation and self._errored is None:
+                        self._errored = error
+                raise error from exc
+            with self._lock:
+                self._backend = backend
+        logger.info("replica %s: %s configured, rank %s/%s", replica_id, self.getBackendName(), rank, world_size)
+
+    def abort(self) -> None:
+        with self._lock:
+            old, self._backend = [self._backend], None
+            if self._errored is None:
+                self._errored = CollectiveError(f"{self.getBackendName()} was aborted; configure() it again")
+        self._discard(old)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            old, self._backend = [self._backend], None
+        self._discard(old)
+
+    def _discard(self, holder: list[Any]) -> None:
+        """Abort the backend in the one-element list ``holder`` and drop it, on another thread.
+
+        Never blocks the caller, which may be the training thread or a
+        backend's own worker thread (a future callback): destroying a gloo
+        backend joins its worker threads, which waits for an in-flight
+        collective -- up to its timeout when a peer is alive but stuck. The
+        caller hands over its only reference inside the list.
+        """
+        if holder[0] is not None:
+            _start_teardown(holder, self.getBackendName(), self._timeout)
+
+    # -- state ---------------------------------------------------------------
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._world_size
+
+    def errored(self) -> Exception | None:
+        return self._errored
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        timeout = _check_timeout(timeout)
+        with self._lock:
+            self._timeout = timeout
+            backend = self._backend
+        if backend is not None and hasattr(backend, "set_timeout"):
+            backend.set_timeout(timeout)  # the default for send/recv, which take no options
+
+    def _describe(self) -> str:
+        where = f" on {self._address}" if self._address is not None else ""
+        return f"{self.getBackendName()} rank {self._rank}/{self._world_size}{where}"
+
+    def _record_failure(self, generation: int, op: str, exc: BaseException, timeout: timedelta) -> CollectiveError:
+        """Translate ``exc``; if it came from the current communicator, mark the group errored and drop it.
+
+        Dropping the communicator closes its connections, so peers blocked on
+        this rank fail at once instead of at their timeout: one rank that sees
+        the dead peer fails the whole group quickly. (For NCCL the abort also
+        releases kernels stuck on the dead peer.)
+        """
+        traceback.clear_frames(exc.__traceback__)  # finished frames there may hold the backend
+        error = translate_error(exc, f"{op} on {self._describe()}", timeout)
+        with self._lock:
+            first = generation == self._generation and self._errored is None
+            if first:
+                self._errored = error
+                old, self._backend = [self._backend], None
+        if first:
+            logger.warning("replica %s: %s", self._replica_id, error)
+            self._discard(old)
+        return error
+
+    # -- collectives ---------------------------------------------------------
+
+    def _run(self, op: str, call: Callable[[Any], dist.Work]) -> dist.Work:
+        with self._lock:
+            backend, generation, timeout, errored = self._backend, self._generation, self._timeout, self._errored
+        if errored is not None:
+            raise CollectiveError(f"{op} refused: {self._describe()} is errored until the next configure(): "
+                                  f"{errored}") from errored
+        if backend is None:
+            raise CollectiveError(f"{op} called on {type(self).__name__} before configure()")
+        try:
+            work = call(backend)
+        except Exception as exc:
+            failure = exc
+        else:
+            tracked = TrackedWork(work, op=op, timeout=timeout, wait=self._wait_work,
+                                  on_error=lambda exc, waited: self._record_failure(generation, op, exc, waited))
+            self._watch(tracked)
+            return tracked
+        # The error is kept (errored()) with its traceback, which holds this
+        # frame: it must not pin the communicator this failure drops.
+        del backend
+        raise self._record_failure(generation, op, failure, timeout) from failure
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: AllreduceOptions | ReduceOp = ReduceOp.SUM) -> dist.Work:
+        options = _allreduce_options(opts, self._op_timeout())
+        return self._run("allreduce", lambda backend: backend.allreduce(tensors, options))
+
+    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensor: list[torch.Tensor],
+                  opts: AllgatherOptions | None = None) -> dist.Work:
+        options = _copy_options(opts, AllgatherOptions, self._op_timeout())
+        return self._run("allgather", lambda backend: backend.allgather(output_tensors, input_tensor, options))
+
+    def broadcast(self, tensor_list: list[torch.Tensor], opts: BroadcastOptions | int = 0) -> dist.Work:
+        options = _broadcast_options(opts, self._op_timeout())
+        return self._run("broadcast", lambda backend: backend.broadcast(tensor_list, options))
+
+    def barrier(self, opts: BarrierOptions | None = None) -> dist.Work:
+        options = _copy_options(opts, BarrierOptions, self._op_timeout())
+        return self._run("barrier", lambda backend: backend.barrier(options))
+
+    def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int = 0) -> dist.Work:
+        return self._run(f"send to rank {dst_rank}", lambda backend: backend.send(tensors, dst_rank, tag))
+
+    def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int = 0) -> dist.Work:
+        return self._run(f"recv from rank {src_rank}", lambda backend: backend.recv(tensors, src_rank, tag))
+
+    def __repr__(self) -> str:
+        state = "errored" if self._errored is not None else ("configured" if self._backend is not None else "idle")
+        return f"{type(self).__name__}({state}, rank={self._rank}, size={self._world_size}, store={self._address})"

@@ -1,0 +1,34 @@
+"""Reconfigurable gloo process group (CPU tensors; CUDA tensors are staged through host memory by gloo)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from .base import DEFAULT_TIMEOUT, ReconfigurableProcessGroup
+
+__all__ = ["ProcessGroupGloo"]
+
+
+class ProcessGroupGloo(ReconfigurableProcessGroup):
+    """A gloo process group rebuilt by every ``configure()``.
+
+    Args:
+        timeout: bounds the rendezvous in ``configure()`` and every collective
+            (gloo fails an operation that does not complete in time, and
+            closes its connections). A dead peer surfaces much sooner: gloo
+            sees the closed connection and fails the pending operation.
+
+    gloo picks its network interface as torch does: ``GLOO_SOCKET_IFNAME``
+    when set, else the address the hostname resolves to.
+    """
+
+    def __init__(self, timeout: timedelta = DEFAULT_TIMEOUT) -> None:
+        super().__init__(timeout)
+
+    def _create_backend(self, store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> dist.ProcessGroupGloo:
+        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+
+    def getBackendName(self) -> str:
+        return "torchft-gloo"
