@@ -1,0 +1,302 @@
+"""Reconfigurable gloo process groups across real processes.
+
+Each test drives worker processes (this file run as a script) step by step
+over stdin/stdout: one JSON command per line in, one JSON reply per line out.
+The TCPStore master lives in the test process on port 0. Workers are killed in
+``finally`` whatever happens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from torchft_lite.errors import CollectiveError, CollectiveTimeout, ConfigError
+from torchft_lite.process_group import ProcessGroupGloo
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# Generous: two shared cores, and several processes importing torch at once.
+REPLY_WAIT = 120.0
+
+
+class Worker:
+    """A worker process holding one ProcessGroupGloo; ``call`` sends a command, ``reply`` reads the answer."""
+
+    def __init__(self, name: str) -> None:
+        env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+        self.name = name
+        self.proc = subprocess.Popen([sys.executable, __file__, "worker"], cwd=REPO_ROOT, env=env,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def send(self, op: str, **args: Any) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
+        self.proc.stdin.flush()
+
+    def reply(self) -> dict[str, Any]:
+        try:
+            line = self._lines.get(timeout=REPLY_WAIT)
+        except queue.Empty:
+            pytest.fail(f"worker {self.name} sent no reply within {REPLY_WAIT:.0f}s")
+        if line is None:
+            pytest.fail(f"worker {self.name} exited with {self.proc.wait(timeout=REPLY_WAIT)}")
+        return json.loads(line)
+
+    def call(self, op: str, **args: Any) -> dict[str, Any]:
+        self.send(op, **args)
+        return self.reply()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=REPLY_WAIT)
+
+
+@pytest.fixture
+def store() -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+
+
+@pytest.fixture
+def spawn():
+    started: list[Worker] = []
+
+    def start(count: int) -> list[Worker]:
+        workers = [Worker(f"w{len(started) + i}") for i in range(count)]
+        started.extend(workers)
+        return workers
+
+    try:
+        yield start
+    finally:
+        for worker in started:
+            worker.kill()
+
+
+def configure_all(workers: list[Worker], addr: str, timeout_s: float = 30.0) -> None:
+    """Configure ``workers`` as ranks 0..n-1 of one group on ``addr`` (they rendezvous concurrently)."""
+    for rank, worker in enumerate(workers):
+        worker.send("configure", addr=addr, rank=rank, world=len(workers), timeout_s=timeout_s)
+    for worker in workers:
+        assert worker.reply() == {"ok": True, "errored": None}, worker.name
+
+
+def allreduce_all(workers: list[Worker], values: list[float], how: str = "wait", op: str = "SUM") -> list[dict]:
+    for worker, value in zip(workers, values):
+        worker.send("allreduce", value=value, how=how, reduce_op=op)
+    return [worker.reply() for worker in workers]
+
+
+def test_allreduce_on_three_ranks_then_reconfigured_to_two(store, spawn) -> None:
+    workers = spawn(3)
+    configure_all(workers, f"127.0.0.1:{store.port}/torchft/1/0")
+    replies = allreduce_all(workers, [1.0, 2.0, 3.0])
+    assert [r["result"] for r in replies] == [[6.0, 6.0]] * 3
+    assert all(r["errored"] is None and r["rank"] == i and r["size"] == 3 for i, r in enumerate(replies))
+    assert [r["result"] for r in allreduce_all(workers, [1.0, 5.0, 3.0], how="future", op="MAX")] == [[5.0, 5.0]] * 3
+
+    survivors = workers[:2]
+    configure_all(survivors, f"127.0.0.1:{store.port}/torchft/2/0")
+    replies = allreduce_all(survivors, [10.0, 20.0])
+    assert [r["result"] for r in replies] == [[30.0, 30.0]] * 2
+    assert [(r["rank"], r["size"]) for r in replies] == [(0, 2), (1, 2)]
+
+
+def test_send_recv_broadcast_allgather_barrier_between_two_ranks(store, spawn) -> None:
+    sender, receiver = workers = spawn(2)
+    configure_all(workers, f"127.0.0.1:{store.port}/torchft/7/0")
+
+    receiver.send("recv", src=0, tag=3, size=4)
+    assert sender.call("send", dst=1, tag=3, data=[1.0, 2.0, 3.0, 4.0]) == {"ok": True, "errored": None}
+    assert receiver.reply()["result"] == [1.0, 2.0, 3.0, 4.0]
+
+    for worker in workers:  # the future of a send/recv (gloo has none of its own)
+        worker.send("p2p_future", peer=1 - int(worker is receiver), tag=4)
+    assert [w.reply()["result"] for w in workers] == [[1.0, 1.0], [1.0, 1.0]]
+
+    for rank, worker in enumerate(workers):
+        worker.send("broadcast", value=float(rank + 7), root=1)
+    assert [w.reply()["result"] for w in workers] == [[8.0, 8.0]] * 2
+
+    for rank, worker in enumerate(workers):
+        worker.send("allgather", value=float(rank))
+    assert [w.reply()["result"] for w in workers] == [[0.0, 1.0]] * 2
+
+    for worker in workers:
+        worker.send("barrier")
+    assert [w.reply() for w in workers] == [{"ok": True, "errored": None}] * 2
+
+
+def test_killed_peer_errors_survivors_until_they_reconfigure(store, spawn) -> None:
+    workers = spawn(3)
+    # A long timeout, so that failing by timeout would show: rank 0 never
+    # talks to rank 2 in this allreduce and learns of the death only because
+    # rank 1, on failing, drops its communicator and closes its connections.
+    configure_all(workers, f"127.0.0.1:{store.port}/torchft/1/0", timeout_s=60.0)
+    assert [r["result"] for r in allreduce_all(workers, [1.0, 1.0, 1.0])] == [[3.0, 3.0]] * 3
+
+    workers[2].kill()
+    survivors = workers[:2]
+    survivors[0].send("allreduce", value=1.0, how="wait", reduce_op="SUM")
+    survivors[1].send("allreduce", value=1.0, how="future", reduce_op="SUM")
+    for reply in (survivors[0].reply(), survivors[1].reply()):
+        assert reply["ok"] is False, reply
+        # A closed connection, not a timeout: the failure surfaced promptly.
+        assert reply["error"] == "CollectiveError", reply
+        assert reply["errored"] == "CollectiveError", reply
+
+    # Errored until the next configure: collectives are refused at once.
+    refused = survivors[0].call("allreduce", value=1.0, how="wait", reduce_op="SUM")
+    assert refused["ok"] is False and refused["error"] == "CollectiveError"
+    assert "errored until the next configure" in refused["message"]
+
+    configure_all(survivors, f"127.0.0.1:{store.port}/torchft/2/0")
+    replies = allreduce_all(survivors, [2.0, 3.0])
+    assert [r["result"] for r in replies] == [[5.0, 5.0]] * 2
+    assert all(r["errored"] is None for r in replies)
+
+
+def test_stuck_peer_fails_the_collective_at_the_timeout(store, spawn) -> None:
+    waiting, stuck = workers = spawn(2)
+    configure_all(workers, f"127.0.0.1:{store.port}/torchft/3/0", timeout_s=3.0)
+    stuck.proc.send_signal(signal.SIGSTOP)  # alive, connections open, never answers
+    try:
+        reply = waiting.call("allreduce", value=1.0, how="future", reduce_op="SUM")
+    finally:
+        stuck.proc.send_signal(signal.SIGCONT)
+    assert reply["ok"] is False and reply["error"] == "CollectiveTimeout", reply
+    assert reply["errored"] == "CollectiveTimeout"
+
+
+def test_configure_times_out_when_a_peer_never_joins(store) -> None:
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=3))
+    addr = f"127.0.0.1:{store.port}/torchft/9/0"
+    with pytest.raises(CollectiveTimeout) as caught:
+        pg.configure(addr, "replica-a", rank=0, world_size=2)
+    message = str(caught.value)
+    assert f"127.0.0.1:{store.port}" in message and "torchft/9/0" in message
+    assert isinstance(pg.errored(), CollectiveTimeout)
+    with pytest.raises(CollectiveError):
+        pg.allreduce([torch.ones(1)])
+
+
+def test_single_rank_group_lifecycle_in_process(store) -> None:
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=10))
+    assert isinstance(pg, dist.ProcessGroup)
+    with pytest.raises(CollectiveError, match="before configure"):
+        pg.allreduce([torch.ones(1)])
+    with pytest.raises(ConfigError):
+        pg.configure(f"127.0.0.1:{store.port}/p", "r", rank=1, world_size=1)
+
+    pg.configure(f"127.0.0.1:{store.port}/torchft/1/0", "r", rank=0, world_size=1)
+    tensor = torch.full((2,), 3.0)
+    pg.allreduce([tensor]).wait()
+    assert tensor.tolist() == [3.0, 3.0]
+    # torch's own API dispatches to our Python methods.
+    dist.all_reduce(tensor, group=pg)
+    assert tensor.tolist() == [3.0, 3.0]
+    assert pg.getBackendName() == "torchft-gloo" and (pg.rank(), pg.size()) == (0, 1)
+
+    pg.set_timeout(timedelta(seconds=5))
+    pg.abort()
+    assert isinstance(pg.errored(), CollectiveError)
+    with pytest.raises(CollectiveError, match="errored"):
+        pg.allreduce([tensor])
+
+    pg.configure(f"127.0.0.1:{store.port}/torchft/2/0", "r", rank=0, world_size=1)
+    assert pg.errored() is None
+    assert pg.allreduce([tensor], dist.ReduceOp.MAX).get_future().wait() == [tensor]
+    pg.shutdown()
+    with pytest.raises(CollectiveError, match="before configure"):
+        pg.barrier()
+
+
+# ------------------------------------------------------------------ the worker
+
+
+def _serve() -> None:  # pragma: no cover - runs in the worker processes
+    """Execute one JSON command per stdin line against a ProcessGroupGloo; reply on stdout."""
+    pg = ProcessGroupGloo()
+
+    def values(tensor: torch.Tensor) -> list[float]:
+        return [float(x) for x in tensor.tolist()]
+
+    def run(cmd: dict[str, Any]) -> dict[str, Any]:
+        op = cmd["op"]
+        if op == "configure":
+            pg.set_timeout(timedelta(seconds=cmd["timeout_s"]))
+            pg.configure(cmd["addr"], "replica", cmd["rank"], cmd["world"])
+            return {}
+        if op == "allreduce":
+            tensor = torch.full((2,), cmd["value"])
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = getattr(dist.ReduceOp, cmd["reduce_op"])
+            work = pg.allreduce([tensor], opts)
+            if cmd["how"] == "future":
+                work.get_future().wait()
+            else:
+                work.wait()
+            return {"result": values(tensor), "rank": pg.rank(), "size": pg.size()}
+        if op == "send":
+            pg.send([torch.tensor(cmd["data"])], cmd["dst"], cmd["tag"]).wait()
+            return {}
+        if op == "recv":
+            tensor = torch.zeros(cmd["size"])
+            pg.recv([tensor], cmd["src"], cmd["tag"]).wait()
+            return {"result": values(tensor)}
+        if op == "p2p_future":
+            tensor = torch.full((2,), 1.0 - pg.rank())
+            if pg.rank() == 0:
+                work = pg.send([tensor], cmd["peer"], cmd["tag"])
+            else:
+                work = pg.recv([tensor], cmd["peer"], cmd["tag"])
+            work.get_future().wait()
+            return {"result": values(tensor)}
+        if op == "broadcast":
+            tensor = torch.full((2,), cmd["value"])
+            pg.broadcast([tensor], cmd["root"]).wait()
+            return {"result": values(tensor)}
+        if op == "allgather":
+            outputs = [[torch.zeros(1) for _ in range(pg.size())]]
+            pg.allgather(outputs, [torch.tensor([cmd["value"]])]).wait()
+            return {"result": [float(t.item()) for t in outputs[0]]}
+        if op == "barrier":
+            pg.barrier().wait()
+            return {}
+        raise ValueError(f"unknown op {op!r}")
+
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        try:
+            reply = {"ok": True, **run(cmd)}
+        except Exception as exc:
+            reply = {"ok": False, "error": type(exc).__name__, "message": str(exc)}
+        errored = pg.errored()
+        reply["errored"] = type(errored).__name__ if errored is not None else None
+        print(json.dumps(reply), flush=True)
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["worker"]:
+    _serve()
