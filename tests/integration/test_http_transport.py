@@ -1,0 +1,237 @@
+"""HTTPTransport over real sockets: held requests, steps, chunks, tokens, release and failures."""
+
+import concurrent.futures
+import hashlib
+import os
+import socket
+import struct
+import subprocess
+import sys
+import textwrap
+from datetime import timedelta
+
+import pytest
+import torch
+
+from torchft_lite.checkpointing import HTTPTransport
+from torchft_lite.checkpointing import _serialization as wire
+from torchft_lite.errors import CheckpointError, CheckpointTimeout, CheckpointTransferError
+from tests.conftest import WAIT, wait_until_sync
+
+pytestmark = pytest.mark.integration
+
+LONG = timedelta(seconds=WAIT)
+
+
+@pytest.fixture
+def make_transport():
+    transports = []
+
+    def make(**kwargs) -> HTTPTransport:
+        kwargs.setdefault("timeout", LONG)
+        transport = HTTPTransport(hostname="127.0.0.1", bind_host="127.0.0.1", **kwargs)
+        transports.append(transport)
+        return transport
+
+    try:
+        yield make
+    finally:
+        for transport in transports:
+            transport.shutdown()
+
+
+@pytest.fixture
+def threads():
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        yield pool
+
+
+def state_dict(big_elements: int = 1000) -> dict:
+    torch.manual_seed(1)
+    model = torch.nn.Linear(5, 3)
+    optim = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 5)).sum().backward()
+    optim.step()
+    return {"user": {"model": model.state_dict(), "optim": optim.state_dict(),
+                     "big": torch.randn(big_elements), "half": torch.randn(7, 3).to(torch.bfloat16)},
+            "torchft": {"step": 5, "batches_committed": 10, "note": ("x", None, b"\x01")}}
+
+
+def digest(step: int, state) -> str:
+    return hashlib.sha256(wire.encode_to_bytes(step, state)).hexdigest()
+
+
+def test_a_request_before_publish_is_held_then_served(make_transport, threads):
+    server, client = make_transport(), make_transport()
+    sent = state_dict()
+    received = threads.submit(client.recv_checkpoint, 0, server.metadata(), 5, LONG)
+    wait_until_sync(lambda: server.statistics().held_requests == 1, "the receiver's request to be held")
+    server.send_checkpoint([1], 5, sent, LONG)
+    assert digest(5, received.result(WAIT)) == digest(5, sent)
+    server.disallow_checkpoint()
+    stats = server.statistics()
+    assert stats.published_step is None and stats.bytes_served > 0
+
+
+def test_metadata_is_the_url_with_the_advertised_host(make_transport):
+    server = make_transport()
+    assert server.metadata() == f"http://127.0.0.1:{server.port}/checkpoint"
+
+
+def test_a_wrong_step_is_refused_naming_both_steps(make_transport):
+    server, client = make_transport(), make_transport()
+    server.send_checkpoint([], 5, state_dict(), LONG)
+    with pytest.raises(CheckpointTransferError, match="requested step 4, but this replica serves step 5"):
+        client.recv_checkpoint(0, server.metadata(), 4, LONG)
+    server.disallow_checkpoint()
+
+
+def test_chunked_fetch_gives_identical_tensors(make_transport):
+    server, client = make_transport(), make_transport(num_chunks=4)
+    sent = state_dict(big_elements=300_001)
+    server.send_checkpoint([1], 5, sent, LONG)
+    received = client.recv_checkpoint(0, server.metadata(), 5, LONG)
+    assert digest(5, received) == digest(5, sent)
+    assert torch.equal(received["user"]["big"], sent["user"]["big"])
+    server.disallow_checkpoint()
+
+
+def test_the_token_is_required_and_checked(make_transport):
+    server = make_transport(token="s3cret")
+    server.send_checkpoint([1], 5, state_dict(), LONG)
+    with pytest.raises(CheckpointTransferError, match="HTTP 401"):
+        make_transport().recv_checkpoint(0, server.metadata(), 5, LONG)
+    with pytest.raises(CheckpointTransferError, match="HTTP 403"):
+        make_transport(token="guess").recv_checkpoint(0, server.metadata(), 5, LONG)
+    received = make_transport(token="s3cret").recv_checkpoint(0, server.metadata(), 5, LONG)
+    assert received["torchft"]["step"] == 5
+    server.disallow_checkpoint()
+
+
+def test_disallow_waits_for_the_expected_receiver(make_transport, threads):
+    server, client = make_transport(), make_transport()
+    sent = state_dict()
+    server.send_checkpoint([1], 5, sent, LONG)
+    released = threads.submit(server.disallow_checkpoint)
+    # Had disallow not waited for this receiver, it would get 409 "released".
+    assert digest(5, client.recv_checkpoint(0, server.metadata(), 5, LONG)) == digest(5, sent)
+    released.result(WAIT)
+
+
+def test_disallow_returns_without_receivers(make_transport, threads):
+    server = make_transport()
+    threads.submit(server.disallow_checkpoint).result(WAIT)  # nothing published
+    server.send_checkpoint([], 5, state_dict(), timedelta(hours=1))
+    threads.submit(server.disallow_checkpoint).result(WAIT)  # nobody expected: no hour-long wait
+
+
+def test_after_disallow_requests_fail(make_transport):
+    server, client = make_transport(), make_transport()
+    server.send_checkpoint([1], 5, state_dict(), LONG)
+    client.recv_checkpoint(0, server.metadata(), 5, LONG)
+    server.disallow_checkpoint()
+    with pytest.raises(CheckpointTransferError, match="released its checkpoint.*step 5"):
+        client.recv_checkpoint(0, server.metadata(), 5, LONG)
+
+
+def test_publishing_twice_without_disallow_is_an_error(make_transport):
+    server = make_transport()
+    server.send_checkpoint([], 5, state_dict(), LONG)
+    with pytest.raises(CheckpointError, match="still published"):
+        server.send_checkpoint([], 6, state_dict(), LONG)
+    server.disallow_checkpoint()
+
+
+def test_an_unsupported_value_fails_on_the_callers_thread(make_transport):
+    with pytest.raises(CheckpointError, match="at user.fn"):
+        make_transport().send_checkpoint([1], 5, {"user": {"fn": print}}, LONG)
+
+
+def raw_request(port: int, path: str) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+    got = 0
+    while got < 64 * 1024:  # the headers and part of the body
+        got += len(sock.recv(4096))
+    return sock
+
+
+def test_a_receiver_killed_mid_transfer_counts_as_finished(make_transport, threads):
+    server = make_transport()
+    server.send_checkpoint([1], 5, {"big": torch.ones(8 << 20)}, timedelta(hours=1))
+    sock = raw_request(server.port, "/checkpoint/5?session=victim")
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()  # reset, as the kernel does for a killed process with unread data
+    threads.submit(server.disallow_checkpoint).result(WAIT)  # no hour-long wait
+
+
+def test_a_stalled_receiver_is_cut_off_at_the_send_timeout(make_transport, threads):
+    server = make_transport()
+    server.send_checkpoint([1], 5, {"big": torch.ones(8 << 20)}, timedelta(seconds=1))
+    sock = raw_request(server.port, "/checkpoint/5?session=stalled")
+    try:
+        threads.submit(server.disallow_checkpoint).result(WAIT)
+        sock.settimeout(WAIT)
+        with pytest.raises(ConnectionResetError):  # drain what was sent before the abort
+            while sock.recv(1 << 20):
+                pass
+            raise ConnectionResetError("closed cleanly")  # EOF counts too: the stream was cut short
+    finally:
+        sock.close()
+    assert server.statistics().bytes_served < 32 << 20
+
+
+def test_receive_timeout_is_a_checkpoint_timeout(make_transport):
+    server, client = make_transport(), make_transport()
+    with pytest.raises(CheckpointTimeout, match="step 7"):
+        client.recv_checkpoint(0, server.metadata(), 7, timedelta(seconds=0.5))
+
+
+def test_connection_refused_is_a_transfer_error(make_transport):
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+    with pytest.raises(CheckpointTransferError, match="failed"):
+        make_transport().recv_checkpoint(0, f"http://127.0.0.1:{port}/checkpoint", 5, LONG)
+
+
+def test_shutdown_answers_held_requests_and_is_idempotent(make_transport, threads):
+    server, client = make_transport(), make_transport()
+    received = threads.submit(client.recv_checkpoint, 0, server.metadata(), 5, LONG)
+    wait_until_sync(lambda: server.statistics().held_requests == 1, "the receiver's request to be held")
+    server.shutdown()
+    server.shutdown()
+    with pytest.raises(CheckpointTransferError):
+        received.result(WAIT)
+
+
+RECEIVER = textwrap.dedent("""
+    import hashlib, sys
+    from datetime import timedelta
+    from torchft_lite.checkpointing import HTTPTransport
+    from torchft_lite.checkpointing import _serialization as wire
+    transport = HTTPTransport(timedelta(seconds=60), num_chunks=2, hostname="127.0.0.1", bind_host="127.0.0.1")
+    try:
+        state = transport.recv_checkpoint(0, sys.argv[1], 5, timedelta(seconds=60))
+        print(hashlib.sha256(wire.encode_to_bytes(5, state)).hexdigest())
+    finally:
+        transport.shutdown()
+""")
+
+
+def test_a_receiver_in_another_process(make_transport):
+    server = make_transport()
+    sent = state_dict(big_elements=100_000)
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    child = subprocess.Popen([sys.executable, "-c", RECEIVER, server.metadata()], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, env=env, text=True)
+    try:
+        server.send_checkpoint([1], 5, sent, LONG)
+        server.disallow_checkpoint()  # returns once the child has reported back
+        out, err = child.communicate(timeout=WAIT)
+        assert child.returncode == 0, err
+        assert out.strip() == digest(5, sent)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()

@@ -1,0 +1,537 @@
+"""HTTPTransport: serve one step's state dict over HTTP from the control-plane loop.
+
+Routes (``{step}`` is the step asked for; every request names its receiver
+session with ``?session=<id>``; held requests also pass ``?timeout=<seconds>``)::
+
+    GET  /checkpoint/{step}                      prefix + header + data, one stream
+    GET  /checkpoint/{step}/header               prefix + header only
+    GET  /checkpoint/{step}/data?start=&end=     data bytes [start, end)
+    POST /checkpoint/{step}/done?ok=1|0          the receiver has finished
+
+A request for a step not published yet is held until it is (or until its
+timeout: 504). A request for an older step, or one already released by
+:meth:`HTTPTransport.disallow_checkpoint`, gets 409 naming the steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import hmac
+import logging
+import math
+import re
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Coroutine, Iterable, TypeVar
+
+import aiohttp
+from aiohttp import web
+
+from torchft_lite._control_plane import control_plane
+from torchft_lite.checkpointing import _serialization as wire
+from torchft_lite.checkpointing.transport import CheckpointTransport
+from torchft_lite.errors import CheckpointError, CheckpointTimeout, CheckpointTransferError, ConfigError
+
+__all__ = ["HTTPTransport", "HTTPTransportStatistics"]
+
+T = TypeVar("T")
+logger = logging.getLogger(__name__)
+
+_SLICE_BYTES = 4 << 20  # write/read granularity: the loop never copies more than this at once
+_DONE_TIMEOUT = 5.0  # seconds a receiver spends telling the server it has finished
+_ABORT_GRACE = 10.0  # seconds disallow_checkpoint waits for aborted streams and encoding to stop
+_SESSION_ID = re.compile(r"[0-9A-Za-z_-]{1,64}")
+
+
+@dataclass(frozen=True)
+class HTTPTransportStatistics:
+    """What the transport is doing now, for status pages and tests."""
+
+    published_step: int | None
+    """The step being served, or None between disallow_checkpoint and the next send."""
+    held_requests: int
+    """Requests waiting for their step to be published."""
+    active_streams: int
+    """Responses currently streaming the published state dict."""
+    receivers_finished: int
+    """Receivers of the published step that have finished (succeeded or failed)."""
+    bytes_served: int
+    """Bytes of state dicts written since the transport started."""
+
+
+@dataclass
+class _Session:
+    """One receiver of one snapshot."""
+
+    peer: str
+    bytes_sent: int = 0
+    ok: bool | None = None  # None while it is still receiving
+
+    @property
+    def finished(self) -> bool:
+        return self.ok is not None
+
+
+@dataclass
+class _Snapshot:
+    """A published state dict: shared by every request for its step."""
+
+    step: int
+    flat: wire.FlatStateDict
+    expected: int
+    deadline: float
+    published_at: float
+    sessions: dict[str, _Session] = field(default_factory=dict)
+    streams: set[asyncio.Task] = field(default_factory=set)
+    encoding: asyncio.Future | None = None
+    stop_encoding: threading.Event = field(default_factory=threading.Event)
+    closed: bool = False
+
+    def receivers_done(self) -> bool:
+        finished = sum(session.finished for session in self.sessions.values())
+        return finished >= self.expected and finished == len(self.sessions)
+
+    async def encoded(self) -> wire.EncodedStateDict:
+        if self.encoding is None:  # read the tensors only once a receiver asks
+            loop = asyncio.get_running_loop()
+            self.encoding = loop.run_in_executor(
+                None, functools.partial(wire.encode, self.step, self.flat, should_stop=self.stop_encoding.is_set))
+        return await asyncio.shield(self.encoding)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    if ":" in host:
+        try:
+            return socket.create_server((host, port), family=socket.AF_INET6, dualstack_ipv6=host == "::")
+        except OSError:
+            if host != "::":
+                raise
+            logger.info("IPv6 unavailable; the checkpoint server listens on 0.0.0.0 instead of ::")
+            host = "0.0.0.0"
+    return socket.create_server((host, port))
+
+
+class HTTPTransport(CheckpointTransport[T]):
+    """Serves this replica's state dict over HTTP; fetches a peer's the same way.
+
+    Args:
+        timeout: default bound for serving and for held requests.
+        num_chunks: receive the tensor data over this many concurrent HTTP
+            requests, split by bytes; 0 or 1 means one stream.
+        hostname: advertised in :meth:`metadata`; defaults to ``socket.gethostname()``.
+        bind_host: the address the server listens on ("::" is dual-stack).
+        port: the port to listen on; 0 picks a free one.
+        token: when set, every request must carry ``Authorization: Bearer <token>``
+            (401 without, 403 when wrong) and :meth:`recv_checkpoint` sends it.
+    """
+
+    def __init__(self, timeout: timedelta, num_chunks: int = 0, *, hostname: str | None = None,
+                 bind_host: str = "::", port: int = 0, token: str | None = None) -> None:
+        if num_chunks < 0:
+            raise ConfigError(f"num_chunks must be >= 0, got {num_chunks}")
+        if timeout.total_seconds() <= 0:
+            raise ConfigError(f"timeout must be positive, got {timeout}")
+        self._timeout = timeout.total_seconds()
+        self._num_chunks = num_chunks
+        self._hostname = hostname or socket.gethostname()
+        self._token = token
+        self._plane = control_plane()
+        self._snapshot: _Snapshot | None = None
+        self._released_step: int | None = None
+        self._held = 0
+        self._bytes_served = 0
+        self._stopped = False
+        self._client: aiohttp.ClientSession | None = None
+        self._runner: web.AppRunner | None = None
+        self._changed: asyncio.Condition | None = None
+        self._port: int = self._call(self._start(bind_host, port), self._timeout, "the checkpoint server to start")
+
+    # ------------------------------------------------------------ public API
+
+    def metadata(self) -> str:
+        host = f"[{self._hostname}]" if ":" in self._hostname and not self._hostname.startswith("[") else self._hostname
+        return f"http://{host}:{self._port}/checkpoint"
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: T, timeout: timedelta) -> None:
+        """Publish ``state_dict`` (by reference) as step ``step``; returns without waiting for receivers."""
+        flat = wire.flatten(state_dict)  # refuse unsupported values here, on the caller's thread
+        self._call(self._publish(len(dst_ranks), step, flat, timeout.total_seconds()), self._timeout,
+                   f"publishing step {step}")
+
+    def disallow_checkpoint(self) -> None:
+        """Wait for the receivers of the published step (at most the send's timeout), then stop serving it."""
+        self._call(self._release(), self._timeout + 2 * _ABORT_GRACE, "the checkpoint receivers to finish")
+
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> T:
+        """Fetch, verify and decode (to CPU) the state dict of ``step`` from the URL ``metadata``."""
+        seconds = timeout.total_seconds()
+        return self._call(self._receive(metadata.rstrip("/") + f"/{step}", step, seconds),
+                          seconds + _DONE_TIMEOUT + _ABORT_GRACE, f"step {step} from replica {src_rank}")
+
+    def shutdown(self, wait: bool = True) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        future = self._plane.submit(self._stop())
+        if wait:
+            try:
+                future.result(self._timeout + 2 * _ABORT_GRACE)
+            except concurrent.futures.TimeoutError as exc:
+                raise CheckpointTimeout(f"timed out stopping the checkpoint server on port {self._port}") from exc
+        else:
+            future.add_done_callback(_log_failure)
+
+    def statistics(self) -> HTTPTransportStatistics:
+        snapshot = self._snapshot
+        return HTTPTransportStatistics(
+            published_step=None if snapshot is None else snapshot.step,
+            held_requests=self._held,
+            active_streams=0 if snapshot is None else len(snapshot.streams),
+            receivers_finished=0 if snapshot is None else sum(s.finished for s in snapshot.sessions.values()),
+            bytes_served=self._bytes_served,
+        )
+
+    def _call(self, coro: Coroutine[Any, Any, Any], timeout: float, what: str) -> Any:
+        try:
+            return self._plane.run(coro, timeout, what)
+        except TimeoutError as exc:
+            if isinstance(exc, CheckpointError):
+                raise
+            raise CheckpointTimeout(str(exc)) from exc
+
+    # ------------------------------------------------------------ server (control-plane loop)
+
+    async def _start(self, bind_host: str, port: int) -> int:
+        self._changed = asyncio.Condition()
+        app = web.Application(client_max_size=4096)
+        app.router.add_get("/checkpoint/{step}", functools.partial(self._serve, part="all"))
+        app.router.add_get("/checkpoint/{step}/header", functools.partial(self._serve, part="header"))
+        app.router.add_get("/checkpoint/{step}/data", functools.partial(self._serve, part="data"))
+        app.router.add_post("/checkpoint/{step}/done", self._done)
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+        await self._runner.setup()
+        try:
+            sock = _listen(bind_host, port)
+        except OSError as exc:
+            await self._runner.cleanup()
+            raise CheckpointError(f"cannot listen on {bind_host}:{port} for checkpoints: {exc}") from exc
+        await web.SockSite(self._runner, sock).start()
+        logger.info("checkpoint server listening on %s:%d (advertised as %s)", bind_host, sock.getsockname()[1],
+                    self._hostname)
+        return sock.getsockname()[1]
+
+    async def _publish(self, expected: int, step: int, flat: wire.FlatStateDict, timeout: float) -> None:
+        assert self._changed is not None
+        async with self._changed:
+            if self._stopped:
+                raise CheckpointError("the transport is shut down")
+            if self._snapshot is not None:
+                raise CheckpointError(f"step {self._snapshot.step} is still published; "
+                                      f"call disallow_checkpoint() before publishing step {step}")
+            now = asyncio.get_running_loop().time()
+            self._snapshot = _Snapshot(step, flat, expected, deadline=now + timeout, published_at=now)
+            self._changed.notify_all()
+        logger.debug("published step %d for %d receivers", step, expected)
+
+    async def _release(self, wait: bool = True) -> None:
+        snapshot = self._snapshot
+        if snapshot is None or self._changed is None:
+            return
+        loop = asyncio.get_running_loop()
+        async with self._changed:
+            if wait:
+                try:
+                    await asyncio.wait_for(self._changed.wait_for(snapshot.receivers_done),
+                                           max(0.0, snapshot.deadline - loop.time()))
+                except TimeoutError:
+                    logger.warning("step %d: receivers not finished within the send timeout; aborting %d streams",
+                                   snapshot.step, len(snapshot.streams))
+            snapshot.closed = True
+            self._snapshot = None
+            self._released_step = max(snapshot.step, self._released_step or snapshot.step)
+            self._changed.notify_all()
+        snapshot.stop_encoding.set()
+        for task in snapshot.streams:
+            task.cancel()
+        pending = list(snapshot.streams) + ([snapshot.encoding] if snapshot.encoding is not None else [])
+        still: set = set()
+        if pending:
+            _, still = await asyncio.wait(pending, timeout=_ABORT_GRACE)
+            if still:
+                logger.warning("step %d: %d streams or encodings still running after release", snapshot.step,
+                               len(still))
+        if snapshot.encoding is not None and snapshot.encoding.done() and not snapshot.encoding.cancelled():
+            if snapshot.encoding.exception() is None and not still:  # an abandoned encoding is expected here
+                snapshot.encoding.result().release()
+        served = ", ".join(f"{s.peer} {'ok' if s.ok else 'failed'} {s.bytes_sent}B" for s in snapshot.sessions.values())
+        logger.info("released step %d after %.2fs: %d of %d expected receivers finished (%s)", snapshot.step,
+                    loop.time() - snapshot.published_at, sum(s.finished for s in snapshot.sessions.values()),
+                    snapshot.expected, served or "none came")
+
+    async def _stop(self) -> None:
+        await self._release(wait=False)
+        if self._changed is not None:
+            async with self._changed:
+                self._changed.notify_all()  # held requests see _stopped and answer 503
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._client is not None:
+            await self._client.close()
+
+    def _authorize(self, request: web.Request) -> None:
+        if self._token is None:
+            return
+        given = request.headers.get("Authorization")
+        if given is None:
+            raise web.HTTPUnauthorized(text="this checkpoint server needs a bearer token",
+                                       headers={"WWW-Authenticate": "Bearer"})
+        if not hmac.compare_digest(given.encode(), f"Bearer {self._token}".encode()):
+            raise web.HTTPForbidden(text="wrong bearer token for this checkpoint server")
+
+    def _request_args(self, request: web.Request) -> tuple[int, str]:
+        self._authorize(request)
+        try:
+            step = int(request.match_info["step"])
+        except ValueError as exc:
+            raise web.HTTPBadRequest(text=f"step must be an integer, got {request.match_info['step'][:40]!r}") from exc
+        session = request.query.get("session", "")
+        if not _SESSION_ID.fullmatch(session):
+            raise web.HTTPBadRequest(text="a session id (1-64 of [0-9A-Za-z_-]) is required")
+        return step, session
+
+    async def _snapshot_for(self, step: int, hold: float) -> _Snapshot:
+        """The published snapshot of ``step``, waiting up to ``hold`` seconds for it to be published."""
+        assert self._changed is not None
+        deadline = asyncio.get_running_loop().time() + hold
+        self._held += 1
+        try:
+            async with self._changed:
+                while True:
+                    snapshot = self._snapshot
+                    if self._stopped:
+                        raise web.HTTPServiceUnavailable(text="the checkpoint server is shutting down")
+                    if snapshot is not None and snapshot.step == step:
+                        return snapshot
+                    if snapshot is not None and step < snapshot.step:
+                        raise web.HTTPConflict(text=f"requested step {step}, but this replica serves step "
+                                                    f"{snapshot.step}")
+                    if snapshot is None and self._released_step is not None and step <= self._released_step:
+                        raise web.HTTPConflict(text=f"requested step {step}, but this replica has released its "
+                                                    f"checkpoint (last served step {self._released_step})")
+                    remaining = deadline - asyncio.get_running_loop().time()
+                    if remaining <= 0:
+                        raise web.HTTPGatewayTimeout(text=f"step {step} was not published within {hold:.1f}s")
+                    try:
+                        await asyncio.wait_for(self._changed.wait(), remaining)
+                    except TimeoutError:
+                        pass  # the loop answers 504 above
+        finally:
+            self._held -= 1
+
+    async def _serve(self, request: web.Request, part: str) -> web.StreamResponse:
+        step, session_id = self._request_args(request)
+        try:
+            hold = float(request.query.get("timeout", self._timeout))
+        except ValueError as exc:
+            raise web.HTTPBadRequest(text="timeout must be a number of seconds") from exc
+        hold = min(hold, self._timeout) if math.isfinite(hold) else self._timeout
+        snapshot = await self._snapshot_for(step, hold)
+        session = snapshot.sessions.setdefault(session_id, _Session(peer=request.remote or "?"))
+        if session.finished:
+            raise web.HTTPConflict(text=f"session {session_id} has already finished")
+        task = asyncio.current_task()
+        assert task is not None
+        snapshot.streams.add(task)
+        try:
+            try:
+                encoded = await snapshot.encoded()
+            except CheckpointError as exc:
+                raise web.HTTPConflict(text=f"step {step} is no longer served: {exc}") from exc
+            pieces, length = self._pieces(request, encoded, part)
+            response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+            response.content_length = length
+            await response.prepare(request)
+            for piece in pieces:
+                if snapshot.closed:
+                    raise ConnectionAbortedError(f"step {step} was released mid-stream")
+                data = bytes(piece)  # the transport must never hold a view of tensor memory
+                await response.write(data)
+                session.bytes_sent += len(data)
+                self._bytes_served += len(data)
+            await response.write_eof()
+            return response
+        except web.HTTPException:
+            await self._finish(snapshot, session, ok=False)  # the receiver fails, and won't say so
+            raise
+        except (ConnectionError, asyncio.CancelledError) as exc:
+            if request.transport is not None:
+                request.transport.abort()  # drop what is buffered: a graceful close would trickle it out
+            await self._finish(snapshot, session, ok=False)
+            logger.info("step %d: stream to %s ended early: %s", step, session.peer, type(exc).__name__)
+            raise asyncio.CancelledError from exc  # aiohttp closes the connection quietly
+        finally:
+            snapshot.streams.discard(task)
+
+    def _pieces(self, request: web.Request, encoded: wire.EncodedStateDict,
+                part: str) -> tuple[Iterable[memoryview | bytes], int]:
+        if part == "header":
+            return [encoded.header], len(encoded.header)
+        if part == "all":
+            return _chain([encoded.header], encoded.iter_data(slice_bytes=_SLICE_BYTES)), encoded.total_bytes
+        try:
+            start, end = int(request.query["start"]), int(request.query["end"])
+        except (KeyError, ValueError) as exc:
+            raise web.HTTPBadRequest(text="start and end byte offsets are required") from exc
+        if not 0 <= start <= end <= encoded.data_bytes:
+            raise web.HTTPBadRequest(text=f"range [{start}, {end}) outside [0, {encoded.data_bytes})")
+        return encoded.iter_data(start, end, slice_bytes=_SLICE_BYTES), end - start
+
+    async def _finish(self, snapshot: _Snapshot, session: _Session, ok: bool) -> None:
+        assert self._changed is not None
+        async with self._changed:
+            if not session.finished:
+                session.ok = ok
+            self._changed.notify_all()
+
+    async def _done(self, request: web.Request) -> web.Response:
+        step, session_id = self._request_args(request)
+        snapshot = self._snapshot
+        session = None if snapshot is None or snapshot.step != step else snapshot.sessions.get(session_id)
+        if snapshot is None or session is None:
+            raise web.HTTPConflict(text=f"no receiver session {session_id} for step {step}")
+        await self._finish(snapshot, session, ok=request.query.get("ok") == "1")
+        return web.Response(text="ok")
+
+    # ------------------------------------------------------------ client (control-plane loop)
+
+    def _auth_headers(self) -> dict[str, str]:
+        return {} if self._token is None else {"Authorization": f"Bearer {self._token}"}
+
+    async def _receive(self, url: str, step: int, timeout: float) -> Any:
+        if self._client is None:
+            self._client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
+                                                 read_bufsize=_SLICE_BYTES)
+        session_id = uuid.uuid4().hex
+        started = time.monotonic()
+        joined: list[bool] = []  # set once the server has counted this session
+        ok = False
+        try:
+            async with asyncio.timeout(timeout):
+                if self._num_chunks <= 1:
+                    state = await self._fetch_all(url, step, session_id, started + timeout, joined)
+                else:
+                    state = await self._fetch_chunked(url, step, session_id, started + timeout, joined)
+            ok = True
+            logger.info("received step %d from %s in %.2fs", step, url, time.monotonic() - started)
+            return state
+        except CheckpointError:
+            raise
+        except TimeoutError as exc:
+            raise CheckpointTimeout(f"timed out after {timeout:.1f}s receiving step {step} from {url}") from exc
+        except (aiohttp.ClientError, ConnectionError, asyncio.IncompleteReadError) as exc:
+            raise CheckpointTransferError(f"receiving step {step} from {url} failed: "
+                                          f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            if joined:
+                await self._tell_done(url, session_id, ok)
+
+    def _params(self, session_id: str, deadline: float, **extra: int) -> dict[str, str]:
+        remaining = max(0.0, deadline - time.monotonic())
+        return {"session": session_id, "timeout": f"{remaining:.3f}", **{k: str(v) for k, v in extra.items()}}
+
+    async def _get(self, url: str, params: dict[str, str], step: int,
+                   joined: list[bool]) -> aiohttp.ClientResponse:
+        assert self._client is not None
+        response = await self._client.get(url, params=params, headers=self._auth_headers())
+        if response.status == 200:
+            joined.append(True)
+            return response
+        text = (await response.content.read(2048)).decode(errors="replace")
+        response.release()
+        if response.status == 504:
+            raise CheckpointTimeout(f"{url}: {text}")
+        if response.status in (401, 403):
+            raise CheckpointTransferError(f"{url} refused the request (HTTP {response.status}, check the token): "
+                                          f"{text}")
+        raise CheckpointTransferError(f"{url} answered HTTP {response.status}: {text}")
+
+    async def _read_header(self, content: aiohttp.StreamReader, step: int, url: str,
+                           total: int | None) -> wire.Header:
+        length, crc = wire.unpack_prefix(await content.readexactly(wire.PREFIX_SIZE))
+        header_json = await content.readexactly(length)
+        data_bytes = None if total is None else total - wire.PREFIX_SIZE - length
+        header = wire.parse_header(header_json, crc, data_bytes=data_bytes)
+        if header.step != step:
+            raise CheckpointTransferError(f"{url} sent step {header.step}, expected step {step}")
+        return header
+
+    async def _fetch_all(self, url: str, step: int, session_id: str, deadline: float, joined: list[bool]) -> Any:
+        async with await self._get(url, self._params(session_id, deadline), step, joined) as response:
+            header = await self._read_header(response.content, step, url, response.content_length)
+            reader = wire.StateDictReader(header)
+            await _read_into(reader, response.content, 0, header.data_bytes)
+        return await asyncio.to_thread(reader.finish)
+
+    async def _fetch_chunked(self, url: str, step: int, session_id: str, deadline: float,
+                             joined: list[bool]) -> Any:
+        async with await self._get(f"{url}/header", self._params(session_id, deadline), step, joined) as response:
+            header = await self._read_header(response.content, step, url, None)
+        reader = wire.StateDictReader(header)
+        bounds = [header.data_bytes * i // self._num_chunks for i in range(self._num_chunks + 1)]
+
+        async def fetch(start: int, end: int) -> None:
+            params = self._params(session_id, deadline, start=start, end=end)
+            async with await self._get(f"{url}/data", params, step, joined) as response:
+                if response.content_length != end - start:
+                    raise CheckpointTransferError(f"{url}: range [{start}, {end}) came with "
+                                                  f"{response.content_length} bytes")
+                await _read_into(reader, response.content, start, end)
+
+        tasks = [asyncio.create_task(fetch(a, b)) for a, b in zip(bounds, bounds[1:]) if b > a]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        return await asyncio.to_thread(reader.finish)
+
+    async def _tell_done(self, url: str, session_id: str, ok: bool) -> None:
+        assert self._client is not None
+        try:
+            async with asyncio.timeout(_DONE_TIMEOUT):
+                async with self._client.post(f"{url}/done", params={"session": session_id, "ok": "1" if ok else "0"},
+                                             headers=self._auth_headers()) as response:
+                    if response.status != 200:
+                        logger.debug("%s/done answered HTTP %d", url, response.status)
+        except (aiohttp.ClientError, ConnectionError, TimeoutError) as exc:
+            logger.debug("could not tell %s that session %s finished: %r", url, session_id, exc)
+
+
+async def _read_into(reader: wire.StateDictReader, content: aiohttp.StreamReader, start: int, end: int) -> None:
+    position = start
+    async for chunk in content.iter_chunked(_SLICE_BYTES):
+        reader.write(position, chunk)
+        position += len(chunk)
+    if position != end:
+        raise CheckpointTransferError(f"checkpoint truncated: got bytes [{start}, {position}) of [{start}, {end})")
+
+
+def _chain(*parts: Iterable[memoryview | bytes]) -> Iterable[memoryview | bytes]:
+    for part in parts:
+        yield from part
+
+
+def _log_failure(future: concurrent.futures.Future) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        logger.warning("checkpoint transport shutdown failed: %r", future.exception())
