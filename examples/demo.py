@@ -1,145 +1,132 @@
-"""``make demo``: a lighthouse and three simulated replica groups, one killed and restarted.
+"""The demo behind `make demo`: fault-tolerant DDP surviving a SIGKILL, healed live.
 
-Until the Manager lands this exercises the lighthouse alone: each group is a
-separate process that heartbeats and joins the quorum each step (see
-simulated_replica_group.py). The demo SIGKILLs one group, shows the survivors
-form a quorum without it once its heartbeat expires, restarts it as a new
-incarnation that joins behind and catches up to the max step, and prints a
-summary. The dashboard is live at the printed URL while it runs.
+A lighthouse and three replica groups of examples/train_ddp.py, each launched
+with torchrun (group 0 has 2 ranks), train on CPU. Mid-run one group is
+SIGKILLed; the others keep committing steps without it. The group is then
+restarted: it is healed from a live peer (state dict over HTTP) and trains on
+in lockstep. The summary says what happened and checks that every group holds
+bit-identical parameters at every step they committed. Exit code 0 when all
+checks pass.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import signal
-import subprocess
 import sys
-import threading
+import tempfile
 import time
-import urllib.request
+from collections import defaultdict
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-GROUP = HERE / "simulated_replica_group.py"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from torchft_lite.local_cluster import LighthouseProcess, ReplicaGroup  # noqa: E402
+
+SCRIPT = Path(__file__).resolve().parent / "train_ddp.py"
+HEALED = re.compile(r"healed: ([\d.]+) MB in ([\d.]+)s \(([\d.]+) MB/s\)")
 
 
-class Proc:
-    """A child process whose JSON event lines are collected in the background."""
-
-    def __init__(self, name: str, cmd: list[str]) -> None:
-        self.name = name
-        self.events: list[dict] = []
-        self.lines: list[str] = []
-        self.popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                      env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        for line in self.popen.stdout:
-            self.lines.append(line)
-            if line.startswith("{"):
-                self.events.append(json.loads(line))
-
-    def stop(self, sig: int = signal.SIGTERM) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(sig)
-            try:
-                self.popen.wait(10)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--direct", action="store_true", help="launch ranks directly instead of with torchrun")
+    parser.add_argument("--timeout", type=float, default=100.0, help="give up on any phase after this many seconds")
+    parser.add_argument("--workdir", help="keep logs and reports here (default: a temporary directory)")
+    return parser.parse_args()
 
 
-def wait_for(predicate, what: str, timeout: float) -> float:
-    start = time.monotonic()
+def reports(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def last_step(rows: list[dict], group: int) -> int:
+    return max((r["step"] for r in rows if r["group"] == group), default=0)
+
+
+def wait_for(what: str, predicate, groups: list[ReplicaGroup], timeout: float) -> float:
+    started = time.monotonic()
     while not predicate():
-        if time.monotonic() - start > timeout:
+        for group in groups:
+            if not group.alive():
+                raise SystemExit(f"demo failed: group {group.group_id} exited while waiting for {what}")
+        if time.monotonic() - started > timeout:
             raise SystemExit(f"demo failed: timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.05)
-    return time.monotonic() - start
+        time.sleep(0.1)
+    print(f"  ... {what} ({time.monotonic() - started:.1f}s)", flush=True)
+    return time.monotonic()
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--heartbeat-timeout-ms", type=int, default=1000, help="lighthouse heartbeat timeout")
-    parser.add_argument("--run-seconds", type=float, default=3.0, help="seconds of training between events")
-    args = parser.parse_args()
-
-    lighthouse = Proc("lighthouse", [
-        sys.executable, "-m", "lighthouse", "--min_replicas", "2", "--bind", "127.0.0.1:0",
-        "--http-bind", "127.0.0.1:0", "--join_timeout_ms", "3000",
-        "--heartbeat_timeout_ms", str(args.heartbeat_timeout_ms),
-    ])
-    groups: dict[str, Proc] = {}
+    args = parse_args()
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="torchft-lite-demo-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    report = workdir / "report.jsonl"
+    print(f"torchft_lite demo: logs and per-step reports in {workdir}")
+    lighthouse = LighthouseProcess(min_replicas=2, join_timeout=2.0, heartbeat_timeout=2.0,
+                                   log_path=workdir / "lighthouse.log").start()
+    print(f"lighthouse at {lighthouse.address} (min_replicas=2, heartbeat timeout 2s)")
+    train_args = ["--steps", "1000000", "--step-sleep", "0.05", "--report", str(report), "--timeout", "10"]
+    groups = [ReplicaGroup(g, 3, lighthouse.address, SCRIPT, train_args, world_size=2 if g == 0 else 1,
+                           use_torchrun=not args.direct, log_dir=workdir) for g in range(3)]
+    ok = False
     try:
-        wait_for(lambda: any("listening on" in line for line in lighthouse.lines), "the lighthouse to start", 60)
-        line = next(line for line in lighthouse.lines if "listening on" in line)
-        grpc_port, http_port = re.search(r":(\d+), dashboard at http://localhost:(\d+)", line).groups()
-        address = f"http://127.0.0.1:{grpc_port}"
-        print(f"lighthouse at {address}; dashboard: http://127.0.0.1:{http_port}/")
-
-        def start_group(name: str) -> Proc:
-            proc = Proc(name, [sys.executable, str(GROUP), "--lighthouse", address, "--replica-id", name,
-                               "--step-time", "0.1"])
-            groups[name] = proc
-            return proc
-
-        def quorum_events(proc: Proc) -> list[dict]:
-            return [e for e in proc.events if e["event"] == "quorum"]
-
-        for name in ("group0", "group1", "group2"):
-            start_group(name)
-        wait_for(lambda: all(len(quorum_events(g)) >= 5 for g in groups.values()), "three groups training", 60)
-        time.sleep(args.run_seconds)
-
-        victim = groups.pop("group2")
-        killed_at_step = quorum_events(victim)[-1]["step"]
-        victim.stop(signal.SIGKILL)
-        killed_at = time.time()
-        print(f"SIGKILLed group2 at step {killed_at_step}")
-        survivors = list(groups.values())
-
-        def reformed() -> bool:
-            return all(any(e["t"] > killed_at and len(e["members"]) == 2 for e in quorum_events(g)) for g in survivors)
-
-        wait_for(reformed, "the survivors to re-form without group2", 60)
-        stall = min(e["t"] for g in survivors for e in quorum_events(g)
-                    if e["t"] > killed_at and len(e["members"]) == 2) - killed_at
-        print(f"survivors formed a 2-member quorum {stall:.2f}s after the kill (heartbeat timeout "
-              f"{args.heartbeat_timeout_ms} ms)")
-        time.sleep(args.run_seconds)
-
-        restarted = start_group("group2")
-        restart_at = time.time()
-        wait_for(lambda: any(e["healed_from"] for e in quorum_events(restarted)), "group2 to rejoin and catch up", 60)
-        rejoin = next(e for e in quorum_events(restarted) if e["healed_from"])
-        print(f"group2 restarted as a new member, joined quorum {rejoin['quorum_id']} "
-              f"{rejoin['t'] - restart_at:.2f}s after start, caught up to step {rejoin['step']} "
-              f"from {rejoin['healed_from']}")
-        time.sleep(args.run_seconds)
-
-        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/api/status", timeout=30) as response:
-            status = json.load(response)
-        final_steps = {name: quorum_events(g)[-1]["step"] for name, g in groups.items()}
-        stats = status["statistics"]
-        print("\n=== demo summary ===")
-        print(f"quorums issued: {stats['quorums_issued']}, quorum id changes: {stats['quorum_id_changes']}, "
-              f"replicas expired: {stats['expired_replicas']}")
-        print(f"failures survived: 1 (SIGKILL of group2 at step {killed_at_step}); detection + re-form: {stall:.2f}s")
-        print(f"last steps per group: {final_steps}")
-        print(f"current quorum: {[m['replica_id'] for m in status['quorum']['members']]}")
-        in_lockstep = max(final_steps.values()) - min(final_steps.values()) <= 1
-        print(f"groups in lockstep after the restart: {'yes' if in_lockstep else 'NO'}")
-        print("(simulated groups; real training with live heal arrives with the Manager)")
-        return 0 if in_lockstep else 1
+        for group in groups:
+            group.start()
+        print("3 replica groups started (group 0: 2 ranks; groups 1, 2: 1 rank)")
+        wait_for("all groups past step 15", lambda: min(last_step(reports(report), g) for g in range(3)) >= 15,
+                 groups, args.timeout)
+        victim = groups[2]
+        victim.kill(signal.SIGKILL)
+        killed_at = time.monotonic()
+        step_at_kill = last_step(reports(report), 0)
+        print(f"SIGKILLed replica group 2 at step ~{step_at_kill}")
+        resumed = wait_for(
+            "survivors committing without group 2",
+            lambda: any(r["participants"] == 2 and r["step"] > step_at_kill for r in reports(report) if r["group"] == 0),
+            groups[:2], args.timeout)
+        stall = resumed - killed_at
+        wait_for("survivors 15 steps further", lambda: last_step(reports(report), 0) >= step_at_kill + 15,
+                 groups[:2], args.timeout)
+        victim.start()
+        restart_step = last_step(reports(report), 0)
+        print(f"restarted replica group 2 (survivors at step {restart_step})")
+        wait_for("group 2 healed and 10 steps in lockstep",
+                 lambda: last_step(reports(report), 2) >= restart_step + 10, groups, args.timeout)
+        rows = reports(report)
+        ok = summarize(rows, workdir, stall, step_at_kill)
     finally:
-        for proc in list(groups.values()):
-            proc.stop()
+        for group in groups:
+            group.stop()
         lighthouse.stop()
+    return 0 if ok else 1
+
+
+def summarize(rows: list[dict], workdir: Path, stall: float, step_at_kill: int) -> bool:
+    by_step: dict[int, set[str]] = defaultdict(set)
+    for row in rows:
+        by_step[row["step"]].add(row["checksum"])
+    diverged = sorted(step for step, sums in by_step.items() if len(sums) > 1)
+    heals = [HEALED.search(line) for log in workdir.glob("group2.2.*.log")
+             for line in log.read_text(errors="replace").splitlines()]
+    heals = [m for m in heals if m]
+    group2_steps = sorted(r["step"] for r in rows if r["group"] == 2)
+    resumed_at = next((s for s in group2_steps if s > step_at_kill + 1), None)
+    print("\n================ summary ================")
+    print(f"steps committed (max)          {max(by_step)}")
+    print(f"failures survived              1 (SIGKILL of replica group 2 at step ~{step_at_kill})")
+    print(f"survivors' stall after kill    {stall:.1f}s (until a step committed without group 2)")
+    if heals:
+        mb, seconds, rate = heals[0].groups()
+        print(f"heal                           {mb} MB in {seconds}s ({rate} MB/s), group 2 rejoined at step {resumed_at}")
+    else:
+        print("heal                           NOT FOUND in group 2's logs")
+    checked = sum(1 for sums in by_step.values() if sums)
+    print(f"identical parameters           {'yes' if not diverged else 'NO'} "
+          f"({checked} steps checked across all groups and ranks{'; diverged at ' + str(diverged[:5]) if diverged else ''})")
+    print("==========================================")
+    return not diverged and bool(heals)
 
 
 if __name__ == "__main__":

@@ -42,5 +42,6 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
         self.register_comm_hook(manager, _comm_hook)
 
 
-def _comm_hook(manager: "Manager", bucket: dist.GradBucket) -> torch.futures.Future:
+def _comm_hook(manager, bucket):  # unannotated: DDP rejects string annotations here
+    """Average the bucket across replica groups through ``manager`` (a torch future of the bucket)."""
     return manager.allreduce(bucket.buffer()).get_future()

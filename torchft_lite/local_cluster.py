@@ -47,6 +47,28 @@ def _stop(proc: subprocess.Popen, timeout: float) -> int | None:
     return proc.returncode
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (Linux /proc), deepest first."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(parent, []).append(int(entry))
+    found: list[int] = []
+    stack = list(children.get(pid, []))
+    while stack:
+        child = stack.pop()
+        found.append(child)
+        stack.extend(children.get(child, []))
+    return found[::-1]
+
+
 class LighthouseProcess:
     """``python -m lighthouse`` on 127.0.0.1; ``address`` is what managers dial."""
 
@@ -159,13 +181,18 @@ class ReplicaGroup:
         return any(p.poll() is None for p in self.procs)
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
-        """Send ``sig`` to every process of the group (the whole session under torchrun)."""
+        """Send ``sig`` to every process of the group, torchrun's workers included.
+
+        (torchrun starts each worker in a session of its own, so signalling the
+        agent's process group would miss them; the process tree is walked instead.)
+        """
         for proc in self.procs:
             if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, sig)
-                except ProcessLookupError:
-                    pass
+                for pid in [*_descendants(proc.pid), proc.pid]:
+                    try:
+                        os.kill(pid, sig)
+                    except ProcessLookupError:
+                        pass
         if sig == signal.SIGKILL:
             for proc in self.procs:
                 proc.wait(30)
@@ -182,5 +209,11 @@ class ReplicaGroup:
 
     def stop(self, timeout: float = 10.0) -> None:
         for proc in self.procs:
+            leftovers = _descendants(proc.pid) if proc.poll() is None else []
             _stop(proc, timeout)
+            for pid in leftovers:  # torchrun workers live in sessions of their own
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
         self._store = None

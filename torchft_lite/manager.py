@@ -119,6 +119,7 @@ class Manager:
         self._participating_world_size = 0
         self._training_thread: int | None = None
         self._heal_stats: tuple[float, int] | None = None
+        self._pre_heal_state: dict[str, int] | None = None
 
         self._control = control_plane()
         self._server: ManagerServer | None = None
@@ -190,6 +191,7 @@ class Manager:
         self._published = False
         self._pending_work = []
         self._heal_stats = None
+        self._pre_heal_state = None
         self._training_thread = threading.get_ident()
         quorum_timeout = timeout.total_seconds() if timeout is not None else self._quorum_timeout
         self._quorum_future = self._control.submit(self._async_quorum(allow_heal, shrink_only, quorum_timeout))
@@ -271,6 +273,7 @@ class Manager:
         state, self._pending_state_dict = self._pending_state_dict, None
         if state is None:
             return  # the heal failed; the error is recorded and the step won't commit
+        self._pre_heal_state = self.state_dict()
         try:
             user = state["user"]
             missing = set(self._load_state_dict_fns) - set(user)
@@ -283,7 +286,7 @@ class Manager:
             self.report_error(exc)
             return
         seconds, nbytes = self._heal_stats or (0.0, 0)
-        self._log(logging.INFO, "healed: %.1f MB in %.2fs (%.1f MB/s)", nbytes / 1e6, seconds,
+        self._log(logging.INFO, "healed: %.3f MB in %.2fs (%.1f MB/s)", nbytes / 1e6, seconds,
                   nbytes / 1e6 / seconds if seconds > 0 else 0.0)
 
     def _maybe_publish_checkpoint(self) -> None:
@@ -397,6 +400,11 @@ class Manager:
             self._commit_failures = 0
             self._healing = False
         else:
+            if self._pre_heal_state is not None:
+                # The heal is undone with the step: a rank of this group that
+                # failed must not end up at another step than the rest (the
+                # weights loaded stay; the next quorum heals again over them).
+                self.load_state_dict(self._pre_heal_state)
             self._commit_failures += 1
             self._log(logging.INFO, "step not committed (%d consecutive)", self._commit_failures)
             if self._settings.max_retries is not None and self._commit_failures > self._settings.max_retries:

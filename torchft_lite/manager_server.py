@@ -206,6 +206,14 @@ class ManagerServer:
             QuorumMember(p.replica_id, p.address, p.store_address, p.step, p.world_size, p.commit_failures)
             for p in quorum.participants
         ]
+        # Group rank r of every replica group forms one process group, so every
+        # group needs the same number of ranks; otherwise rendezvous would hang.
+        mismatched = [f"{m.replica_id} has {m.world_size}" for m in members
+                      if m.world_size not in (0, self.config.world_size)]
+        if mismatched:
+            raise RpcAbort(grpc.StatusCode.FAILED_PRECONDITION,
+                           f"replica groups must all have the same number of ranks: {self.config.replica_id} has "
+                           f"{self.config.world_size}, " + ", ".join(mismatched))
         try:
             result = compute_quorum_result(
                 quorum.quorum_id, members, self.config.replica_id, rank, init_sync=request.init_sync

@@ -148,3 +148,17 @@ def test_heartbeats_reach_the_lighthouse_and_kill_calls_the_hook():
             await wait_until(lambda: server.kills == ["operator asked"], "the kill hook")
 
     asyncio.run(scenario())
+
+
+def test_groups_of_different_sizes_are_refused_clearly():
+    async def scenario():
+        async with running_lighthouse(min_replicas=2) as lh:
+            async with manager_server(lh.address(), "a", world_size=1) as (_, ca), \
+                       manager_server(lh.address(), "b", world_size=2) as (_, cb):
+                results = await asyncio.gather(quorum(ca, 0, 0), quorum(cb, 0, 0), quorum(cb, 1, 0),
+                                               return_exceptions=True)
+                for result in results:
+                    assert isinstance(result, QuorumError), result
+                    assert "must all have the same number of ranks" in str(result)
+
+    asyncio.run(scenario())
