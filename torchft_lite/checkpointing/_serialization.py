@@ -68,14 +68,15 @@ def format_path(path: Path) -> str:
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
-    """A writable view of the bytes of a contiguous CPU tensor, without a copy.
-
-    The view does not keep ``tensor`` alive: the caller must hold a reference.
-    """
+    """A writable view of the bytes of a contiguous CPU tensor, without a copy; it keeps the tensor alive."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        raise ValueError(f"byte_view needs a contiguous CPU tensor, got {tensor.device} {tuple(tensor.stride())}")
     nbytes = tensor.numel() * tensor.element_size()
     if nbytes == 0:
         return memoryview(bytearray())
-    return memoryview((ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())).cast("B")
+    array = (ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())
+    array.owner = tensor  # the memoryview holds the array, the array holds the tensor
+    return memoryview(array).cast("B")
 
 
 def checksum(view: memoryview, should_stop: Callable[[], bool] | None = None) -> int:
@@ -226,25 +227,35 @@ class EncodedStateDict:
         """Bytes of the whole encoding: prefix, header and data."""
         return len(self.header) + self.data_bytes
 
-    def iter_data(self, start: int = 0, end: int | None = None,
-                  slice_bytes: int = SLICE_BYTES) -> Iterator[memoryview]:
-        """Views of the data section's bytes ``[start, end)``, at most ``slice_bytes`` each.
-
-        The views alias tensor memory; copy what must outlive the snapshot.
-        """
+    def _ranges(self, start: int, end: int | None) -> Iterator[tuple[int, int, int]]:
+        """``(tensor index, first byte, end byte)`` within each tensor covering data bytes ``[start, end)``."""
         end = self.data_bytes if end is None else end
         if not 0 <= start <= end <= self.data_bytes:
             raise ValueError(f"data range [{start}, {end}) outside [0, {self.data_bytes})")
         index = max(bisect.bisect_right(self._starts, start) - 1, 0)
         position = start
         while position < end:
-            entry, view = self.entries[index], self._views[index]
+            entry = self.entries[index]
             stop = min(end, entry.offset + entry.nbytes)
-            while position < stop:
-                step = min(slice_bytes, stop - position)
-                yield view[position - entry.offset:position - entry.offset + step]
-                position += step
+            if stop > position:
+                yield index, position - entry.offset, stop - entry.offset
+                position = stop
             index += 1
+
+    def iter_data(self, start: int = 0, end: int | None = None,
+                  slice_bytes: int = SLICE_BYTES) -> Iterator[memoryview]:
+        """Views of the data section's bytes ``[start, end)``, at most ``slice_bytes`` each.
+
+        The views alias tensor memory; copy what must outlive the snapshot.
+        """
+        for index, first, stop in self._ranges(start, end):
+            for position in range(first, stop, slice_bytes):
+                yield self._views[index][position:min(stop, position + slice_bytes)]
+
+    def data_tensors(self, start: int = 0, end: int | None = None) -> list[torch.Tensor]:
+        """Flat uint8 tensors aliasing the data section's bytes ``[start, end)``, one per tensor touched."""
+        return [self._buffers[index].reshape(-1).view(torch.uint8)[first:stop]
+                for index, first, stop in self._ranges(start, end)]
 
     def release(self) -> None:
         """Drop every reference to tensor memory."""

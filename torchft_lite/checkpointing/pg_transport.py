@@ -1,0 +1,175 @@
+"""PGTransport: send a state dict over a process group's point-to-point send/recv.
+
+Per destination rank, in order (tags keep the messages apart from other traffic)::
+
+    tag 1   int64[3]  (_MAGIC, header bytes, bucket bytes)
+    tag 2   uint8[n]  prefix + JSON header (see ``_serialization``)
+    tag 3+i uint8[]   bucket i: data bytes [i * bucket, (i + 1) * bucket) of the data section
+
+The buckets are split by bytes, so one huge tensor spans several and many
+small ones share one. Nothing is pickled; the receiver validates the header
+and the step, and checks every tensor's checksum.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import timedelta
+from typing import Any, Callable, Protocol, Sequence, TypeVar
+
+import torch
+
+from torchft_lite.checkpointing import _serialization as wire
+from torchft_lite.checkpointing.transport import CheckpointTransport
+from torchft_lite.errors import CheckpointError, CheckpointTimeout, CheckpointTransferError, ConfigError
+
+__all__ = ["PGTransport"]
+
+T = TypeVar("T")
+logger = logging.getLogger(__name__)
+
+_MAGIC = 0x54465450  # "TFTP"
+_TAG_META, _TAG_HEADER, _TAG_DATA = 1, 2, 3
+DEFAULT_BUCKET_BYTES = 256 << 20
+
+
+class _Work(Protocol):
+    def wait(self, timeout: timedelta = ...) -> bool: ...
+
+
+class PointToPoint(Protocol):
+    """What PGTransport needs from a process group (a c10d ``ProcessGroupGloo`` has it)."""
+
+    def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int) -> _Work: ...
+
+    def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int) -> _Work: ...
+
+
+def _buckets(data_bytes: int, bucket_bytes: int) -> list[tuple[int, int]]:
+    return [(start, min(start + bucket_bytes, data_bytes)) for start in range(0, data_bytes, bucket_bytes)]
+
+
+class PGTransport(CheckpointTransport[T]):
+    """Moves a state dict over ``pg`` with blocking sends and receives.
+
+    Args:
+        pg: a process group with ``send``/``recv`` of tensor lists (see :class:`PointToPoint`).
+        timeout: default bound for a whole send or receive.
+        device: where the buckets travel (``cpu`` for gloo, a CUDA device for NCCL).
+        state_dict: when given, returns the local state dict; a received tensor
+            whose path, dtype and shape match one of its tensors is written into
+            that tensor (which the result then holds) instead of a new one. A
+            failed receive may leave such tensors partly overwritten.
+        bucket_bytes: the most data bytes sent in one message.
+    """
+
+    def __init__(self, pg: PointToPoint, timeout: timedelta, device: torch.device = torch.device("cpu"),
+                 state_dict: Callable[[], T] | None = None, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+        if bucket_bytes <= 0:
+            raise ConfigError(f"bucket_bytes must be positive, got {bucket_bytes}")
+        self._pg = pg
+        self._timeout = timeout
+        self._device = torch.device(device)
+        self._state_dict = state_dict
+        self._bucket_bytes = bucket_bytes
+
+    def metadata(self) -> str:
+        return "<n/a>"  # the process group already knows every peer
+
+    def disallow_checkpoint(self) -> None:
+        """Nothing to do: :meth:`send_checkpoint` has finished reading the state dict when it returns."""
+
+    def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: T, timeout: timedelta) -> None:
+        """Send ``state_dict`` as step ``step`` to every rank in ``dst_ranks``; blocks until sent."""
+        deadline = time.monotonic() + (timeout or self._timeout).total_seconds()
+        started = time.monotonic()
+        encoded = wire.encode(step, wire.flatten(state_dict))
+        try:
+            meta = torch.tensor([_MAGIC, len(encoded.header), self._bucket_bytes], dtype=torch.int64)
+            header = torch.frombuffer(bytearray(encoded.header), dtype=torch.uint8)
+            works = []
+            for dst in dst_ranks:
+                works.append(self._pg.send([meta.to(self._device)], dst, _TAG_META))
+                works.append(self._pg.send([header.to(self._device)], dst, _TAG_HEADER))
+            for index, (start, end) in enumerate(_buckets(encoded.data_bytes, self._bucket_bytes)):
+                parts = encoded.data_tensors(start, end)
+                bucket = (parts[0] if len(parts) == 1 else torch.cat(parts)).to(self._device)
+                works.extend(self._pg.send([bucket], dst, _TAG_DATA + index) for dst in dst_ranks)
+                _wait(works, deadline, f"bucket {index} of step {step} to reach ranks {dst_ranks}")
+                works = []
+            _wait(works, deadline, f"the header of step {step} to reach ranks {dst_ranks}")
+        finally:
+            encoded.release()
+        logger.info("sent step %d (%d bytes) to ranks %s in %.2fs", step, encoded.total_bytes, dst_ranks,
+                    time.monotonic() - started)
+
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> T:
+        """Receive the state dict of ``step`` from ``src_rank``; blocks until it is verified."""
+        deadline = time.monotonic() + (timeout or self._timeout).total_seconds()
+        started = time.monotonic()
+        meta = self._recv(torch.zeros(3, dtype=torch.int64), src_rank, _TAG_META, deadline,
+                          f"the checkpoint announcement from rank {src_rank}")
+        magic, header_len, bucket_bytes = (int(v) for v in meta)
+        if magic != _MAGIC or not wire.PREFIX_SIZE <= header_len <= wire.PREFIX_SIZE + wire.MAX_HEADER_BYTES \
+                or bucket_bytes <= 0:
+            raise CheckpointTransferError(f"rank {src_rank} sent a malformed checkpoint announcement {meta.tolist()}")
+        blob = bytes(wire.byte_view(self._recv(torch.empty(header_len, dtype=torch.uint8), src_rank, _TAG_HEADER,
+                                               deadline, f"the checkpoint header from rank {src_rank}")))
+        length, crc = wire.unpack_prefix(blob[:wire.PREFIX_SIZE])
+        if wire.PREFIX_SIZE + length != header_len:
+            raise CheckpointTransferError(f"rank {src_rank} announced {header_len} header bytes but sent {length}")
+        header = wire.parse_header(blob[wire.PREFIX_SIZE:], crc)
+        buckets = _buckets(header.data_bytes, bucket_bytes)
+        if header.step != step:
+            self._drain(buckets, src_rank, deadline)  # keep the pair in step for the next transfer
+            raise CheckpointTransferError(f"rank {src_rank} sent step {header.step}, expected step {step}")
+        reader = wire.StateDictReader(header, self._targets())
+        for index, (start, end) in enumerate(buckets):
+            bucket = self._recv(torch.empty(end - start, dtype=torch.uint8), src_rank, _TAG_DATA + index, deadline,
+                                f"bucket {index} of {len(buckets)} of step {step} from rank {src_rank}")
+            reader.write(start, wire.byte_view(bucket))
+        state = reader.finish()
+        logger.info("received step %d (%d bytes) from rank %d in %.2fs", step, header.data_bytes, src_rank,
+                    time.monotonic() - started)
+        return state
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Nothing to release: the process group belongs to the caller."""
+
+    def _targets(self) -> dict[wire.Path, torch.Tensor]:
+        if self._state_dict is None:
+            return {}
+        flat = wire.flatten(self._state_dict())
+        return dict(zip(flat.paths, flat.tensors))
+
+    def _recv(self, buffer: torch.Tensor, src_rank: int, tag: int, deadline: float, what: str) -> torch.Tensor:
+        """Receive into ``buffer`` (travelling on the transport's device) and return it on CPU."""
+        on_device = buffer.to(self._device)
+        _wait([self._pg.recv([on_device], src_rank, tag)], deadline, what)
+        return on_device.cpu()
+
+    def _drain(self, buckets: Sequence[tuple[int, int]], src_rank: int, deadline: float) -> None:
+        scratch = torch.empty(max((end - start for start, end in buckets), default=0), dtype=torch.uint8,
+                              device=self._device)
+        for index, (start, end) in enumerate(buckets):
+            _wait([self._pg.recv([scratch[:end - start]], src_rank, _TAG_DATA + index)], deadline,
+                  f"bucket {index} of an unwanted checkpoint from rank {src_rank}")
+
+
+def _wait(works: Sequence[Any], deadline: float, what: str) -> None:
+    """Wait for every work until ``deadline``; errors become checkpoint errors naming ``what``."""
+    for work in works:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise CheckpointTimeout(f"timed out waiting for {what}")
+        try:
+            finished = work.wait(timedelta(seconds=remaining))
+        except CheckpointError:
+            raise
+        except (RuntimeError, TimeoutError) as exc:  # torch's DistBackendError is a RuntimeError
+            if isinstance(exc, TimeoutError) or "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
+                raise CheckpointTimeout(f"timed out waiting for {what}: {exc}") from exc
+            raise CheckpointTransferError(f"failed waiting for {what}: {exc}") from exc
+        if finished is False:
+            raise CheckpointTimeout(f"timed out waiting for {what}")
