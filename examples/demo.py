@@ -1,7 +1,7 @@
 """The demo behind `make demo`: fault-tolerant DDP surviving a SIGKILL, healed live.
 
 A lighthouse and three replica groups of examples/train_ddp.py, each launched
-with torchrun (group 0 has 2 ranks), train on CPU. Mid-run one group is
+with torchrun (2 ranks each), train on CPU. Mid-run one group is
 SIGKILLed; the others keep committing steps without it. The group is then
 restarted: it is healed from a live peer (state dict over HTTP) and trains on
 in lockstep. The summary says what happened and checks that every group holds
@@ -32,6 +32,7 @@ HEALED = re.compile(r"healed: ([\d.]+) MB in ([\d.]+)s \(([\d.]+) MB/s\)")
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--direct", action="store_true", help="launch ranks directly instead of with torchrun")
+    parser.add_argument("--ranks", type=int, default=2, help="ranks per replica group (default 2)")
     parser.add_argument("--timeout", type=float, default=100.0, help="give up on any phase after this many seconds")
     parser.add_argument("--workdir", help="keep logs and reports here (default: a temporary directory)")
     return parser.parse_args()
@@ -68,13 +69,14 @@ def main() -> int:
                                    log_path=workdir / "lighthouse.log").start()
     print(f"lighthouse at {lighthouse.address} (min_replicas=2, heartbeat timeout 2s)")
     train_args = ["--steps", "1000000", "--step-sleep", "0.05", "--report", str(report), "--timeout", "10"]
-    groups = [ReplicaGroup(g, 3, lighthouse.address, SCRIPT, train_args, world_size=2 if g == 0 else 1,
+    groups = [ReplicaGroup(g, 3, lighthouse.address, SCRIPT, train_args, world_size=args.ranks,
                            use_torchrun=not args.direct, log_dir=workdir) for g in range(3)]
     ok = False
     try:
         for group in groups:
             group.start()
-        print("3 replica groups started (group 0: 2 ranks; groups 1, 2: 1 rank)")
+        launcher = "direct" if args.direct else "torchrun"
+        print(f"3 replica groups started ({args.ranks} rank(s) each, {launcher})")
         wait_for("all groups past step 15", lambda: min(last_step(reports(report), g) for g in range(3)) >= 15,
                  groups, args.timeout)
         victim = groups[2]
@@ -104,17 +106,21 @@ def main() -> int:
 
 
 def summarize(rows: list[dict], workdir: Path, stall: float, step_at_kill: int) -> bool:
-    by_step: dict[int, set[str]] = defaultdict(set)
+    # Group rank r of every replica group forms one data-parallel ring (as in
+    # torchft), so parameters are compared per (step, group rank) across groups.
+    by_step: dict[tuple[int, int], set[str]] = defaultdict(set)
+    groups_at: dict[tuple[int, int], set[int]] = defaultdict(set)
     for row in rows:
-        by_step[row["step"]].add(row["checksum"])
-    diverged = sorted(step for step, sums in by_step.items() if len(sums) > 1)
+        by_step[(row["step"], row["rank"])].add(row["checksum"])
+        groups_at[(row["step"], row["rank"])].add(row["group"])
+    diverged = sorted(key for key, sums in by_step.items() if len(sums) > 1)
     heals = [HEALED.search(line) for log in workdir.glob("group2.2.*.log")
              for line in log.read_text(errors="replace").splitlines()]
     heals = [m for m in heals if m]
     group2_steps = sorted(r["step"] for r in rows if r["group"] == 2)
     resumed_at = next((s for s in group2_steps if s > step_at_kill + 1), None)
     print("\n================ summary ================")
-    print(f"steps committed (max)          {max(by_step)}")
+    print(f"steps committed (max)          {max(step for step, _ in by_step)}")
     print(f"failures survived              1 (SIGKILL of replica group 2 at step ~{step_at_kill})")
     print(f"survivors' stall after kill    {stall:.1f}s (until a step committed without group 2)")
     if heals:
@@ -122,9 +128,9 @@ def summarize(rows: list[dict], workdir: Path, stall: float, step_at_kill: int) 
         print(f"heal                           {mb} MB in {seconds}s ({rate} MB/s), group 2 rejoined at step {resumed_at}")
     else:
         print("heal                           NOT FOUND in group 2's logs")
-    checked = sum(1 for sums in by_step.values() if sums)
+    checked = sum(1 for groups in groups_at.values() if len(groups) > 1)
     print(f"identical parameters           {'yes' if not diverged else 'NO'} "
-          f"({checked} steps checked across all groups and ranks{'; diverged at ' + str(diverged[:5]) if diverged else ''})")
+          f"({checked} (step, rank) pairs held by several groups{'; diverged at ' + str(diverged[:5]) if diverged else ''})")
     print("==========================================")
     return not diverged and bool(heals)
 
