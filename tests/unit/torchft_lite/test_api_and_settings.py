@@ -1,0 +1,80 @@
+"""The training-script surface: torchft's names, and settings resolved before anything starts."""
+
+from datetime import timedelta
+
+import pytest
+
+import torchft_lite
+from torchft_lite._manager_settings import ManagerSettings
+from torchft_lite.errors import ConfigError
+
+
+def test_public_api_is_pinned_and_importable():
+    assert sorted(torchft_lite.__all__) == [
+        "DistributedDataParallel", "DistributedSampler", "Manager", "Optimizer", "OptimizerWrapper",
+        "ProcessGroupGloo", "ProcessGroupNCCL", "WorldSizeMode",
+    ]
+    for name in torchft_lite.__all__:
+        assert getattr(torchft_lite, name) is not None
+    from torchft_lite.checkpointing import CheckpointTransport, HTTPTransport  # noqa: F401
+    from torchft_lite.checkpointing.pg_transport import PGTransport  # noqa: F401
+    with pytest.raises(AttributeError):
+        torchft_lite.NotAThing  # noqa: B018
+
+
+def resolve(env, **overrides):
+    args = dict(min_replica_size=1, timeout=timedelta(seconds=60), quorum_timeout=timedelta(seconds=60),
+                connect_timeout=timedelta(seconds=60), rank=None, world_size=None, store_addr=None,
+                store_port=None, lighthouse_addr=None, replica_id="r", port=None, hostname=None,
+                heartbeat_interval=timedelta(milliseconds=100), max_retries=None, quorum_retries=0)
+    args.update(overrides)
+    return ManagerSettings.resolve(env=env, **args)
+
+
+TORCHRUN = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500",
+            "TORCHFT_LIGHTHOUSE": "http://lh:29510"}
+
+
+def test_torchrun_environment_is_enough():
+    s = resolve(TORCHRUN)
+    assert (s.group_rank, s.group_world_size, s.store_address) == (0, 2, "10.0.0.1:29500")
+    assert s.lighthouse_addr == "http://lh:29510" and s.port == 0 and s.timeout == 60.0
+
+
+@pytest.mark.parametrize("missing", ["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHFT_LIGHTHOUSE"])
+def test_a_missing_setting_is_named(missing):
+    env = {k: v for k, v in TORCHRUN.items() if k != missing}
+    with pytest.raises(ConfigError, match=missing):
+        resolve(env)
+
+
+def test_lighthouse_is_only_required_on_group_rank_zero():
+    env = {k: v for k, v in TORCHRUN.items() if k != "TORCHFT_LIGHTHOUSE"}
+    assert resolve(dict(env, RANK="1")).lighthouse_addr is None
+
+
+def test_explicit_arguments_win_except_torchfts_timeout_variables():
+    env = dict(TORCHRUN, TORCHFT_TIMEOUT_SEC="7", TORCHFT_QUORUM_RETRIES="3", TORCHFT_MANAGER_PORT="1234",
+               TORCHFT_LITE_HOSTNAME="10.1.1.1")
+    s = resolve(env, rank=1, world_size=4, store_addr="h", store_port=1, timeout=timedelta(seconds=99),
+                quorum_retries=0)
+    assert (s.group_rank, s.group_world_size, s.store_address) == (1, 4, "h:1")
+    assert s.timeout == 7.0 and s.quorum_retries == 3  # torchft: these env vars take precedence
+    assert s.port == 1234 and s.hostname == "10.1.1.1"
+    assert resolve(env, hostname="explicit").hostname == "explicit"
+
+
+@pytest.mark.parametrize("env,message", [
+    (dict(TORCHRUN, RANK="2"), "rank must be in"),
+    (dict(TORCHRUN, RANK="x"), r"\$RANK must be an integer"),
+    (dict(TORCHRUN, MASTER_PORT="0"), "store_port"),
+    (dict(TORCHRUN, TORCHFT_TIMEOUT_SEC="soon"), "TORCHFT_TIMEOUT_SEC"),
+    (dict(TORCHRUN, TORCHFT_QUORUM_TIMEOUT_SEC="-1"), "quorum_timeout must be positive"),
+])
+def test_invalid_settings_are_clear_errors(env, message):
+    with pytest.raises(ConfigError, match=message):
+        resolve(env)
+
+
+def test_ipv6_store_host_is_bracketed():
+    assert resolve(dict(TORCHRUN, MASTER_ADDR="::1")).store_address == "[::1]:29500"
