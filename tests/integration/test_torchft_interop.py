@@ -90,3 +90,38 @@ def test_our_client_on_torchfts_lighthouse():
     assert quorums[0].quorum_id == quorums[1].quorum_id
     members = {m.replica_id: m for m in quorums[0].participants}
     assert (members["x"].step, members["x"].world_size, members["y"].data) == (2, 3, '{"k": 1}')
+
+
+@requires_torchft
+@pytest.mark.slow
+def test_our_managers_train_on_torchfts_lighthouse(tmp_path):
+    """Two replica groups of examples/train_ddp.py with our Manager, quorums from torchft's lighthouse."""
+    import json
+    import time
+    from pathlib import Path
+
+    from torchft_lite.local_cluster import ReplicaGroup
+
+    server = native.LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=10000)
+    script = Path(__file__).resolve().parents[2] / "examples" / "train_ddp.py"
+    report = tmp_path / "report.jsonl"
+    groups = []
+    try:
+        address = f"http://127.0.0.1:{server.address().rsplit(':', 1)[1]}"
+        for g in range(2):
+            groups.append(ReplicaGroup(g, 2, address, script, ["--steps", "8", "--report", str(report)],
+                                       log_dir=tmp_path).start())
+        deadline = time.monotonic() + 240
+        for group in groups:
+            assert group.wait(max(1.0, deadline - time.monotonic())) == [0], f"see logs in {tmp_path}"
+        rows = [json.loads(line) for line in report.read_text().splitlines()]
+        by_step: dict[int, set[str]] = {}
+        for row in rows:
+            by_step.setdefault(row["step"], set()).add(row["checksum"])
+        assert sorted(by_step) == list(range(1, 9))
+        assert all(len(sums) == 1 for sums in by_step.values()), by_step
+        assert len(rows) == 16  # both groups committed every step
+    finally:
+        for group in groups:
+            group.stop()
+        server.shutdown()
