@@ -2,12 +2,15 @@
 
 import concurrent.futures
 import hashlib
+import logging
 import os
 import socket
 import struct
 import subprocess
 import sys
 import textwrap
+import urllib.request
+from pathlib import Path
 from datetime import timedelta
 
 import pytest
@@ -61,7 +64,8 @@ def digest(step: int, state) -> str:
     return hashlib.sha256(wire.encode_to_bytes(step, state)).hexdigest()
 
 
-def test_a_request_before_publish_is_held_then_served(make_transport, threads):
+def test_a_request_before_publish_is_held_then_served(make_transport, threads, caplog):
+    caplog.set_level(logging.INFO, logger="torchft_lite.checkpointing.http_transport")
     server, client = make_transport(), make_transport()
     sent = state_dict()
     received = threads.submit(client.recv_checkpoint, 0, server.metadata(), 5, LONG)
@@ -71,6 +75,7 @@ def test_a_request_before_publish_is_held_then_served(make_transport, threads):
     server.disallow_checkpoint()
     stats = server.statistics()
     assert stats.published_step is None and stats.bytes_served > 0
+    assert any("released step 5" in message and "127.0.0.1" in message for message in caplog.messages)
 
 
 def test_metadata_is_the_url_with_the_advertised_host(make_transport):
@@ -165,6 +170,16 @@ def test_a_receiver_killed_mid_transfer_counts_as_finished(make_transport, threa
     threads.submit(server.disallow_checkpoint).result(WAIT)  # no hour-long wait
 
 
+def test_a_receiver_that_read_everything_need_not_report(make_transport, threads):
+    server = make_transport()
+    server.send_checkpoint([1], 5, state_dict(), timedelta(hours=1))
+    url = server.metadata() + "/5?session=silent"
+    with urllib.request.urlopen(url, timeout=WAIT) as response:
+        blob = response.read()
+    assert wire.decode_bytes(blob)[0] == 5
+    threads.submit(server.disallow_checkpoint).result(WAIT)  # every byte was written: no hour-long wait
+
+
 def test_a_stalled_receiver_is_cut_off_at_the_send_timeout(make_transport, threads):
     server = make_transport()
     server.send_checkpoint([1], 5, {"big": torch.ones(8 << 20)}, timedelta(seconds=1))
@@ -222,7 +237,7 @@ RECEIVER = textwrap.dedent("""
 def test_a_receiver_in_another_process(make_transport):
     server = make_transport()
     sent = state_dict(big_elements=100_000)
-    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     child = subprocess.Popen([sys.executable, "-c", RECEIVER, server.metadata()], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, env=env, text=True)
     try:

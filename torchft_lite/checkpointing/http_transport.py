@@ -11,6 +11,11 @@ session with ``?session=<id>``; held requests also pass ``?timeout=<seconds>``):
 A request for a step not published yet is held until it is (or until its
 timeout: 504). A request for an older step, or one already released by
 :meth:`HTTPTransport.disallow_checkpoint`, gets 409 naming the steps.
+
+``disallow_checkpoint`` waits until as many receiver sessions as ``dst_ranks``
+have finished: every data byte written to them, a ``done`` report (a receiver
+that fails verification says so), or a broken stream. At the send's timeout
+it aborts the streams still running.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import asyncio
 import concurrent.futures
 import functools
 import hmac
+import itertools
 import logging
 import math
 import re
@@ -67,15 +73,26 @@ class HTTPTransportStatistics:
 
 @dataclass
 class _Session:
-    """One receiver of one snapshot."""
+    """One receiver of one snapshot.
+
+    It is finished once every data byte has been written to it (the snapshot
+    is no longer needed for it), once it reports done, or once a stream of it
+    fails.
+    """
 
     peer: str
     bytes_sent: int = 0
-    ok: bool | None = None  # None while it is still receiving
+    data_sent: int = 0
+    sent_all: bool = False
+    ok: bool | None = None  # what the receiver reported, or False when a stream failed
 
     @property
     def finished(self) -> bool:
-        return self.ok is not None
+        return self.sent_all or self.ok is not None
+
+    def describe(self) -> str:
+        status = {True: "ok", False: "failed", None: "sent"}[self.ok]
+        return f"{self.peer} {status} {self.bytes_sent}B"
 
 
 @dataclass
@@ -85,24 +102,29 @@ class _Snapshot:
     step: int
     flat: wire.FlatStateDict
     expected: int
+    timeout: float
     deadline: float
     published_at: float
     sessions: dict[str, _Session] = field(default_factory=dict)
+    finished: int = 0  # sessions finished; a counter, so other threads can read it
     streams: set[asyncio.Task] = field(default_factory=set)
     encoding: asyncio.Future | None = None
     stop_encoding: threading.Event = field(default_factory=threading.Event)
     closed: bool = False
 
     def receivers_done(self) -> bool:
-        finished = sum(session.finished for session in self.sessions.values())
-        return finished >= self.expected and finished == len(self.sessions)
+        return self.finished >= self.expected and self.finished == len(self.sessions)
 
     async def encoded(self) -> wire.EncodedStateDict:
-        if self.encoding is None:  # read the tensors only once a receiver asks
-            loop = asyncio.get_running_loop()
+        """The encoding, started by the first receiver (tensors are read only when someone asks)."""
+        loop = asyncio.get_running_loop()
+        if self.encoding is None:
             self.encoding = loop.run_in_executor(
                 None, functools.partial(wire.encode, self.step, self.flat, should_stop=self.stop_encoding.is_set))
-        return await asyncio.shield(self.encoding)
+        try:
+            return await asyncio.wait_for(asyncio.shield(self.encoding), max(0.0, self.deadline - loop.time()))
+        except TimeoutError as exc:
+            raise web.HTTPGatewayTimeout(text=f"step {self.step} was not encoded within the send timeout") from exc
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -170,7 +192,11 @@ class HTTPTransport(CheckpointTransport[T]):
 
     def disallow_checkpoint(self) -> None:
         """Wait for the receivers of the published step (at most the send's timeout), then stop serving it."""
-        self._call(self._release(), self._timeout + 2 * _ABORT_GRACE, "the checkpoint receivers to finish")
+        snapshot = self._snapshot
+        if snapshot is None:
+            return
+        self._call(self._release(), snapshot.timeout + 2 * _ABORT_GRACE,
+                   f"the receivers of step {snapshot.step} to finish")
 
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> T:
         """Fetch, verify and decode (to CPU) the state dict of ``step`` from the URL ``metadata``."""
@@ -197,7 +223,7 @@ class HTTPTransport(CheckpointTransport[T]):
             published_step=None if snapshot is None else snapshot.step,
             held_requests=self._held,
             active_streams=0 if snapshot is None else len(snapshot.streams),
-            receivers_finished=0 if snapshot is None else sum(s.finished for s in snapshot.sessions.values()),
+            receivers_finished=0 if snapshot is None else snapshot.finished,
             bytes_served=self._bytes_served,
         )
 
@@ -239,7 +265,7 @@ class HTTPTransport(CheckpointTransport[T]):
                 raise CheckpointError(f"step {self._snapshot.step} is still published; "
                                       f"call disallow_checkpoint() before publishing step {step}")
             now = asyncio.get_running_loop().time()
-            self._snapshot = _Snapshot(step, flat, expected, deadline=now + timeout, published_at=now)
+            self._snapshot = _Snapshot(step, flat, expected, timeout, deadline=now + timeout, published_at=now)
             self._changed.notify_all()
         logger.debug("published step %d for %d receivers", step, expected)
 
@@ -247,18 +273,30 @@ class HTTPTransport(CheckpointTransport[T]):
         snapshot = self._snapshot
         if snapshot is None or self._changed is None:
             return
-        loop = asyncio.get_running_loop()
-        async with self._changed:
+        try:
             if wait:
-                try:
-                    await asyncio.wait_for(self._changed.wait_for(snapshot.receivers_done),
-                                           max(0.0, snapshot.deadline - loop.time()))
-                except TimeoutError:
-                    logger.warning("step %d: receivers not finished within the send timeout; aborting %d streams",
-                                   snapshot.step, len(snapshot.streams))
+                await self._wait_for_receivers(snapshot)
+        finally:  # even when cancelled: the snapshot must not stay readable
+            await self._close(snapshot)
+
+    async def _wait_for_receivers(self, snapshot: _Snapshot) -> None:
+        assert self._changed is not None
+        async with self._changed:
+            remaining = max(0.0, snapshot.deadline - asyncio.get_running_loop().time())
+            try:
+                await asyncio.wait_for(self._changed.wait_for(snapshot.receivers_done), remaining)
+            except TimeoutError:
+                logger.warning("step %d: %d of %d receivers finished within the send timeout; aborting %d streams",
+                               snapshot.step, snapshot.finished, snapshot.expected, len(snapshot.streams))
+
+    async def _close(self, snapshot: _Snapshot) -> None:
+        """Stop serving ``snapshot``: refuse new requests, abort streams, stop the encoding, then log."""
+        assert self._changed is not None
+        async with self._changed:
             snapshot.closed = True
-            self._snapshot = None
-            self._released_step = max(snapshot.step, self._released_step or snapshot.step)
+            if self._snapshot is snapshot:
+                self._snapshot = None
+                self._released_step = max(snapshot.step, self._released_step or snapshot.step)
             self._changed.notify_all()
         snapshot.stop_encoding.set()
         for task in snapshot.streams:
@@ -270,13 +308,14 @@ class HTTPTransport(CheckpointTransport[T]):
             if still:
                 logger.warning("step %d: %d streams or encodings still running after release", snapshot.step,
                                len(still))
-        if snapshot.encoding is not None and snapshot.encoding.done() and not snapshot.encoding.cancelled():
-            if snapshot.encoding.exception() is None and not still:  # an abandoned encoding is expected here
-                snapshot.encoding.result().release()
-        served = ", ".join(f"{s.peer} {'ok' if s.ok else 'failed'} {s.bytes_sent}B" for s in snapshot.sessions.values())
+        encoding = snapshot.encoding
+        if encoding is not None and encoding.done() and not encoding.cancelled():
+            if encoding.exception() is None and not still:  # an abandoned encoding is expected here
+                encoding.result().release()
+        served = ", ".join(session.describe() for session in snapshot.sessions.values())
         logger.info("released step %d after %.2fs: %d of %d expected receivers finished (%s)", snapshot.step,
-                    loop.time() - snapshot.published_at, sum(s.finished for s in snapshot.sessions.values()),
-                    snapshot.expected, served or "none came")
+                    asyncio.get_running_loop().time() - snapshot.published_at, snapshot.finished, snapshot.expected,
+                    served or "none came")
 
     async def _stop(self) -> None:
         await self._release(wait=False)
@@ -287,6 +326,7 @@ class HTTPTransport(CheckpointTransport[T]):
             await self._runner.cleanup()
         if self._client is not None:
             await self._client.close()
+            self._client = None
 
     def _authorize(self, request: web.Request) -> None:
         if self._token is None:
@@ -355,8 +395,11 @@ class HTTPTransport(CheckpointTransport[T]):
         try:
             try:
                 encoded = await snapshot.encoded()
-            except CheckpointError as exc:
+            except CheckpointError as exc:  # released while encoding
                 raise web.HTTPConflict(text=f"step {step} is no longer served: {exc}") from exc
+            except (RuntimeError, MemoryError) as exc:  # torch could not copy a tensor to CPU
+                logger.error("step %d: encoding the state dict failed: %r", step, exc)
+                raise web.HTTPInternalServerError(text=f"step {step} could not be encoded: {exc}") from exc
             pieces, length = self._pieces(request, encoded, part)
             response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
             response.content_length = length
@@ -369,6 +412,10 @@ class HTTPTransport(CheckpointTransport[T]):
                 session.bytes_sent += len(data)
                 self._bytes_served += len(data)
             await response.write_eof()
+            if part != "header":
+                session.data_sent += length - (len(encoded.header) if part == "all" else 0)
+            if session.data_sent >= encoded.data_bytes and (part != "header" or encoded.data_bytes == 0):
+                await self._finish(snapshot, session, ok=None)
             return response
         except web.HTTPException:
             await self._finish(snapshot, session, ok=False)  # the receiver fails, and won't say so
@@ -387,7 +434,7 @@ class HTTPTransport(CheckpointTransport[T]):
         if part == "header":
             return [encoded.header], len(encoded.header)
         if part == "all":
-            return _chain([encoded.header], encoded.iter_data(slice_bytes=_SLICE_BYTES)), encoded.total_bytes
+            return itertools.chain([encoded.header], encoded.iter_data(slice_bytes=_SLICE_BYTES)), encoded.total_bytes
         try:
             start, end = int(request.query["start"]), int(request.query["end"])
         except (KeyError, ValueError) as exc:
@@ -396,11 +443,17 @@ class HTTPTransport(CheckpointTransport[T]):
             raise web.HTTPBadRequest(text=f"range [{start}, {end}) outside [0, {encoded.data_bytes})")
         return encoded.iter_data(start, end, slice_bytes=_SLICE_BYTES), end - start
 
-    async def _finish(self, snapshot: _Snapshot, session: _Session, ok: bool) -> None:
+    async def _finish(self, snapshot: _Snapshot, session: _Session, ok: bool | None) -> None:
+        """Record that ``session`` has all its data (``ok`` None), reported ``ok``, or failed."""
         assert self._changed is not None
         async with self._changed:
-            if not session.finished:
+            was_finished = session.finished
+            if ok is None:
+                session.sent_all = True
+            elif session.ok is None:
                 session.ok = ok
+            if not was_finished:
+                snapshot.finished += 1
             self._changed.notify_all()
 
     async def _done(self, request: web.Request) -> web.Response:
@@ -418,6 +471,8 @@ class HTTPTransport(CheckpointTransport[T]):
         return {} if self._token is None else {"Authorization": f"Bearer {self._token}"}
 
     async def _receive(self, url: str, step: int, timeout: float) -> Any:
+        if self._stopped:
+            raise CheckpointError("the transport is shut down")
         if self._client is None:
             self._client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
                                                  read_bufsize=_SLICE_BYTES)
@@ -525,11 +580,6 @@ async def _read_into(reader: wire.StateDictReader, content: aiohttp.StreamReader
         position += len(chunk)
     if position != end:
         raise CheckpointTransferError(f"checkpoint truncated: got bytes [{start}, {position}) of [{start}, {end})")
-
-
-def _chain(*parts: Iterable[memoryview | bytes]) -> Iterable[memoryview | bytes]:
-    for part in parts:
-        yield from part
 
 
 def _log_failure(future: concurrent.futures.Future) -> None:
