@@ -32,6 +32,8 @@ HEALED = re.compile(r"healed: ([\d.]+) MB in ([\d.]+)s \(([\d.]+) MB/s\)")
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--direct", action="store_true", help="launch ranks directly instead of with torchrun")
+    parser.add_argument("--hidden", type=int, default=1024,
+                        help="MLP width; sets the state dict healed (1024: ~13 MB with AdamW state)")
     parser.add_argument("--ranks", type=int, default=2, help="ranks per replica group (default 2)")
     parser.add_argument("--timeout", type=float, default=100.0, help="give up on any phase after this many seconds")
     parser.add_argument("--workdir", help="keep logs and reports here (default: a temporary directory)")
@@ -68,7 +70,7 @@ def main() -> int:
     lighthouse = LighthouseProcess(min_replicas=2, join_timeout=2.0, heartbeat_timeout=2.0,
                                    log_path=workdir / "lighthouse.log").start()
     print(f"lighthouse at {lighthouse.address} (min_replicas=2, heartbeat timeout 2s)")
-    train_args = ["--steps", "1000000", "--step-sleep", "0.05", "--report", str(report), "--timeout", "10"]
+    train_args = ["--steps", "1000000", "--step-sleep", "0.05", "--hidden", str(args.hidden), "--report", str(report), "--timeout", "10"]
     groups = [ReplicaGroup(g, 3, lighthouse.address, SCRIPT, train_args, world_size=args.ranks,
                            use_torchrun=not args.direct, log_dir=workdir) for g in range(3)]
     ok = False

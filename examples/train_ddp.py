@@ -18,6 +18,7 @@ them across groups).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import hashlib
 import json
 import logging
@@ -37,6 +38,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=100, help="stop after this many committed steps (default 100)")
     parser.add_argument("--batch-size", type=int, default=16, help="per-rank batch size (default 16)")
     parser.add_argument("--step-sleep", type=float, default=0.0, help="extra seconds per step, to watch it (default 0)")
+    parser.add_argument("--hidden", type=int, default=64, help="hidden width of the MLP; 1024 makes a ~13 MB heal (default 64)")
     parser.add_argument("--min-replicas", type=int, default=1, help="min_replica_size for the Manager (default 1)")
     parser.add_argument("--timeout", type=float, default=10.0, help="collective/heal timeout in seconds (default 10)")
     parser.add_argument("--report", help="append a JSON line per committed step to this file")
@@ -47,7 +49,8 @@ def parse_args() -> argparse.Namespace:
 def params_checksum(model: nn.Module) -> str:
     digest = hashlib.sha256()
     for tensor in model.state_dict().values():
-        digest.update(bytes(tensor.detach().clone().untyped_storage()))  # exact bytes, no numpy needed
+        flat = tensor.detach().contiguous().cpu()
+        digest.update(ctypes.string_at(flat.data_ptr(), flat.numel() * flat.element_size()))  # exact bytes
     return digest.hexdigest()[:16]
 
 
@@ -60,7 +63,8 @@ def main() -> None:
 
     # Every group seeds differently on purpose: init_sync makes them agree at step 0.
     torch.manual_seed(1000 + replica_group)
-    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+    model = nn.Sequential(nn.Linear(32, args.hidden), nn.ReLU(), nn.Linear(args.hidden, args.hidden), nn.ReLU(),
+                          nn.Linear(args.hidden, 8))
     inner_optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
     def state_dict() -> dict:
