@@ -3,8 +3,9 @@
 One encoded state dict is::
 
     prefix  20 bytes   b"TFTLSD01" | header length (uint64 LE) | crc32 of the header (uint32 LE)
-    header  UTF-8 JSON {"format": 1, "step": N, "data_bytes": D, "tensors": [ENTRY, ...], "tree": NODE}
-    data    D bytes    every tensor's bytes, contiguous, in ENTRY order, no padding
+    header  UTF-8 JSON {"format": 1, "byteorder": "little", "step": N, "data_bytes": D,
+                        "tensors": [ENTRY, ...], "tree": NODE}
+    data    D bytes    every tensor's bytes (in "byteorder"), contiguous, in ENTRY order, no padding
 
     ENTRY = {"dtype": "bfloat16", "shape": [2, 3], "offset": 0, "nbytes": 12, "crc32": 305419896}
     NODE  = [tag, value], tag one of
@@ -26,6 +27,7 @@ import datetime
 import json
 import math
 import struct
+import sys
 import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -283,7 +285,7 @@ def encode(step: int, flat: FlatStateDict, *, should_stop: Callable[[], bool] | 
         entries.append(TensorEntry(_DTYPE_NAME[cpu.dtype], tuple(cpu.shape), offset, nbytes, crc))
         buffers.append(cpu)
         offset += nbytes
-    header = {"format": FORMAT_VERSION, "step": step, "data_bytes": offset,
+    header = {"format": FORMAT_VERSION, "byteorder": sys.byteorder, "step": step, "data_bytes": offset,
               "tensors": [entry.to_json() for entry in entries], "tree": flat.tree}
     header_json = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
     return EncodedStateDict(step, _prefix(header_json) + header_json, entries, buffers)
@@ -363,6 +365,8 @@ def parse_header(header_json: bytes, crc: int, *, data_bytes: int | None = None)
         raise _bad(f"not JSON ({exc})") from exc
     if not isinstance(raw, dict) or raw.get("format") != FORMAT_VERSION:
         raise _bad(f"unsupported format {str(raw.get('format') if isinstance(raw, dict) else raw)[:40]!r}")
+    if raw.get("byteorder") != sys.byteorder:
+        raise _bad(f"tensor bytes are {str(raw.get('byteorder'))[:20]!r}-endian, this machine is {sys.byteorder}")
     step = _int(raw.get("step"), "step", -(2**63), 2**63 - 1)
     declared = _int(raw.get("data_bytes"), "data_bytes")
     if data_bytes is not None and declared != data_bytes:

@@ -3,6 +3,7 @@
 import datetime
 import json
 import struct
+import sys
 import zlib
 
 import pytest
@@ -182,10 +183,13 @@ def hostile(header: dict, data: bytes = b"") -> bytes:
 
 GOOD_ENTRY = {"dtype": "float32", "shape": [2], "offset": 0, "nbytes": 8, "crc32": 0}
 GOOD_TREE = ["list", [["tensor", 0]]]
+GOOD_HEADER = {"format": 1, "byteorder": sys.byteorder, "step": 1, "data_bytes": 8, "tensors": [GOOD_ENTRY],
+               "tree": GOOD_TREE}
 
 
 @pytest.mark.parametrize("changes, message", [
     ({"format": 2}, "unsupported format"),
+    ({"byteorder": "big" if sys.byteorder == "little" else "little"}, "-endian"),
     ({"step": "7"}, "step must be an integer"),
     ({"data_bytes": -1}, "data_bytes must be"),
     ({"tensors": [dict(GOOD_ENTRY, dtype="torch.evil")]}, "unknown dtype"),
@@ -200,7 +204,7 @@ GOOD_TREE = ["list", [["tensor", 0]]]
     ({"tree": ["list", [["tensor", 0], ["bytes", "!!"]]]}, "malformed 'bytes'"),
 ])
 def test_hostile_headers_are_rejected(changes, message):
-    header = {"format": 1, "step": 1, "data_bytes": 8, "tensors": [GOOD_ENTRY], "tree": GOOD_TREE}
+    header = dict(GOOD_HEADER)
     header.update(changes)
     with pytest.raises(CheckpointTransferError, match=message):
         ser.decode_bytes(hostile(header, b"\0" * 8))
@@ -212,13 +216,13 @@ def test_huge_declared_sizes_are_rejected_before_allocating(monkeypatch):
 
     monkeypatch.setattr(torch, "empty", no_allocation)
     huge = {"dtype": "float64", "shape": [1 << 20, 1 << 20, 1 << 20], "offset": 0, "nbytes": 8 << 60, "crc32": 0}
-    blob = hostile({"format": 1, "step": 1, "data_bytes": 8 << 60, "tensors": [huge], "tree": GOOD_TREE})
+    blob = hostile(dict(GOOD_HEADER, data_bytes=8 << 60, tensors=[huge]))
     with pytest.raises(CheckpointTransferError, match="must be an integer|declares"):
         ser.decode_bytes(blob)
     # Consistent with itself but not with what actually follows.
     big = {"dtype": "uint8", "shape": [1 << 40], "offset": 0, "nbytes": 1 << 40, "crc32": 0}
     with pytest.raises(CheckpointTransferError, match="follow"):
-        ser.decode_bytes(hostile({"format": 1, "step": 1, "data_bytes": 1 << 40, "tensors": [big], "tree": GOOD_TREE}))
+        ser.decode_bytes(hostile(dict(GOOD_HEADER, data_bytes=1 << 40, tensors=[big])))
     too_long = struct.pack("<8sQI", b"TFTLSD01", 1 << 62, 0)
     with pytest.raises(CheckpointTransferError, match="exceeds"):
         ser.decode_bytes(too_long)
@@ -234,5 +238,21 @@ def test_garbage_and_deep_nesting_are_rejected():
     for _ in range(ser.MAX_DEPTH + 2):
         deep = ["list", [deep]]
     with pytest.raises(CheckpointTransferError, match="deeper"):
-        ser.decode_bytes(hostile({"format": 1, "step": 1, "data_bytes": 8, "tensors": [GOOD_ENTRY], "tree": deep},
-                                 b"\0" * 8))
+        ser.decode_bytes(hostile(dict(GOOD_HEADER, tree=deep), b"\0" * 8))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_tensors_arrive_on_cpu_or_in_their_cuda_target():
+    source = {"w": torch.randn(3, 4, device="cuda"), "b": torch.randn(4, device="cuda").bfloat16()}
+    target = torch.zeros(3, 4, device="cuda")
+    _, decoded = ser.decode_bytes(ser.encode_to_bytes(1, source), targets={("w",): target})
+    assert decoded["w"] is target and torch.equal(target, source["w"])
+    assert decoded["b"].device.type == "cpu" and torch.equal(decoded["b"], source["b"].cpu())
+
+
+def test_the_package_exports_the_transports():
+    import torchft_lite.checkpointing as checkpointing
+
+    assert checkpointing.__all__ == ["CheckpointTransport", "HTTPTransport"]
+    assert issubclass(checkpointing.HTTPTransport, checkpointing.CheckpointTransport)
