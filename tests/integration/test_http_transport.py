@@ -113,6 +113,26 @@ def test_the_token_is_required_and_checked(make_transport):
     server.disallow_checkpoint()
 
 
+def test_bytes_corrupted_in_transit_fail_the_receive_and_are_reported(make_transport, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="torchft_lite.checkpointing.http_transport")
+    honest = wire.EncodedStateDict.iter_data
+
+    def corrupting(self, *args, **kwargs):
+        for i, view in enumerate(honest(self, *args, **kwargs)):
+            data = bytearray(view)
+            if i == 0 and data:
+                data[0] ^= 0xFF
+            yield data
+
+    monkeypatch.setattr(wire.EncodedStateDict, "iter_data", corrupting)
+    server, client = make_transport(), make_transport()
+    server.send_checkpoint([1], 5, state_dict(), LONG)
+    with pytest.raises(CheckpointTransferError, match="checksum mismatch"):
+        client.recv_checkpoint(0, server.metadata(), 5, LONG)
+    server.disallow_checkpoint()
+    assert any("released step 5" in message and "failed" in message for message in caplog.messages)
+
+
 def test_disallow_waits_for_the_expected_receiver(make_transport, threads):
     server, client = make_transport(), make_transport()
     sent = state_dict()

@@ -504,8 +504,8 @@ class HTTPTransport(CheckpointTransport[T]):
         remaining = max(0.0, deadline - time.monotonic())
         return {"session": session_id, "timeout": f"{remaining:.3f}", **{k: str(v) for k, v in extra.items()}}
 
-    async def _get(self, url: str, params: dict[str, str], step: int,
-                   joined: list[bool]) -> aiohttp.ClientResponse:
+    async def _get(self, url: str, params: dict[str, str], joined: list[bool]) -> aiohttp.ClientResponse:
+        """GET ``url``; a non-200 answer becomes the matching checkpoint error."""
         assert self._client is not None
         response = await self._client.get(url, params=params, headers=self._auth_headers())
         if response.status == 200:
@@ -531,7 +531,7 @@ class HTTPTransport(CheckpointTransport[T]):
         return header
 
     async def _fetch_all(self, url: str, step: int, session_id: str, deadline: float, joined: list[bool]) -> Any:
-        async with await self._get(url, self._params(session_id, deadline), step, joined) as response:
+        async with await self._get(url, self._params(session_id, deadline), joined) as response:
             header = await self._read_header(response.content, step, url, response.content_length)
             reader = wire.StateDictReader(header)
             await _read_into(reader, response.content, 0, header.data_bytes)
@@ -539,14 +539,14 @@ class HTTPTransport(CheckpointTransport[T]):
 
     async def _fetch_chunked(self, url: str, step: int, session_id: str, deadline: float,
                              joined: list[bool]) -> Any:
-        async with await self._get(f"{url}/header", self._params(session_id, deadline), step, joined) as response:
+        async with await self._get(f"{url}/header", self._params(session_id, deadline), joined) as response:
             header = await self._read_header(response.content, step, url, None)
         reader = wire.StateDictReader(header)
         bounds = [header.data_bytes * i // self._num_chunks for i in range(self._num_chunks + 1)]
 
         async def fetch(start: int, end: int) -> None:
             params = self._params(session_id, deadline, start=start, end=end)
-            async with await self._get(f"{url}/data", params, step, joined) as response:
+            async with await self._get(f"{url}/data", params, joined) as response:
                 if response.content_length != end - start:
                     raise CheckpointTransferError(f"{url}: range [{start}, {end}) came with "
                                                   f"{response.content_length} bytes")
@@ -576,6 +576,8 @@ class HTTPTransport(CheckpointTransport[T]):
 async def _read_into(reader: wire.StateDictReader, content: aiohttp.StreamReader, start: int, end: int) -> None:
     position = start
     async for chunk in content.iter_chunked(_SLICE_BYTES):
+        if position + len(chunk) > end:
+            raise CheckpointTransferError(f"the server sent more than the bytes [{start}, {end}) it declared")
         reader.write(position, chunk)
         position += len(chunk)
     if position != end:
