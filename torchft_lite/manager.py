@@ -120,6 +120,7 @@ class Manager:
         self._training_thread: int | None = None
         self._heal_stats: tuple[float, int] | None = None
         self._pre_heal_state: dict[str, int] | None = None
+        self._collectives_ready = False  # the process group is configured for this step's quorum
 
         self._control = control_plane()
         self._server: ManagerServer | None = None
@@ -192,6 +193,7 @@ class Manager:
         self._pending_work = []
         self._heal_stats = None
         self._pre_heal_state = None
+        self._collectives_ready = False
         self._training_thread = threading.get_ident()
         quorum_timeout = timeout.total_seconds() if timeout is not None else self._quorum_timeout
         self._quorum_future = self._control.submit(self._async_quorum(allow_heal, shrink_only, quorum_timeout))
@@ -242,6 +244,7 @@ class Manager:
                       response.quorum_id, response.replica_rank, response.replica_world_size,
                       response.max_world_size, response.max_step, time.monotonic() - started)
             self._quorum_id = response.quorum_id
+        self._collectives_ready = True
 
         if not allow_heal:
             return
@@ -314,14 +317,15 @@ class Manager:
         Never raises: on error the step is marked failed and the returned work
         resolves with ``tensor`` as it is.
         """
-        if self._errored is not None:
-            return DoneWork(tensor)
         self.wait_quorum()
         self._maybe_publish_checkpoint()
-        if self._errored is not None:
+        if not self._collectives_ready:
+            # No process group for this quorum: peers can't be in step with us.
             return DoneWork(tensor)
         participants = self.num_participants()
-        if not self.is_participating():
+        if not self.is_participating() or self._errored is not None:
+            # Still take part (with zeros) so the peers' collective completes:
+            # skipping it would stall them until their collective timeout.
             tensor.zero_()
         average = reduce_op == ReduceOp.AVG
         try:

@@ -28,12 +28,14 @@ class FakeProcessGroup:
 
     def __init__(self) -> None:
         self.configures: list[tuple[str, int, int]] = []
+        self.allreduced: list[torch.Tensor] = []
         self.fail_next = False
 
     def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int) -> None:
         self.configures.append((store_addr, rank, world_size))
 
     def allreduce(self, tensors, opts):
+        self.allreduced.append(tensors[0].clone())
         fut = torch.futures.Future()
         if self.fail_next:
             self.fail_next = False
@@ -173,3 +175,18 @@ def _heal_two_replicas(lighthouse) -> None:
     finally:
         for manager in managers.values():
             manager.shutdown()
+
+
+def test_an_errored_step_still_joins_the_collective_with_zeros(lighthouse):
+    """Skipping the allreduce would leave the peers waiting out their collective timeout."""
+    pg = FakeProcessGroup()
+    manager = make_manager(lighthouse, pg, InMemoryTransport({}, "a"), "errored")
+    try:
+        manager.start_quorum()
+        manager.wait_quorum()
+        manager.report_error(RuntimeError("heal failed"))
+        manager.allreduce(torch.full((3,), 5.0)).wait()
+        assert len(pg.allreduced) == 1 and torch.equal(pg.allreduced[0], torch.zeros(3))
+        assert manager.should_commit() is False
+    finally:
+        manager.shutdown()
