@@ -12,7 +12,7 @@ TORCH_SPEC ?= torch==2.13.0
 # replace torch; a failure to get it only skips those comparisons.
 TORCHFT_SPEC ?= torchft-nightly==2026.10.26
 
-.PHONY: all venv test test-fast demo proto bench browser clean help
+.PHONY: all venv test test-fast demo proto bench bench-ddp browser clean help
 
 all: test
 
@@ -21,6 +21,7 @@ help:
 	@echo "make demo    set up .venv and run the demo (lighthouse + replica groups)"
 	@echo "make proto   regenerate lighthouse/protocol from proto/torchft.proto"
 	@echo "make bench   run benchmarks/lighthouse_bench.py (ours and torchft's)"
+	@echo "make bench-ddp  run benchmarks/ddp_overhead_bench.py (Manager step overhead vs plain gloo DDP)"
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -57,6 +58,10 @@ proto: $(STAMP)
 bench: $(STAMP)
 	-$(BIN)/python -m pip install --quiet "opentelemetry-sdk>=1.39" "opentelemetry-exporter-otlp-proto-http>=1.39"
 	$(BIN)/python benchmarks/lighthouse_bench.py
+
+# Per-step cost of fault tolerance: two replica groups vs a plain gloo DDP loop.
+bench-ddp: $(STAMP)
+	$(BIN)/python benchmarks/ddp_overhead_bench.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
