@@ -38,14 +38,17 @@ def grpc_target(address: str) -> str:
     return address
 
 
-class LighthouseClient:
-    """One channel to one lighthouse. Create and use it on a single event loop."""
+class UnaryChannel:
+    """A lazily opened gRPC channel with cached unary callables for one service.
 
-    def __init__(self, address: str, *, connect_timeout: float = 60.0) -> None:
-        if not address:
-            raise ValueError("lighthouse address is empty (set TORCHFT_LIGHTHOUSE or pass lighthouse_addr)")
+    Create and use it on a single event loop. Shared by this module's
+    ``LighthouseClient`` and torchft_lite's ManagerService client.
+    """
+
+    service = ""
+
+    def __init__(self, address: str) -> None:
         self.address = address
-        self.connect_timeout = connect_timeout
         self._channel: grpc.aio.Channel | None = None
         self._calls: dict[str, grpc.aio.UnaryUnaryMultiCallable] = {}
 
@@ -55,12 +58,30 @@ class LighthouseClient:
             if self._channel is None:
                 self._channel = grpc.aio.insecure_channel(grpc_target(self.address), options=CHANNEL_OPTIONS)
             call = self._channel.unary_unary(
-                f"/torchft.LighthouseService/{method}",
+                f"/{self.service}/{method}",
                 request_serializer=request_cls.SerializeToString,
                 response_deserializer=response_cls.FromString,
             )
             self._calls[method] = call
         return call
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            channel, self._channel = self._channel, None
+            self._calls.clear()
+            await channel.close()
+
+
+class LighthouseClient(UnaryChannel):
+    """One channel to one lighthouse. Create and use it on a single event loop."""
+
+    service = "torchft.LighthouseService"
+
+    def __init__(self, address: str, *, connect_timeout: float = 60.0) -> None:
+        if not address:
+            raise ValueError("lighthouse address is empty (set TORCHFT_LIGHTHOUSE or pass lighthouse_addr)")
+        super().__init__(address)
+        self.connect_timeout = connect_timeout
 
     async def _invoke(self, method: str, request, response_cls, timeout: float, what: str):
         call = self._call(method, type(request), response_cls)
@@ -112,12 +133,6 @@ class LighthouseClient:
             "GetConfig", pb.LighthouseConfigRequest(), pb.LighthouseConfigResponse, timeout, "GetConfig"
         )
         return dict(response.config_data)
-
-    async def close(self) -> None:
-        if self._channel is not None:
-            channel, self._channel = self._channel, None
-            self._calls.clear()
-            await channel.close()
 
     async def __aenter__(self) -> "LighthouseClient":
         return self

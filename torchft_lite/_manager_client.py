@@ -16,7 +16,7 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 
 import grpc  # noqa: E402
 
-from lighthouse.client import CHANNEL_OPTIONS, grpc_target  # noqa: E402
+from lighthouse.client import UnaryChannel  # noqa: E402
 from lighthouse.protocol import torchft_pb2 as pb  # noqa: E402
 from torchft_lite.errors import ManagerError, ManagerTimeout, QuorumError, QuorumTimeout  # noqa: E402
 
@@ -25,32 +25,19 @@ __all__ = ["ManagerClient"]
 SERVICE = "torchft.ManagerService"
 
 
-class ManagerClient:
+class ManagerClient(UnaryChannel):
     """One channel to one ManagerServer. Create and use it on a single event loop."""
+
+    service = SERVICE
 
     def __init__(self, address: str) -> None:
         if not address:
             raise ValueError("ManagerServer address is empty")
-        self.address = address
-        self._channel: grpc.aio.Channel | None = None
-        self._calls: dict[str, grpc.aio.UnaryUnaryMultiCallable] = {}
-
-    def _callable(self, method: str, request_cls, response_cls) -> grpc.aio.UnaryUnaryMultiCallable:
-        call = self._calls.get(method)
-        if call is None:
-            if self._channel is None:
-                self._channel = grpc.aio.insecure_channel(grpc_target(self.address), options=CHANNEL_OPTIONS)
-            call = self._channel.unary_unary(
-                f"/{SERVICE}/{method}",
-                request_serializer=request_cls.SerializeToString,
-                response_deserializer=response_cls.FromString,
-            )
-            self._calls[method] = call
-        return call
+        super().__init__(address)
 
     async def _invoke(self, method: str, request, response_cls, timeout: float, what: str,
                       error=ManagerError, timeout_error=ManagerTimeout):
-        call = self._callable(method, type(request), response_cls)
+        call = self._call(method, type(request), response_cls)
         try:
             # wait_for_ready: a server that is starting (rank 0 comes up after
             # the others) is waited for until the deadline instead of failing.
@@ -99,9 +86,3 @@ class ManagerClient:
 
     async def kill(self, msg: str, *, timeout: float) -> None:
         await self._invoke("Kill", pb.KillRequest(msg=msg), pb.KillResponse, timeout, "Kill")
-
-    async def close(self) -> None:
-        if self._channel is not None:
-            channel, self._channel = self._channel, None
-            self._calls.clear()
-            await channel.close()
