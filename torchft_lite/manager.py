@@ -17,6 +17,7 @@ committed. Only exceeding ``max_retries`` consecutive failed commits raises.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 import time
@@ -32,7 +33,7 @@ from torch.distributed.distributed_c10d import AllreduceOptions
 from torchft_lite._control_plane import control_plane
 from torchft_lite._manager_client import ManagerClient
 from torchft_lite._manager_settings import ManagerSettings
-from torchft_lite.errors import CheckpointError, QuorumTimeout, TorchFTError
+from torchft_lite.errors import CheckpointError, ManagerError, QuorumTimeout, TorchFTError
 from torchft_lite.manager_server import ManagerServer, ManagerServerConfig
 from torchft_lite.work import DoneWork, ManagedWork, guard_future
 
@@ -114,7 +115,8 @@ class Manager:
         self._pending_send: tuple[list[int], int] | None = None
         self._published = False
         self._pending_work: list[ManagedWork] = []
-        self._quorum_future = None
+        self._quorum_future = None  # the whole quorum step, heal included (should_commit waits for it)
+        self._ready_future: concurrent.futures.Future | None = None  # quorum + process group (allreduce waits)
         self._participating_rank: int | None = None
         self._participating_world_size = 0
         self._training_thread: int | None = None
@@ -184,7 +186,9 @@ class Manager:
     def start_quorum(self, allow_heal: bool = True, shrink_only: bool = False, timeout: timedelta | None = None) -> None:
         """Begin this step's quorum in the background (``wait_quorum`` waits for it)."""
         if self._quorum_future is not None:
-            self._await_quorum_future()
+            self._await(self._quorum_future, "the previous quorum")
+        if self._published:  # should_commit was skipped: stop serving before the state changes
+            self._checkpoint_transport.disallow_checkpoint()
         self._errored = None
         self._healing = False
         self._pending_state_dict = None
@@ -196,31 +200,50 @@ class Manager:
         self._collectives_ready = False
         self._training_thread = threading.get_ident()
         quorum_timeout = timeout.total_seconds() if timeout is not None else self._quorum_timeout
-        self._quorum_future = self._control.submit(self._async_quorum(allow_heal, shrink_only, quorum_timeout))
+        ready: concurrent.futures.Future = concurrent.futures.Future()
+        self._ready_future = ready
+        self._quorum_future = self._control.submit(self._async_quorum(allow_heal, shrink_only, quorum_timeout, ready))
         if not self._use_async_quorum:
             self.wait_quorum()
             if self._healing:
                 self._apply_pending_state_dict()
 
     def wait_quorum(self) -> None:
-        """Wait for the quorum started by ``start_quorum`` (errors are recorded, not raised)."""
-        if self._quorum_future is None:
-            raise RuntimeError("wait_quorum() called before start_quorum()")
-        self._await_quorum_future()
+        """Wait until this step's quorum is known and the process group is ready.
 
-    def _await_quorum_future(self) -> None:
-        future = self._quorum_future
-        # The coroutine bounds its own steps; this is the backstop.
-        limit = self._quorum_timeout + 2 * self._timeout + 5.0
+        A heal may still be in flight (``should_commit`` waits for it), so a
+        healing replica can take part in the step's collectives meanwhile.
+        Errors are recorded, not raised.
+        """
+        if self._ready_future is None:
+            raise RuntimeError("wait_quorum() called before start_quorum()")
+        self._await(self._ready_future, "the quorum")
+
+    def _await(self, future: concurrent.futures.Future, what: str) -> None:
+        # The coroutine bounds each of its own waits; this is the backstop.
+        limit = self._quorum_timeout + 3 * self._timeout + 20.0
         try:
             future.result(timeout=limit)
         except Exception as exc:
             if not future.done():  # our backstop fired, not an error from the quorum itself
-                future.cancel()
-                exc = QuorumTimeout(f"quorum and heal did not finish within {limit:.0f}s")
+                self._quorum_future.cancel()
+                exc = QuorumTimeout(f"{what} did not finish within {limit:.0f}s")
             self.report_error(exc)
 
-    async def _async_quorum(self, allow_heal: bool, shrink_only: bool, quorum_timeout: float) -> None:
+    async def _async_quorum(self, allow_heal: bool, shrink_only: bool, quorum_timeout: float,
+                            ready: concurrent.futures.Future) -> None:
+        try:
+            await self._quorum_and_heal(allow_heal, shrink_only, quorum_timeout, ready)
+        except BaseException as exc:
+            if not ready.done():
+                ready.set_exception(exc)
+            raise
+        finally:
+            if not ready.done():
+                ready.set_result(None)
+
+    async def _quorum_and_heal(self, allow_heal: bool, shrink_only: bool, quorum_timeout: float,
+                               ready: concurrent.futures.Future) -> None:
         response = await self._client.quorum(
             group_rank=self._group_rank, step=self._step,
             checkpoint_metadata=self._checkpoint_transport.metadata(), shrink_only=shrink_only,
@@ -236,6 +259,9 @@ class Manager:
 
         if response.quorum_id != self._quorum_id:
             store = f"{response.store_address}/torchft/{response.quorum_id}/{self._group_rank}"
+            # Set first: a store prefix is never rendezvoused on twice, even if this
+            # configure fails (the failed commit then brings a new quorum id).
+            self._quorum_id = response.quorum_id
             started = time.monotonic()
             await asyncio.to_thread(
                 self._pg.configure, store, self._replica_id, response.replica_rank, response.replica_world_size
@@ -243,15 +269,16 @@ class Manager:
             self._log(logging.INFO, "quorum %d: reconfigured as replica %d of %d (%d up to date, max step %d) in %.2fs",
                       response.quorum_id, response.replica_rank, response.replica_world_size,
                       response.max_world_size, response.max_step, time.monotonic() - started)
-            self._quorum_id = response.quorum_id
         self._collectives_ready = True
+        if allow_heal:
+            # Both before collectives may start: a healing replica contributes
+            # zeros, and a source may publish from its first allreduce.
+            self._healing = response.heal
+            if response.recover_dst_replica_ranks:
+                self._pending_send = (list(response.recover_dst_replica_ranks), response.max_step)
+        ready.set_result(None)
 
-        if not allow_heal:
-            return
-        if response.recover_dst_replica_ranks:
-            self._pending_send = (list(response.recover_dst_replica_ranks), response.max_step)
-        if response.heal:
-            self._healing = True
+        if allow_heal and response.heal:
             src_rank = response.recover_src_replica_rank
             self._log(logging.INFO, "healing from replica %d (%s) to step %d",
                       src_rank, response.recover_src_manager_address, response.max_step)
@@ -323,10 +350,15 @@ class Manager:
             # No process group for this quorum: peers can't be in step with us.
             return DoneWork(tensor)
         participants = self.num_participants()
-        if not self.is_participating() or self._errored is not None:
-            # Still take part (with zeros) so the peers' collective completes:
-            # skipping it would stall them until their collective timeout.
-            tensor.zero_()
+        if self._errored is not None and self.is_participating():
+            # Our contribution would be wrong and zeros would mis-scale the
+            # average: fail the peers' collective now rather than at its timeout.
+            abort = getattr(self._pg, "abort", None)
+            if abort is not None:
+                abort()
+            return DoneWork(tensor)
+        if not self.is_participating():
+            tensor.zero_()  # healing or a spare: take part with zeros so the peers' collective completes
         average = reduce_op == ReduceOp.AVG
         try:
             opts = AllreduceOptions()
@@ -348,13 +380,18 @@ class Manager:
     def wrap_future(self, fut: torch.futures.Future, default: T, timeout: timedelta | None = None) -> torch.futures.Future:
         """``fut``, except that an error or timeout is recorded and yields ``default``."""
         seconds = timeout.total_seconds() if timeout is not None else self._timeout
-        loop = self._control.loop
-        guarded = guard_future(
-            fut, default, self.report_error, seconds, "a collective",
-            schedule_timeout=lambda delay, fn: loop.call_soon_threadsafe(loop.call_later, delay, fn),
-        )
+        guarded = guard_future(fut, default, self.report_error, seconds, "a collective",
+                               schedule_timeout=self._schedule_timeout)
         self._pending_work.append(ManagedWork(guarded))
         return guarded
+
+    def _schedule_timeout(self, delay: float, fn: Callable[[], None]) -> Callable[[], None]:
+        """Run ``fn`` after ``delay`` s on the control-plane loop; returns a thread-safe cancel."""
+        loop = self._control.loop
+        handle: list[asyncio.TimerHandle] = []
+        loop.call_soon_threadsafe(lambda: handle.append(loop.call_later(delay, fn)))
+        # FIFO on the loop: the cancel always runs after the timer was armed.
+        return lambda: loop.call_soon_threadsafe(lambda: handle and handle[0].cancel())
 
     def report_error(self, e: BaseException) -> None:
         """Record an error for this step: the step will not be committed."""
@@ -375,13 +412,16 @@ class Manager:
         """
         if self._quorum_future is None:
             raise RuntimeError("should_commit() called before start_quorum()")
-        self._await_quorum_future()
+        self._await(self._quorum_future, "the quorum and heal")
         if self._healing:
             self._apply_pending_state_dict()
         self._maybe_publish_checkpoint()
         for work in self._pending_work:
             work.wait()
         self._pending_work = []
+        pg_error = self._pg.errored() if hasattr(self._pg, "errored") else None
+        if pg_error is not None:
+            self.report_error(pg_error)
         enough = self._participating_world_size >= self._min_replica_size
         local_vote = enough and self._errored is None
         if not enough:
@@ -395,9 +435,14 @@ class Manager:
                 seconds + 5.0, "the group's commit vote",
             )
         except Exception as exc:
-            self.report_error(exc)
-            decision = False
+            # The other ranks of the group may have committed; carrying on could
+            # leave this rank a step apart from them for good. Fail stop (as
+            # torchft does): a restarted group is healed from a peer.
+            self._checkpoint_transport.disallow_checkpoint()
+            raise ManagerError(f"group rank {self._group_rank}: the commit vote for step {self._step} failed; "
+                               f"this rank can't know whether its group committed") from exc
         self._checkpoint_transport.disallow_checkpoint()
+        self._published = False
         if decision:
             self._step += 1
             self._batches_committed += self._participating_world_size
@@ -442,7 +487,10 @@ class Manager:
         """Stop the ManagerServer and checkpoint transport of this process."""
         if self._quorum_future is not None:
             self._quorum_future.cancel()
-        self._checkpoint_transport.shutdown(wait=wait)
+        try:
+            self._checkpoint_transport.shutdown(wait=wait)
+        except Exception as exc:  # still stop the server below; the failure is logged
+            self._log(logging.WARNING, "checkpoint transport shutdown failed: %s", exc)
 
         async def close() -> None:
             await self._client.close()

@@ -28,7 +28,7 @@ from typing import Callable
 import grpc
 from google.protobuf.message import DecodeError
 
-from lighthouse.client import LighthouseClient, LighthouseError
+from lighthouse.client import LighthouseClient
 from lighthouse.config import split_host_port
 from lighthouse.h2grpc import GrpcServer
 from lighthouse.h2grpc.server import RpcAbort
@@ -79,7 +79,7 @@ class ManagerServerConfig:
 @dataclass
 class _QuorumRound:
     requests: dict[int, pb.ManagerQuorumRequest] = field(default_factory=dict)
-    timeout: float | None = None
+    deadline: float | None = None  # loop time: the earliest deadline among the ranks' requests
     result: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
@@ -175,7 +175,7 @@ class ManagerServer:
                 if failing:
                     logger.info("[%s] lighthouse heartbeats succeed again", self.config.replica_id)
                 failing = False
-            except LighthouseError as exc:
+            except Exception as exc:  # never let the heartbeat loop die: the group would look dead
                 self._heartbeat_failures += 1
                 if not failing:  # log the first failure of a streak, not every one
                     logger.warning("[%s] heartbeat failed: %s", self.config.replica_id, exc)
@@ -194,7 +194,9 @@ class ManagerServer:
             round_ = self._quorum_round = _QuorumRound()
         round_.requests[rank] = request  # a rank that retries replaces its request
         if context.timeout is not None:
-            round_.timeout = context.timeout if round_.timeout is None else min(round_.timeout, context.timeout)
+            # Absolute: a rank that asked early also gives up early.
+            deadline = asyncio.get_running_loop().time() + context.timeout
+            round_.deadline = deadline if round_.deadline is None else min(round_.deadline, deadline)
         if len(round_.requests) == self.config.world_size:
             self._quorum_round = None  # later requests start the next round
             self._start_lighthouse_quorum(round_)
@@ -255,14 +257,15 @@ class ManagerServer:
     async def _lighthouse_quorum(self, round_: _QuorumRound) -> None:
         requests = list(round_.requests.values())
         step = requests[0].step
-        if round_.timeout is not None:
+        now = asyncio.get_running_loop().time()
+        if round_.deadline is not None:
             # Finish before the ranks' own deadlines so they get our error, not a bare timeout.
-            timeout = round_.timeout - min(1.0, 0.1 * round_.timeout)
+            left = round_.deadline - now
+            deadline = now + left - min(1.0, 0.1 * max(left, 0.0))
         else:
-            timeout = self.config.quorum_timeout
-        deadline = asyncio.get_running_loop().time() + timeout
+            deadline = now + self.config.quorum_timeout
         attempts = self.config.quorum_retries + 1
-        last_error: LighthouseError | None = None
+        last_error: Exception | None = None
         for attempt in range(attempts):
             remaining = deadline - asyncio.get_running_loop().time()
             if remaining <= 0:
@@ -278,7 +281,7 @@ class ManagerServer:
                     shrink_only=any(r.shrink_only for r in requests),
                     commit_failures=max(r.commit_failures for r in requests),
                 )
-            except LighthouseError as exc:
+            except Exception as exc:  # LighthouseError, or anything unexpected: the ranks must hear of it
                 last_error = exc
                 logger.warning("[%s] lighthouse quorum attempt %d/%d at step %d failed: %s",
                                self.config.replica_id, attempt + 1, attempts, step, exc)

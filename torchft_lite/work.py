@@ -31,18 +31,20 @@ def guard_future(
     on_error: Callable[[BaseException], None],
     timeout: float | None,
     what: str,
-    schedule_timeout: Callable[[float, Callable[[], None]], None] | None = None,
+    schedule_timeout: Callable[[float, Callable[[], None]], Callable[[], None]] | None = None,
 ) -> torch.futures.Future:
     """A future that resolves with ``fut``'s value, or ``default`` on error or timeout.
 
     ``on_error`` is called once with the error (a ``TimeoutError`` naming
     ``what`` when ``timeout`` seconds pass first). ``schedule_timeout(delay,
-    fn)`` arranges for ``fn`` to run after ``delay`` seconds (the Manager
-    passes its control-plane loop; without it a ``threading.Timer`` is used).
+    fn)`` arranges for ``fn`` to run after ``delay`` seconds and returns a
+    cancel function (the Manager passes its control-plane loop; without it a
+    ``threading.Timer`` is used). The timer is cancelled once ``fut`` settles.
     """
     out: torch.futures.Future = torch.futures.Future()
     lock = threading.Lock()
     settled = False
+    cancel_timer: Callable[[], None] | None = None
 
     def settle(value, error: BaseException | None) -> None:
         nonlocal settled
@@ -50,6 +52,8 @@ def guard_future(
             if settled:
                 return
             settled = True
+        if cancel_timer is not None:
+            cancel_timer()  # don't keep the tensors alive until the timeout
         if error is not None:
             on_error(error)
             out.set_result(default)
@@ -69,11 +73,12 @@ def guard_future(
             settle(None, TimeoutError(f"{what} did not finish within {timeout:.1f}s"))
 
         if schedule_timeout is not None:
-            schedule_timeout(timeout, expire)
+            cancel_timer = schedule_timeout(timeout, expire)
         else:
             timer = threading.Timer(timeout, expire)
             timer.daemon = True
             timer.start()
+            cancel_timer = timer.cancel
     fut.add_done_callback(done)
     return out
 

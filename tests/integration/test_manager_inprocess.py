@@ -29,7 +29,11 @@ class FakeProcessGroup:
     def __init__(self) -> None:
         self.configures: list[tuple[str, int, int]] = []
         self.allreduced: list[torch.Tensor] = []
+        self.aborts = 0
         self.fail_next = False
+
+    def abort(self) -> None:
+        self.aborts += 1
 
     def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int) -> None:
         self.configures.append((store_addr, rank, world_size))
@@ -177,16 +181,17 @@ def _heal_two_replicas(lighthouse) -> None:
             manager.shutdown()
 
 
-def test_an_errored_step_still_joins_the_collective_with_zeros(lighthouse):
-    """Skipping the allreduce would leave the peers waiting out their collective timeout."""
+def test_an_errored_participant_aborts_the_collective_instead_of_skewing_it(lighthouse):
+    """Zeros from a counted participant would scale everyone's average by (n-1)/n;
+    skipping silently would stall the peers until their timeout. Abort fails them fast."""
     pg = FakeProcessGroup()
     manager = make_manager(lighthouse, pg, InMemoryTransport({}, "a"), "errored")
     try:
         manager.start_quorum()
         manager.wait_quorum()
-        manager.report_error(RuntimeError("heal failed"))
+        manager.report_error(RuntimeError("publish failed"))
         manager.allreduce(torch.full((3,), 5.0)).wait()
-        assert len(pg.allreduced) == 1 and torch.equal(pg.allreduced[0], torch.zeros(3))
+        assert pg.aborts == 1 and pg.allreduced == []
         assert manager.should_commit() is False
     finally:
         manager.shutdown()
