@@ -30,6 +30,7 @@ import torch
 from torch.distributed import ReduceOp, TCPStore
 from torch.distributed.distributed_c10d import AllreduceOptions
 
+from lighthouse.protocol import torchft_pb2 as pb
 from torchft_lite._control_plane import control_plane
 from torchft_lite._manager_client import ManagerClient
 from torchft_lite._manager_settings import ManagerSettings
@@ -244,11 +245,13 @@ class Manager:
 
     async def _quorum_and_heal(self, allow_heal: bool, shrink_only: bool, quorum_timeout: float,
                                ready: concurrent.futures.Future) -> None:
-        response = await self._client.quorum(
-            group_rank=self._group_rank, step=self._step,
-            checkpoint_metadata=self._checkpoint_transport.metadata(), shrink_only=shrink_only,
-            init_sync=self._init_sync, commit_failures=self._commit_failures, timeout=quorum_timeout,
-        )
+        request = dict(group_rank=self._group_rank, step=self._step,
+                       checkpoint_metadata=self._checkpoint_transport.metadata(), shrink_only=shrink_only,
+                       init_sync=self._init_sync, commit_failures=self._commit_failures)
+        if self._server is not None:  # group rank 0: the ManagerServer is in this process
+            response = await self._server.local_quorum(pb.ManagerQuorumRequest(**request), quorum_timeout)
+        else:
+            response = await self._client.quorum(**request, timeout=quorum_timeout)
         if self._world_size_mode is WorldSizeMode.FIXED_WITH_SPARES:
             rank = response.max_replica_rank if response.HasField("max_replica_rank") else None
             self._participating_rank = rank if rank is not None and rank < self._min_replica_size else None
@@ -429,7 +432,8 @@ class Manager:
                       self._participating_world_size, self._min_replica_size)
         seconds = timeout.total_seconds() if timeout is not None else self._timeout
         try:
-            decision = self._control.run(
+            # A group of one rank votes alone: no round trip to its own ManagerServer.
+            decision = local_vote if self._settings.group_world_size == 1 else self._control.run(
                 self._client.should_commit(group_rank=self._group_rank, step=self._step,
                                            should_commit=local_vote, timeout=seconds),
                 seconds + 5.0, "the group's commit vote",

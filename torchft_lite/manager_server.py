@@ -34,6 +34,7 @@ from lighthouse.h2grpc import GrpcServer
 from lighthouse.h2grpc.server import RpcAbort
 from lighthouse.protocol import torchft_pb2 as pb
 from torchft_lite._quorum_compute import QuorumMember, compute_quorum_result
+from torchft_lite.errors import QuorumError, QuorumTimeout
 
 __all__ = ["ManagerServer", "ManagerServerConfig", "EXIT_CODE_KILLED"]
 
@@ -186,6 +187,13 @@ class ManagerServer:
 
     async def _rpc_quorum(self, data: bytes, context) -> bytes:
         request = _parse(pb.ManagerQuorumRequest, data)
+        return (await self.quorum(request, context.timeout)).SerializeToString()
+
+    async def quorum(self, request: pb.ManagerQuorumRequest, timeout: float | None) -> pb.ManagerQuorumResponse:
+        """A rank's Quorum call; group rank 0 calls this in-process, the others over gRPC.
+
+        Raises ``RpcAbort`` with the status the caller should see.
+        """
         rank = request.group_rank
         self._check_rank(rank, "ManagerQuorumRequest.group_rank")
         self._checkpoint_metadata[rank] = request.checkpoint_metadata
@@ -193,9 +201,9 @@ class ManagerServer:
         if round_ is None:
             round_ = self._quorum_round = _QuorumRound()
         round_.requests[rank] = request  # a rank that retries replaces its request
-        if context.timeout is not None:
+        if timeout is not None:
             # Absolute: a rank that asked early also gives up early.
-            deadline = asyncio.get_running_loop().time() + context.timeout
+            deadline = asyncio.get_running_loop().time() + timeout
             round_.deadline = deadline if round_.deadline is None else min(round_.deadline, deadline)
         if len(round_.requests) == self.config.world_size:
             self._quorum_round = None  # later requests start the next round
@@ -239,7 +247,20 @@ class ManagerServer:
             response.recover_src_replica_rank = result.recover_src_replica_rank
         if result.max_replica_rank is not None:
             response.max_replica_rank = result.max_replica_rank
-        return response.SerializeToString()
+        return response
+
+    async def local_quorum(self, request: pb.ManagerQuorumRequest, timeout: float) -> pb.ManagerQuorumResponse:
+        """:meth:`quorum` for a rank in this process, with the errors a gRPC caller would get."""
+        what = f"Quorum for group rank {request.group_rank} at step {request.step}"
+        try:
+            async with asyncio.timeout(timeout):
+                return await self.quorum(request, timeout)
+        except RpcAbort as exc:
+            raise QuorumError(f"ManagerServer {self.address()} (in-process): {what} failed: "
+                              f"{exc.code.name}: {exc.details}") from exc
+        except TimeoutError as exc:
+            raise QuorumTimeout(f"ManagerServer {self.address()} (in-process): {what} got no answer "
+                                f"within {timeout:.1f}s") from exc
 
     def _start_lighthouse_quorum(self, round_: _QuorumRound) -> None:
         steps = {rank: r.step for rank, r in sorted(round_.requests.items())}
