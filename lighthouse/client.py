@@ -65,6 +65,15 @@ class UnaryChannel:
             self._calls[method] = call
         return call
 
+    def _stream_call(self, method: str, request_cls, response_cls) -> grpc.aio.UnaryStreamMultiCallable:
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(grpc_target(self.address), options=CHANNEL_OPTIONS)
+        return self._channel.unary_stream(
+            f"/{self.service}/{method}",
+            request_serializer=request_cls.SerializeToString,
+            response_deserializer=response_cls.FromString,
+        )
+
     async def close(self) -> None:
         if self._channel is not None:
             channel, self._channel = self._channel, None
@@ -127,6 +136,17 @@ class LighthouseClient(UnaryChannel):
             "Heartbeat", pb.LighthouseHeartbeatRequest(replica_id=replica_id), pb.LighthouseHeartbeatResponse,
             timeout, f"Heartbeat for {replica_id}",
         )
+
+    def lease(self, replica_id: str) -> grpc.aio.UnaryStreamCall:
+        """Open the lease stream (torchft_lite lighthouses only): iterate it for ``LeaseEvent``s.
+
+        The first event is ``GRANTED``. The lease lasts while the stream is
+        open; cancel the call (or close the client) to give it up. gRPC errors
+        surface as ``grpc.aio.AioRpcError`` while iterating (``UNIMPLEMENTED``
+        from a lighthouse without leases, such as torchft's).
+        """
+        call = self._stream_call("Lease", pb.LeaseRequest, pb.LeaseEvent)
+        return call(pb.LeaseRequest(replica_id=replica_id), wait_for_ready=True)
 
     async def get_config(self, *, timeout: float) -> dict[str, str]:
         response = await self._invoke(

@@ -29,6 +29,7 @@ class _StatisticsCollector(Collector):
              s.healthy_participants),
             ("lighthouse_heartbeating_replicas", "Replica groups with a live heartbeat.", s.heartbeating_replicas),
             ("lighthouse_uptime_seconds", "Seconds since the lighthouse started.", s.uptime),
+            ("lighthouse_leases", "Replica groups holding a connection lease (torchft_lite managers).", s.leases_held),
         ]
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
@@ -40,6 +41,8 @@ class _StatisticsCollector(Collector):
             ("lighthouse_heartbeats", "Heartbeat RPCs received.", s.heartbeats),
             ("lighthouse_invalid_requests", "Requests rejected with INVALID_ARGUMENT.", s.invalid_requests),
             ("lighthouse_expired_replicas", "Replicas forgotten after their heartbeat timed out.", s.expired_replicas),
+            ("lighthouse_leases_ended", "Lease streams that ended (their replica treated as gone at once).",
+             s.leases_ended),
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)

@@ -184,6 +184,18 @@ class QuorumState:
         if participant is not None and replica_id in self._heartbeats:
             self._count(participant.member, -1)
 
+    def forget(self, replica_id: str) -> bool:
+        """``replica_id`` is known to be gone (its lease broke): unhealthy and out of the next quorum now.
+
+        Returns whether it was known. A later heartbeat or join brings it back,
+        as for any replica.
+        """
+        was_heartbeating = self._heartbeats.pop(replica_id, None) is not None
+        participant = self._participants.pop(replica_id, None)
+        if participant is not None and was_heartbeating:
+            self._count(participant.member, -1)
+        return was_heartbeating or participant is not None
+
     def expire(self, now: float) -> list[str]:
         """Forget replicas whose heartbeat is too old; returns their ids."""
         now = self._advance(now)

@@ -24,6 +24,7 @@ from google.protobuf.message import DecodeError
 from lighthouse.config import LighthouseConfig, split_host_port
 from lighthouse.fencing import QuorumIdStore
 from lighthouse.h2grpc import GrpcServer
+from lighthouse.leases import LeaseTable
 from lighthouse.protocol import torchft_pb2 as pb
 from lighthouse.quorum import Decision, IssuedQuorum, Member, QuorumState, Status
 
@@ -67,6 +68,8 @@ class LighthouseStatistics:
     heartbeats: int
     invalid_requests: int
     expired_replicas: int
+    leases_held: int
+    leases_ended: int
     last_formation_seconds: float | None
     uptime: float
 
@@ -95,6 +98,8 @@ class LighthouseServer:
         # participating or in the last quorum); pruned with them.
         self._known: dict[str, pb.QuorumMember] = {}
         self._failure_subscribers: set[asyncio.Queue[bytes]] = set()
+        self._leases = LeaseTable()
+        self._stopping = False
         self._last_decision = Decision(Status.NO_PARTICIPANTS, "no participants yet")
         self._status_since = clock()
         self._status_logged = False
@@ -162,6 +167,7 @@ class LighthouseServer:
             for method, handler in self._unary_methods().items():
                 server.add_unary(f"/{SERVICE}/{method}", handler)
             server.add_server_stream(f"/{SERVICE}/SubscribeFailures", self._rpc_subscribe_failures)
+            server.add_server_stream(f"/{SERVICE}/Lease", self._rpc_lease)
             host, port = split_host_port(self.config.bind)
             try:
                 self._grpc_port = await server.start(host, port)
@@ -185,6 +191,7 @@ class LighthouseServer:
         )
 
     async def _shutdown(self) -> None:
+        self._stopping = True  # lease streams ending now are our doing, not their replicas dying
         for futures in self._waiters.values():
             for fut in futures:
                 if not fut.done():
@@ -237,9 +244,10 @@ class LighthouseServer:
             name: grpc.unary_unary_rpc_method_handler(fn, request_deserializer=_identity, response_serializer=_identity)
             for name, fn in self._unary_methods().items()
         }
-        handlers["SubscribeFailures"] = grpc.unary_stream_rpc_method_handler(
-            self._rpc_subscribe_failures, request_deserializer=_identity, response_serializer=_identity
-        )
+        for name, stream in (("SubscribeFailures", self._rpc_subscribe_failures), ("Lease", self._rpc_lease)):
+            handlers[name] = grpc.unary_stream_rpc_method_handler(
+                stream, request_deserializer=_identity, response_serializer=_identity
+            )
         return grpc.method_handlers_generic_handler(SERVICE, handlers)
 
     async def _invalid(self, context: grpc.aio.ServicerContext, message: str) -> None:
@@ -325,6 +333,47 @@ class LighthouseServer:
         finally:
             self._failure_subscribers.discard(queue)
 
+    async def _rpc_lease(self, data: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        request = await self._parse(pb.LeaseRequest, data, context)
+        replica_id = request.replica_id
+        await self._valid_replica_id(replica_id, "replica_id", context)
+        lease = self._leases.open(replica_id)
+        self._state.heartbeat(replica_id, self._clock())
+        logger.debug("lease granted to %s (%s)", replica_id, context.peer())
+        try:
+            yield pb.LeaseEvent(kind=pb.LeaseEvent.GRANTED, replica_id=replica_id,
+                                quorum_id=self._state.quorum_id).SerializeToString()
+            while True:
+                yield await lease.events.get()
+        finally:
+            if self._leases.close(lease) and not self._stopping:
+                self._on_lease_ended(replica_id)
+
+    def _on_lease_ended(self, replica_id: str) -> None:
+        """The holder's stream ended: its process died or closed it. Gone now, not at heartbeat expiry."""
+        if not self._state.forget(replica_id):
+            return
+        in_quorum = replica_id in self._previous_ids
+        logger.info("lease of %s ended (connection closed)%s: treating it as gone now", replica_id,
+                    f", a member of quorum {self._state.quorum_id}" if in_quorum else "")
+        self._notify_gone(replica_id, "lease ended: its connection to the lighthouse closed")
+        self._prune_known(replica_id)
+        self._decide()
+
+    def _notify_gone(self, replica_id: str, reason: str) -> None:
+        """Tell every other lease holder (and SubscribeFailures) that a quorum member is gone."""
+        if replica_id not in self._previous_ids:
+            return
+        self._leases.broadcast(pb.LeaseEvent(
+            kind=pb.LeaseEvent.MEMBER_GONE, replica_id=replica_id, quorum_id=self._state.quorum_id, reason=reason,
+        ).SerializeToString(), exclude=replica_id)
+        if self._failure_subscribers:
+            note = pb.FailureNotification(replica_id=replica_id, error_message=reason).SerializeToString()
+            for queue in self._failure_subscribers:
+                if queue.full():
+                    queue.get_nowait()  # a slow subscriber loses the oldest, never blocks us
+                queue.put_nowait(note)
+
     # ------------------------------------------------------------ decisions
 
     def _decide(self) -> None:
@@ -404,16 +453,8 @@ class LighthouseServer:
                 len(in_quorum), self._state.quorum_id, _preview(in_quorum),
             )
         for replica_id in expired:
+            self._notify_gone(replica_id, f"no heartbeat for {self.config.heartbeat_timeout:.1f}s")
             self._prune_known(replica_id)
-            if replica_id in self._previous_ids and self._failure_subscribers:
-                note = pb.FailureNotification(
-                    replica_id=replica_id,
-                    error_message=f"no heartbeat for {self.config.heartbeat_timeout:.1f}s",
-                ).SerializeToString()
-                for queue in self._failure_subscribers:
-                    if queue.full():
-                        queue.get_nowait()  # a slow subscriber loses the oldest, never blocks us
-                    queue.put_nowait(note)
 
     def _prune_known(self, replica_id: str) -> None:
         if (
@@ -444,6 +485,8 @@ class LighthouseServer:
             heartbeats=self._counts["heartbeats"],
             invalid_requests=self._counts["invalid_requests"],
             expired_replicas=self._counts["expired_replicas"],
+            leases_held=len(self._leases),
+            leases_ended=self._leases.broken,
             last_formation_seconds=self._last_formation,
             uptime=now - self._started_at,
         )

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rtorchft.proto\x12\x07torchft\x1a\x1fgoogle/protobuf/timestamp.proto\"\xc5\x01\n\x0cQuorumMember\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x15\n\rstore_address\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x12\n\nworld_size\x18\x05 \x01(\x04\x12\x13\n\x0bshrink_only\x18\x06 \x01(\x08\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\t\x12\x17\n\x0f\x63ommit_failures\x18\x08 \x01(\x03\x12\x1b\n\x13reconfigure_handles\x18\t \x03(\t\"u\n\x06Quorum\x12\x11\n\tquorum_id\x18\x01 \x01(\x03\x12+\n\x0cparticipants\x18\x02 \x03(\x0b\x32\x15.torchft.QuorumMember\x12+\n\x07\x63reated\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"C\n\x17LighthouseQuorumRequest\x12(\n\trequester\x18\x01 \x01(\x0b\x32\x15.torchft.QuorumMember\";\n\x18LighthouseQuorumResponse\x12\x1f\n\x06quorum\x18\x01 \x01(\x0b\x32\x0f.torchft.Quorum\"0\n\x1aLighthouseHeartbeatRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\"\x1d\n\x1bLighthouseHeartbeatResponse\"\x1a\n\x18SubscribeFailuresRequest\"@\n\x13\x46\x61ilureNotification\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x15\n\rerror_message\x18\x02 \x01(\t\"\x19\n\x17LighthouseConfigRequest\"\x95\x01\n\x18LighthouseConfigResponse\x12\x46\n\x0b\x63onfig_data\x18\x01 \x03(\x0b\x32\x31.torchft.LighthouseConfigResponse.ConfigDataEntry\x1a\x31\n\x0f\x43onfigDataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xb2\x01\n\x14ManagerQuorumRequest\x12\x12\n\ngroup_rank\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x1b\n\x13\x63heckpoint_metadata\x18\x03 \x01(\t\x12\x13\n\x0bshrink_only\x18\x04 \x01(\x08\x12\x11\n\tinit_sync\x18\x05 \x01(\x08\x12\x17\n\x0f\x63ommit_failures\x18\x06 \x01(\x03\x12\x1a\n\x12reconfigure_handle\x18\x07 \x01(\t\"\xb6\x03\n\x15ManagerQuorumResponse\x12\x11\n\tquorum_id\x18\x01 \x01(\x03\x12#\n\x1brecover_src_manager_address\x18\x02 \x01(\t\x12%\n\x18recover_src_replica_rank\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12!\n\x19recover_dst_replica_ranks\x18\x04 \x03(\x03\x12\x15\n\rstore_address\x18\x05 \x01(\t\x12\x10\n\x08max_step\x18\x06 \x01(\x03\x12\x1d\n\x10max_replica_rank\x18\x07 \x01(\x03H\x01\x88\x01\x01\x12\x16\n\x0emax_world_size\x18\x08 \x01(\x03\x12\x14\n\x0creplica_rank\x18\t \x01(\x03\x12\x1a\n\x12replica_world_size\x18\n \x01(\x03\x12\x0c\n\x04heal\x18\x0b \x01(\x08\x12\x17\n\x0f\x63ommit_failures\x18\x0c \x01(\x03\x12\x13\n\x0breplica_ids\x18\r \x03(\t\x12\x1b\n\x13reconfigure_handles\x18\x0e \x03(\tB\x1b\n\x19_recover_src_replica_rankB\x13\n\x11_max_replica_rank\")\n\x19\x43heckpointMetadataRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x03\"9\n\x1a\x43heckpointMetadataResponse\x12\x1b\n\x13\x63heckpoint_metadata\x18\x01 \x01(\t\"N\n\x13ShouldCommitRequest\x12\x15\n\rshould_commit\x18\x01 \x01(\x08\x12\x12\n\ngroup_rank\x18\x02 \x01(\x03\x12\x0c\n\x04step\x18\x03 \x01(\x03\"-\n\x14ShouldCommitResponse\x12\x15\n\rshould_commit\x18\x01 \x01(\x08\"\x1a\n\x0bKillRequest\x12\x0b\n\x03msg\x18\x01 \x01(\t\"\x0e\n\x0cKillResponse2\xe4\x02\n\x11LighthouseService\x12M\n\x06Quorum\x12 .torchft.LighthouseQuorumRequest\x1a!.torchft.LighthouseQuorumResponse\x12V\n\tHeartbeat\x12#.torchft.LighthouseHeartbeatRequest\x1a$.torchft.LighthouseHeartbeatResponse\x12V\n\x11SubscribeFailures\x12!.torchft.SubscribeFailuresRequest\x1a\x1c.torchft.FailureNotification0\x01\x12P\n\tGetConfig\x12 .torchft.LighthouseConfigRequest\x1a!.torchft.LighthouseConfigResponse2\xba\x02\n\x0eManagerService\x12G\n\x06Quorum\x12\x1d.torchft.ManagerQuorumRequest\x1a\x1e.torchft.ManagerQuorumResponse\x12]\n\x12\x43heckpointMetadata\x12\".torchft.CheckpointMetadataRequest\x1a#.torchft.CheckpointMetadataResponse\x12K\n\x0cShouldCommit\x12\x1c.torchft.ShouldCommitRequest\x1a\x1d.torchft.ShouldCommitResponse\x12\x33\n\x04Kill\x12\x14.torchft.KillRequest\x1a\x15.torchft.KillResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rtorchft.proto\x12\x07torchft\x1a\x1fgoogle/protobuf/timestamp.proto\"\xc5\x01\n\x0cQuorumMember\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x15\n\rstore_address\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x12\n\nworld_size\x18\x05 \x01(\x04\x12\x13\n\x0bshrink_only\x18\x06 \x01(\x08\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\t\x12\x17\n\x0f\x63ommit_failures\x18\x08 \x01(\x03\x12\x1b\n\x13reconfigure_handles\x18\t \x03(\t\"u\n\x06Quorum\x12\x11\n\tquorum_id\x18\x01 \x01(\x03\x12+\n\x0cparticipants\x18\x02 \x03(\x0b\x32\x15.torchft.QuorumMember\x12+\n\x07\x63reated\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"C\n\x17LighthouseQuorumRequest\x12(\n\trequester\x18\x01 \x01(\x0b\x32\x15.torchft.QuorumMember\";\n\x18LighthouseQuorumResponse\x12\x1f\n\x06quorum\x18\x01 \x01(\x0b\x32\x0f.torchft.Quorum\"0\n\x1aLighthouseHeartbeatRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\"\x1d\n\x1bLighthouseHeartbeatResponse\"\x1a\n\x18SubscribeFailuresRequest\"@\n\x13\x46\x61ilureNotification\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x15\n\rerror_message\x18\x02 \x01(\t\"\x19\n\x17LighthouseConfigRequest\"\x95\x01\n\x18LighthouseConfigResponse\x12\x46\n\x0b\x63onfig_data\x18\x01 \x03(\x0b\x32\x31.torchft.LighthouseConfigResponse.ConfigDataEntry\x1a\x31\n\x0f\x43onfigDataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\"\n\x0cLeaseRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\"\x91\x01\n\nLeaseEvent\x12&\n\x04kind\x18\x01 \x01(\x0e\x32\x18.torchft.LeaseEvent.Kind\x12\x12\n\nreplica_id\x18\x02 \x01(\t\x12\x11\n\tquorum_id\x18\x03 \x01(\x03\x12\x0e\n\x06reason\x18\x04 \x01(\t\"$\n\x04Kind\x12\x0b\n\x07GRANTED\x10\x00\x12\x0f\n\x0bMEMBER_GONE\x10\x01\"\xb2\x01\n\x14ManagerQuorumRequest\x12\x12\n\ngroup_rank\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x1b\n\x13\x63heckpoint_metadata\x18\x03 \x01(\t\x12\x13\n\x0bshrink_only\x18\x04 \x01(\x08\x12\x11\n\tinit_sync\x18\x05 \x01(\x08\x12\x17\n\x0f\x63ommit_failures\x18\x06 \x01(\x03\x12\x1a\n\x12reconfigure_handle\x18\x07 \x01(\t\"\xb6\x03\n\x15ManagerQuorumResponse\x12\x11\n\tquorum_id\x18\x01 \x01(\x03\x12#\n\x1brecover_src_manager_address\x18\x02 \x01(\t\x12%\n\x18recover_src_replica_rank\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12!\n\x19recover_dst_replica_ranks\x18\x04 \x03(\x03\x12\x15\n\rstore_address\x18\x05 \x01(\t\x12\x10\n\x08max_step\x18\x06 \x01(\x03\x12\x1d\n\x10max_replica_rank\x18\x07 \x01(\x03H\x01\x88\x01\x01\x12\x16\n\x0emax_world_size\x18\x08 \x01(\x03\x12\x14\n\x0creplica_rank\x18\t \x01(\x03\x12\x1a\n\x12replica_world_size\x18\n \x01(\x03\x12\x0c\n\x04heal\x18\x0b \x01(\x08\x12\x17\n\x0f\x63ommit_failures\x18\x0c \x01(\x03\x12\x13\n\x0breplica_ids\x18\r \x03(\t\x12\x1b\n\x13reconfigure_handles\x18\x0e \x03(\tB\x1b\n\x19_recover_src_replica_rankB\x13\n\x11_max_replica_rank\")\n\x19\x43heckpointMetadataRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x03\"9\n\x1a\x43heckpointMetadataResponse\x12\x1b\n\x13\x63heckpoint_metadata\x18\x01 \x01(\t\"N\n\x13ShouldCommitRequest\x12\x15\n\rshould_commit\x18\x01 \x01(\x08\x12\x12\n\ngroup_rank\x18\x02 \x01(\x03\x12\x0c\n\x04step\x18\x03 \x01(\x03\"-\n\x14ShouldCommitResponse\x12\x15\n\rshould_commit\x18\x01 \x01(\x08\"\x1a\n\x0bKillRequest\x12\x0b\n\x03msg\x18\x01 \x01(\t\"\x0e\n\x0cKillResponse\"*\n\x14ManagerEventsRequest\x12\x12\n\ngroup_rank\x18\x01 \x01(\x03\x32\x9b\x03\n\x11LighthouseService\x12M\n\x06Quorum\x12 .torchft.LighthouseQuorumRequest\x1a!.torchft.LighthouseQuorumResponse\x12V\n\tHeartbeat\x12#.torchft.LighthouseHeartbeatRequest\x1a$.torchft.LighthouseHeartbeatResponse\x12V\n\x11SubscribeFailures\x12!.torchft.SubscribeFailuresRequest\x1a\x1c.torchft.FailureNotification0\x01\x12P\n\tGetConfig\x12 .torchft.LighthouseConfigRequest\x1a!.torchft.LighthouseConfigResponse\x12\x35\n\x05Lease\x12\x15.torchft.LeaseRequest\x1a\x13.torchft.LeaseEvent0\x01\x32\xfa\x02\n\x0eManagerService\x12G\n\x06Quorum\x12\x1d.torchft.ManagerQuorumRequest\x1a\x1e.torchft.ManagerQuorumResponse\x12]\n\x12\x43heckpointMetadata\x12\".torchft.CheckpointMetadataRequest\x1a#.torchft.CheckpointMetadataResponse\x12K\n\x0cShouldCommit\x12\x1c.torchft.ShouldCommitRequest\x1a\x1d.torchft.ShouldCommitResponse\x12\x33\n\x04Kill\x12\x14.torchft.KillRequest\x1a\x15.torchft.KillResponse\x12>\n\x06\x45vents\x12\x1d.torchft.ManagerEventsRequest\x1a\x13.torchft.LeaseEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -56,24 +56,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LIGHTHOUSECONFIGRESPONSE']._serialized_end=860
   _globals['_LIGHTHOUSECONFIGRESPONSE_CONFIGDATAENTRY']._serialized_start=811
   _globals['_LIGHTHOUSECONFIGRESPONSE_CONFIGDATAENTRY']._serialized_end=860
-  _globals['_MANAGERQUORUMREQUEST']._serialized_start=863
-  _globals['_MANAGERQUORUMREQUEST']._serialized_end=1041
-  _globals['_MANAGERQUORUMRESPONSE']._serialized_start=1044
-  _globals['_MANAGERQUORUMRESPONSE']._serialized_end=1482
-  _globals['_CHECKPOINTMETADATAREQUEST']._serialized_start=1484
-  _globals['_CHECKPOINTMETADATAREQUEST']._serialized_end=1525
-  _globals['_CHECKPOINTMETADATARESPONSE']._serialized_start=1527
-  _globals['_CHECKPOINTMETADATARESPONSE']._serialized_end=1584
-  _globals['_SHOULDCOMMITREQUEST']._serialized_start=1586
-  _globals['_SHOULDCOMMITREQUEST']._serialized_end=1664
-  _globals['_SHOULDCOMMITRESPONSE']._serialized_start=1666
-  _globals['_SHOULDCOMMITRESPONSE']._serialized_end=1711
-  _globals['_KILLREQUEST']._serialized_start=1713
-  _globals['_KILLREQUEST']._serialized_end=1739
-  _globals['_KILLRESPONSE']._serialized_start=1741
-  _globals['_KILLRESPONSE']._serialized_end=1755
-  _globals['_LIGHTHOUSESERVICE']._serialized_start=1758
-  _globals['_LIGHTHOUSESERVICE']._serialized_end=2114
-  _globals['_MANAGERSERVICE']._serialized_start=2117
-  _globals['_MANAGERSERVICE']._serialized_end=2431
+  _globals['_LEASEREQUEST']._serialized_start=862
+  _globals['_LEASEREQUEST']._serialized_end=896
+  _globals['_LEASEEVENT']._serialized_start=899
+  _globals['_LEASEEVENT']._serialized_end=1044
+  _globals['_LEASEEVENT_KIND']._serialized_start=1008
+  _globals['_LEASEEVENT_KIND']._serialized_end=1044
+  _globals['_MANAGERQUORUMREQUEST']._serialized_start=1047
+  _globals['_MANAGERQUORUMREQUEST']._serialized_end=1225
+  _globals['_MANAGERQUORUMRESPONSE']._serialized_start=1228
+  _globals['_MANAGERQUORUMRESPONSE']._serialized_end=1666
+  _globals['_CHECKPOINTMETADATAREQUEST']._serialized_start=1668
+  _globals['_CHECKPOINTMETADATAREQUEST']._serialized_end=1709
+  _globals['_CHECKPOINTMETADATARESPONSE']._serialized_start=1711
+  _globals['_CHECKPOINTMETADATARESPONSE']._serialized_end=1768
+  _globals['_SHOULDCOMMITREQUEST']._serialized_start=1770
+  _globals['_SHOULDCOMMITREQUEST']._serialized_end=1848
+  _globals['_SHOULDCOMMITRESPONSE']._serialized_start=1850
+  _globals['_SHOULDCOMMITRESPONSE']._serialized_end=1895
+  _globals['_KILLREQUEST']._serialized_start=1897
+  _globals['_KILLREQUEST']._serialized_end=1923
+  _globals['_KILLRESPONSE']._serialized_start=1925
+  _globals['_KILLRESPONSE']._serialized_end=1939
+  _globals['_MANAGEREVENTSREQUEST']._serialized_start=1941
+  _globals['_MANAGEREVENTSREQUEST']._serialized_end=1983
+  _globals['_LIGHTHOUSESERVICE']._serialized_start=1986
+  _globals['_LIGHTHOUSESERVICE']._serialized_end=2397
+  _globals['_MANAGERSERVICE']._serialized_start=2400
+  _globals['_MANAGERSERVICE']._serialized_end=2778
 # @@protoc_insertion_point(module_scope)

@@ -2,6 +2,7 @@ import datetime
 
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -92,6 +93,30 @@ class LighthouseConfigResponse(_message.Message):
     config_data: _containers.ScalarMap[str, str]
     def __init__(self, config_data: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
+class LeaseRequest(_message.Message):
+    __slots__ = ("replica_id",)
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    def __init__(self, replica_id: _Optional[str] = ...) -> None: ...
+
+class LeaseEvent(_message.Message):
+    __slots__ = ("kind", "replica_id", "quorum_id", "reason")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        GRANTED: _ClassVar[LeaseEvent.Kind]
+        MEMBER_GONE: _ClassVar[LeaseEvent.Kind]
+    GRANTED: LeaseEvent.Kind
+    MEMBER_GONE: LeaseEvent.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    QUORUM_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    kind: LeaseEvent.Kind
+    replica_id: str
+    quorum_id: int
+    reason: str
+    def __init__(self, kind: _Optional[_Union[LeaseEvent.Kind, str]] = ..., replica_id: _Optional[str] = ..., quorum_id: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
 class ManagerQuorumRequest(_message.Message):
     __slots__ = ("group_rank", "step", "checkpoint_metadata", "shrink_only", "init_sync", "commit_failures", "reconfigure_handle")
     GROUP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -179,3 +204,9 @@ class KillRequest(_message.Message):
 class KillResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class ManagerEventsRequest(_message.Message):
+    __slots__ = ("group_rank",)
+    GROUP_RANK_FIELD_NUMBER: _ClassVar[int]
+    group_rank: int
+    def __init__(self, group_rank: _Optional[int] = ...) -> None: ...

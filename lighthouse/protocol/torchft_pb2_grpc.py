@@ -54,6 +54,11 @@ class LighthouseServiceStub:
                 request_serializer=torchft__pb2.LighthouseConfigRequest.SerializeToString,
                 response_deserializer=torchft__pb2.LighthouseConfigResponse.FromString,
                 _registered_method=True)
+        self.Lease = channel.unary_stream(
+                '/torchft.LighthouseService/Lease',
+                request_serializer=torchft__pb2.LeaseRequest.SerializeToString,
+                response_deserializer=torchft__pb2.LeaseEvent.FromString,
+                _registered_method=True)
 
 
 class LighthouseServiceServicer:
@@ -87,6 +92,15 @@ class LighthouseServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Lease(self, request, context):
+        """torchft_lite: a connection lease. The lighthouse treats the replica as
+        dead the moment this stream breaks (its process died or closed it) and
+        pushes membership events on it. torchft managers never call it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LighthouseServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +123,11 @@ def add_LighthouseServiceServicer_to_server(servicer, server):
                     servicer.GetConfig,
                     request_deserializer=torchft__pb2.LighthouseConfigRequest.FromString,
                     response_serializer=torchft__pb2.LighthouseConfigResponse.SerializeToString,
+            ),
+            'Lease': grpc.unary_stream_rpc_method_handler(
+                    servicer.Lease,
+                    request_deserializer=torchft__pb2.LeaseRequest.FromString,
+                    response_serializer=torchft__pb2.LeaseEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -229,6 +248,33 @@ class LighthouseService:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def Lease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/torchft.LighthouseService/Lease',
+            torchft__pb2.LeaseRequest.SerializeToString,
+            torchft__pb2.LeaseEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class ManagerServiceStub:
     """Missing associated documentation comment in .proto file."""
@@ -259,6 +305,11 @@ class ManagerServiceStub:
                 request_serializer=torchft__pb2.KillRequest.SerializeToString,
                 response_deserializer=torchft__pb2.KillResponse.FromString,
                 _registered_method=True)
+        self.Events = channel.unary_stream(
+                '/torchft.ManagerService/Events',
+                request_serializer=torchft__pb2.ManagerEventsRequest.SerializeToString,
+                response_deserializer=torchft__pb2.LeaseEvent.FromString,
+                _registered_method=True)
 
 
 class ManagerServiceServicer:
@@ -288,6 +339,13 @@ class ManagerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Events(self, request, context):
+        """torchft_lite: the lighthouse's membership events, relayed to every rank of the group.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ManagerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -310,6 +368,11 @@ def add_ManagerServiceServicer_to_server(servicer, server):
                     servicer.Kill,
                     request_deserializer=torchft__pb2.KillRequest.FromString,
                     response_serializer=torchft__pb2.KillResponse.SerializeToString,
+            ),
+            'Events': grpc.unary_stream_rpc_method_handler(
+                    servicer.Events,
+                    request_deserializer=torchft__pb2.ManagerEventsRequest.FromString,
+                    response_serializer=torchft__pb2.LeaseEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -420,6 +483,33 @@ class ManagerService:
             '/torchft.ManagerService/Kill',
             torchft__pb2.KillRequest.SerializeToString,
             torchft__pb2.KillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Events(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/torchft.ManagerService/Events',
+            torchft__pb2.ManagerEventsRequest.SerializeToString,
+            torchft__pb2.LeaseEvent.FromString,
             options,
             channel_credentials,
             insecure,

@@ -45,4 +45,6 @@ def test_wire_field_numbers_match_torchft():
     assert pb.DESCRIPTOR.package == "torchft"
     services = {s.name: [m.name for m in s.methods] for s in pb.DESCRIPTOR.services_by_name.values()}
     assert services["LighthouseService"][:2] == ["Quorum", "Heartbeat"]
-    assert services["ManagerService"] == ["Quorum", "CheckpointMetadata", "ShouldCommit", "Kill"]
+    # torchft's methods first, in its order; ours (new RPCs only) after them
+    assert services["ManagerService"] == ["Quorum", "CheckpointMetadata", "ShouldCommit", "Kill", "Events"]
+    assert services["LighthouseService"] == ["Quorum", "Heartbeat", "SubscribeFailures", "GetConfig", "Lease"]

@@ -243,3 +243,33 @@ class TestConfig:
     def test_empty_replica_id_rejected(self):
         with pytest.raises(ValueError, match="replica_id"):
             state().join(Member(""), 0.0)
+
+
+class TestForget:
+    """A broken lease: the replica is gone now, not after heartbeat_timeout."""
+
+    def test_survivors_form_a_quorum_at_once_without_the_forgotten_member(self):
+        s = state(min_replicas=1, join_timeout=60.0, heartbeat_timeout=5.0)
+        join(s, 0.0, "a", "b", "c")
+        assert issue(s, 0.0).replica_ids == ("a", "b", "c")
+        join(s, 1.0, "a", "b")
+        decision, _ = s.decide(1.0)
+        assert decision.quorum is None  # c is still healthy: wait for it (join timeout)
+        assert s.forget("c")
+        quorum = issue(s, 1.0)
+        assert quorum.replica_ids == ("a", "b")
+        assert not s.is_healthy("c", 1.0) and not s.forget("c")
+
+    def test_a_forgotten_participant_leaves_the_next_quorum(self):
+        s = state(min_replicas=1)
+        join(s, 0.0, "a", "b")
+        s.forget("b")
+        assert s.num_participants == 1 and s.num_healthy_participants == 1
+        assert issue(s, 0.0).replica_ids == ("a",)
+
+    def test_a_later_heartbeat_brings_it_back(self):
+        s = state()
+        s.heartbeat("a", 0.0)
+        s.forget("a")
+        s.heartbeat("a", 1.0)
+        assert s.is_healthy("a", 1.0)
