@@ -120,12 +120,17 @@ class ManagerServer:
             "Kill": self._rpc_kill,
         }.items():
             self._grpc.add_unary(f"/{SERVICE}/{name}", handler)
+        self._grpc.add_server_stream(f"/{SERVICE}/Events", self._rpc_events)
         self._port: int | None = None
         self._quorum_round: _QuorumRound | None = None
         self._vote_round: _VoteRound | None = None
         self._checkpoint_metadata: dict[int, str] = {}
         self._tasks: set[asyncio.Task] = set()
         self._heartbeat_task: asyncio.Task | None = None
+        self._lease_task: asyncio.Task | None = None
+        self._event_listeners: list[Callable[[pb.LeaseEvent], None]] = []
+        self._event_streams: set[asyncio.Queue[bytes]] = set()
+        self.lease_held = False
         self._quorums = 0
         self._quorum_failures = 0
         self._heartbeat_failures = 0
@@ -136,7 +141,9 @@ class ManagerServer:
     async def start(self) -> None:
         host, port = split_host_port(self.config.bind)
         self._port = await self._grpc.start(host, port)
-        self._heartbeat_task = asyncio.get_running_loop().create_task(self._heartbeat_loop())
+        loop = asyncio.get_running_loop()
+        self._heartbeat_task = loop.create_task(self._heartbeat_loop())
+        self._lease_task = loop.create_task(self._lease_loop())
         logger.info("[%s] ManagerServer listening on %s for %d rank(s)",
                     self.config.replica_id, self.address(), self.config.world_size)
 
@@ -149,10 +156,12 @@ class ManagerServer:
         return f"http://{host}:{self._port}"
 
     async def stop(self) -> None:
-        if self._heartbeat_task is not None:
-            self._heartbeat_task.cancel()
-            await asyncio.gather(self._heartbeat_task, return_exceptions=True)
-            self._heartbeat_task = None
+        """Leave: the lease closes first, so the lighthouse drops this group at once."""
+        for task in (self._lease_task, self._heartbeat_task):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._lease_task = self._heartbeat_task = None
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
@@ -182,6 +191,67 @@ class ManagerServer:
                     logger.warning("[%s] heartbeat failed: %s", self.config.replica_id, exc)
                 failing = True
             await asyncio.sleep(interval)
+
+    # ------------------------------------------------------------ lease and events
+
+    def add_event_listener(self, listener: Callable[[pb.LeaseEvent], None]) -> None:
+        """Call ``listener(event)`` on this loop for every lighthouse event (group rank 0's Manager)."""
+        self._event_listeners.append(listener)
+
+    async def _lease_loop(self) -> None:
+        """Hold a lease on the lighthouse, reconnecting when it breaks; relay its events."""
+        replica_id = self.config.replica_id
+        backoff = 0.1
+        while True:
+            call = self._lighthouse.lease(replica_id)
+            try:
+                async for event in call:
+                    if event.kind == pb.LeaseEvent.GRANTED:
+                        if not self.lease_held:
+                            logger.info("[%s] lease held on the lighthouse", replica_id)
+                        self.lease_held, backoff = True, 0.1
+                        continue
+                    logger.info("[%s] lighthouse: %s left quorum %d (%s)", replica_id, event.replica_id,
+                                event.quorum_id, event.reason)
+                    self._relay(event)
+                logger.warning("[%s] lease stream ended by the lighthouse; reconnecting", replica_id)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    logger.info("[%s] the lighthouse has no Lease RPC (torchft's?): failures are detected "
+                                "by heartbeat expiry only", replica_id)
+                    return
+                if self.lease_held:
+                    logger.warning("[%s] lease lost (%s); reconnecting", replica_id, exc.code().name)
+            except Exception:  # never let the lease loop die silently
+                logger.exception("[%s] lease loop failed; reconnecting", replica_id)
+            finally:
+                call.cancel()
+            self.lease_held = False
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 2.0)
+
+    def _relay(self, event: pb.LeaseEvent) -> None:
+        for listener in self._event_listeners:
+            try:
+                listener(event)
+            except Exception:  # one listener's bug must not stop the others
+                logger.exception("[%s] event listener failed", self.config.replica_id)
+        data = event.SerializeToString()
+        for queue in self._event_streams:
+            if queue.full():
+                queue.get_nowait()
+            queue.put_nowait(data)
+
+    async def _rpc_events(self, data: bytes, context):
+        request = _parse(pb.ManagerEventsRequest, data)
+        self._check_rank(request.group_rank, "ManagerEventsRequest.group_rank")
+        queue: asyncio.Queue[bytes] = asyncio.Queue(256)
+        self._event_streams.add(queue)
+        try:
+            while True:
+                yield await queue.get()
+        finally:
+            self._event_streams.discard(queue)
 
     # ------------------------------------------------------------ Quorum
 
