@@ -86,3 +86,8 @@ class ManagerClient(UnaryChannel):
 
     async def kill(self, msg: str, *, timeout: float) -> None:
         await self._invoke("Kill", pb.KillRequest(msg=msg), pb.KillResponse, timeout, "Kill")
+
+    def events(self, group_rank: int) -> grpc.aio.UnaryStreamCall:
+        """The group's stream of lighthouse events (torchft_lite ManagerServers only)."""
+        call = self._stream_call("Events", pb.ManagerEventsRequest, pb.LeaseEvent)
+        return call(pb.ManagerEventsRequest(group_rank=group_rank), wait_for_ready=True)

@@ -19,12 +19,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
+import signal
 import threading
 import time
 import uuid
 from datetime import timedelta
 from enum import Enum
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 from torch.distributed import ReduceOp, TCPStore
@@ -32,9 +34,12 @@ from torch.distributed.distributed_c10d import AllreduceOptions
 
 from lighthouse.protocol import torchft_pb2 as pb
 from torchft_lite._control_plane import control_plane
-from torchft_lite._manager_client import ManagerClient
+from torchft_lite._manager_client import ManagerClient  # sets GRPC_ENABLE_FORK_SUPPORT before grpc loads
+
+import grpc  # noqa: E402  (after the line above)
 from torchft_lite._manager_settings import ManagerSettings
-from torchft_lite.errors import CheckpointError, ManagerError, QuorumTimeout, TorchFTError
+from torchft_lite.errors import CheckpointError, CollectiveError, ManagerError, QuorumTimeout, TorchFTError
+from torchft_lite.watchdog import EXIT_CODE_PREEMPTED, Watchdog, WatchdogConfig
 from torchft_lite.manager_server import ManagerServer, ManagerServerConfig
 from torchft_lite.work import DoneWork, ManagedWork, guard_future
 
@@ -84,6 +89,10 @@ class Manager:
         init_sync: bool = True,
         max_retries: int | None = None,
         quorum_retries: int = 0,
+        *,
+        preemption_signals: Sequence[int] = (signal.SIGTERM,),
+        on_preemption: Callable[[], None] | None = None,
+        watchdog: WatchdogConfig | None = None,
     ) -> None:
         # Everything is validated before anything starts.
         s = self._settings = ManagerSettings.resolve(
@@ -94,6 +103,13 @@ class Manager:
             quorum_retries=quorum_retries,
         )
         self._pg = pg
+        self._on_preemption = on_preemption
+        self._leave_signal: int | None = None
+        self._in_step = False
+        self._quorum_members: frozenset[str] = frozenset()
+        self._closed = False
+        self._events_future: concurrent.futures.Future | None = None
+        self._previous_handlers: dict[int, Any] = {}
         self._min_replica_size = s.min_replica_size
         self._use_async_quorum = use_async_quorum
         self._world_size_mode = world_size_mode
@@ -159,6 +175,14 @@ class Manager:
                 f"TCPStore at {s.store_address} within {s.connect_timeout:.0f}s"
             ) from exc
         self._client = ManagerClient(manager_addr)
+        defaults = WatchdogConfig(quorum=s.quorum_timeout + s.timeout + 60.0, heal=3 * s.timeout + 60.0)
+        self.watchdog = Watchdog(watchdog or WatchdogConfig.from_env(os.environ, defaults),
+                                 label=f"[{self._replica_id}/{s.group_rank}]")
+        if self._server is not None:
+            self._server.add_event_listener(self._on_lighthouse_event)
+        else:
+            self._events_future = self._control.submit(self._follow_events())
+        self._install_signal_handlers(preemption_signals)
         self._log(logging.INFO, "manager ready (group rank %d of %d, ManagerServer %s)",
                   s.group_rank, s.group_world_size, manager_addr)
 
@@ -186,6 +210,7 @@ class Manager:
 
     def start_quorum(self, allow_heal: bool = True, shrink_only: bool = False, timeout: timedelta | None = None) -> None:
         """Begin this step's quorum in the background (``wait_quorum`` waits for it)."""
+        self._maybe_leave()
         if self._quorum_future is not None:
             self._await(self._quorum_future, "the previous quorum")
         if self._published:  # should_commit was skipped: stop serving before the state changes
@@ -200,6 +225,9 @@ class Manager:
         self._pre_heal_state = None
         self._collectives_ready = False
         self._training_thread = threading.get_ident()
+        self._in_step = True
+        self.watchdog.begin("step", f"step {self._step} (start_quorum to the end of should_commit)")
+        self.watchdog.begin("quorum", f"the quorum for step {self._step}")
         quorum_timeout = timeout.total_seconds() if timeout is not None else self._quorum_timeout
         ready: concurrent.futures.Future = concurrent.futures.Future()
         self._ready_future = ready
@@ -219,6 +247,7 @@ class Manager:
         if self._ready_future is None:
             raise RuntimeError("wait_quorum() called before start_quorum()")
         self._await(self._ready_future, "the quorum")
+        self.watchdog.end("quorum")
 
     def _await(self, future: concurrent.futures.Future, what: str) -> None:
         # The coroutine bounds each of its own waits; this is the backstop.
@@ -260,6 +289,7 @@ class Manager:
             self._participating_rank = response.max_replica_rank if response.HasField("max_replica_rank") else None
             self._participating_world_size = response.max_world_size
 
+        self._quorum_members = frozenset(response.replica_ids)
         if response.quorum_id != self._quorum_id:
             store = f"{response.store_address}/torchft/{response.quorum_id}/{self._group_rank}"
             # Set first: a store prefix is never rendezvoused on twice, even if this
@@ -282,6 +312,8 @@ class Manager:
         ready.set_result(None)
 
         if allow_heal and response.heal:
+            self.watchdog.begin("heal", f"the state dict of step {response.max_step} from "
+                                        f"{response.recover_src_manager_address}")
             src_rank = response.recover_src_replica_rank
             self._log(logging.INFO, "healing from replica %d (%s) to step %d",
                       src_rank, response.recover_src_manager_address, response.max_step)
@@ -319,6 +351,7 @@ class Manager:
             self.report_error(exc)
             return
         seconds, nbytes = self._heal_stats or (0.0, 0)
+        self.watchdog.end("heal")
         self._log(logging.INFO, "healed: %.3f MB in %.2fs (%.1f MB/s)", nbytes / 1e6, seconds,
                   nbytes / 1e6 / seconds if seconds > 0 else 0.0)
 
@@ -388,6 +421,76 @@ class Manager:
         self._pending_work.append(ManagedWork(guarded))
         return guarded
 
+    # ------------------------------------------------------------ failures pushed by the lighthouse
+
+    async def _follow_events(self) -> None:
+        """Group ranks > 0: the lighthouse's events, relayed by the group's ManagerServer."""
+        backoff = 0.1
+        while True:
+            call = self._client.events(self._group_rank)
+            try:
+                async for event in call:
+                    backoff = 0.1
+                    self._on_lighthouse_event(event)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    return
+            finally:
+                call.cancel()
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 2.0)
+
+    def _on_lighthouse_event(self, event: pb.LeaseEvent) -> None:
+        """A quorum member is gone: abort this step's collectives now instead of at their timeout.
+
+        Runs on the control-plane loop. The step is not committed (the error is
+        recorded); the next quorum, formed without the member, reconfigures.
+        """
+        if event.kind != pb.LeaseEvent.MEMBER_GONE or not self._in_step:
+            return
+        if event.replica_id not in self._quorum_members or event.replica_id == self._replica_id:
+            return
+        self._log(logging.INFO, "%s left the quorum (%s): aborting this step's collectives",
+                  event.replica_id, event.reason)
+        self.report_error(CollectiveError(f"replica {event.replica_id} left the quorum: {event.reason}"))
+        abort = getattr(self._pg, "abort", None)
+        if abort is not None:
+            abort()
+
+    # ------------------------------------------------------------ graceful leave
+
+    def _install_signal_handlers(self, signals: Sequence[int]) -> None:
+        if not signals:
+            return
+        if threading.current_thread() is not threading.main_thread():
+            self._log(logging.WARNING, "not on the main thread: preemption signals %s are not handled",
+                      [signal.Signals(sig).name for sig in signals])
+            return
+        for sig in signals:
+            self._previous_handlers[sig] = signal.signal(sig, self._on_preemption_signal)
+
+    def _on_preemption_signal(self, signum: int, frame: Any) -> None:
+        # Only note it here; the training thread leaves at the next safe point.
+        if self._leave_signal is None:
+            self._leave_signal = signum
+            self._log(logging.WARNING, "received %s: leaving after this step", signal.Signals(signum).name)
+
+    def _maybe_leave(self) -> None:
+        """At a safe point (between steps): leave if a preemption signal arrived."""
+        if self._leave_signal is None or self._closed:
+            return
+        name = signal.Signals(self._leave_signal).name
+        self._log(logging.WARNING, "leaving on %s at step %d (%d batches committed)", name, self._step,
+                  self._batches_committed)
+        if self._on_preemption is not None:
+            try:
+                with self.watchdog.section("checkpoint", "the on_preemption checkpoint callback"):
+                    self._on_preemption()
+            except Exception:  # still leave: the survivors must not wait for us
+                logger.exception("on_preemption callback failed")
+        self.shutdown()
+        raise SystemExit(EXIT_CODE_PREEMPTED)
+
     def _schedule_timeout(self, delay: float, fn: Callable[[], None]) -> Callable[[], None]:
         """Run ``fn`` after ``delay`` s on the control-plane loop; returns a thread-safe cancel."""
         loop = self._control.loop
@@ -416,6 +519,7 @@ class Manager:
         if self._quorum_future is None:
             raise RuntimeError("should_commit() called before start_quorum()")
         self._await(self._quorum_future, "the quorum and heal")
+        self.watchdog.end("quorum")
         if self._healing:
             self._apply_pending_state_dict()
         self._maybe_publish_checkpoint()
@@ -463,6 +567,10 @@ class Manager:
             if self._settings.max_retries is not None and self._commit_failures > self._settings.max_retries:
                 raise RuntimeError(f"{self._commit_failures} consecutive steps failed to commit "
                                    f"(max_retries={self._settings.max_retries}); last error: {self._errored!r}")
+        self._in_step = False
+        self.watchdog.end("step")
+        self.watchdog.end("heal")
+        self._maybe_leave()
         return decision
 
     # ------------------------------------------------------------ accessors
@@ -488,7 +596,16 @@ class Manager:
         return self._replica_id
 
     def shutdown(self, wait: bool = True) -> None:
-        """Stop the ManagerServer and checkpoint transport of this process."""
+        """Leave: close the lease (the lighthouse drops this group at once), stop serving. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.watchdog.close()
+        if threading.current_thread() is threading.main_thread():
+            for sig, handler in self._previous_handlers.items():
+                signal.signal(sig, handler)  # the process's own handling again
+        if self._events_future is not None:
+            self._events_future.cancel()
         if self._quorum_future is not None:
             self._quorum_future.cancel()
         try:

@@ -89,7 +89,8 @@ def make_manager(lighthouse, pg, transport, replica_id, state=None, **kw) -> Man
         pg=pg, load_state_dict=lambda sd: weights.update(w=sd["w"].clone()), state_dict=lambda: {"w": weights["w"]},
         min_replica_size=1, rank=0, world_size=1, store_addr="127.0.0.1", store_port=store.port,
         lighthouse_addr=lighthouse.server.address(), replica_id=replica_id, hostname="127.0.0.1",
-        checkpoint_transport=transport, timeout=timedelta(seconds=20), quorum_timeout=timedelta(seconds=30), **kw,
+        checkpoint_transport=transport, timeout=timedelta(seconds=20), quorum_timeout=timedelta(seconds=30),
+        preemption_signals=(), **kw,
     )
     manager._test_store = store  # keep the store alive as long as the manager
     return manager
