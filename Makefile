@@ -12,7 +12,7 @@ TORCH_SPEC ?= torch==2.13.0
 # replace torch; a failure to get it only skips those comparisons.
 TORCHFT_SPEC ?= torchft-nightly==2026.10.26
 
-.PHONY: all venv test test-fast demo proto bench bench-ddp browser clean help
+.PHONY: all venv test test-fast demo proto bench bench-ddp bench-recovery browser clean help
 
 all: test
 
@@ -22,6 +22,7 @@ help:
 	@echo "make proto   regenerate lighthouse/protocol from proto/torchft.proto"
 	@echo "make bench   run benchmarks/lighthouse_bench.py (ours and torchft's)"
 	@echo "make bench-ddp  run benchmarks/ddp_overhead_bench.py (Manager step overhead vs plain gloo DDP)"
+	@echo "make bench-recovery  run benchmarks/recovery_bench.py (stall and rejoin after a SIGKILL, ours vs torchft)"
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -58,6 +59,11 @@ proto: $(STAMP)
 bench: $(STAMP)
 	-$(BIN)/python -m pip install --quiet "opentelemetry-sdk>=1.39" "opentelemetry-exporter-otlp-proto-http>=1.39"
 	$(BIN)/python benchmarks/lighthouse_bench.py
+
+# Survivors' stall and rejoin time after a SIGKILL, ours vs torchft's (same script).
+bench-recovery: $(STAMP)
+	-$(BIN)/python -m pip install --quiet "opentelemetry-sdk>=1.39" "opentelemetry-exporter-otlp-proto-http>=1.39"
+	$(BIN)/python benchmarks/recovery_bench.py
 
 # Per-step cost of fault tolerance: two replica groups vs a plain gloo DDP loop.
 bench-ddp: $(STAMP)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import hashlib
+import importlib
 import json
 import logging
 import os
@@ -30,7 +31,6 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import torchft_lite as torchft
 
 
 def parse_args() -> argparse.Namespace:
@@ -42,6 +42,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--min-replicas", type=int, default=1, help="min_replica_size for the Manager (default 1)")
     parser.add_argument("--timeout", type=float, default=10.0, help="collective/heal timeout in seconds (default 10)")
     parser.add_argument("--report", help="append a JSON line per committed step to this file")
+    parser.add_argument("--impl", choices=["torchft_lite", "torchft"], default="torchft_lite",
+                        help="which library to import as `torchft` (torchft: PyTorch's, for comparisons)")
     parser.add_argument("--log-level", default="INFO")
     return parser.parse_args()
 
@@ -56,6 +58,8 @@ def params_checksum(model: nn.Module) -> str:
 
 def main() -> None:
     args = parse_args()
+    # The same script runs on either library: that is the drop-in promise.
+    torchft = importlib.import_module(args.impl)
     replica_group = int(os.environ.get("REPLICA_GROUP_ID", 0))
     num_groups = int(os.environ.get("NUM_REPLICA_GROUPS", 2))
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
