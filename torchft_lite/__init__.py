@@ -22,6 +22,7 @@ __all__ = [
     "OptimizerWrapper",
     "ProcessGroupGloo",
     "ProcessGroupNCCL",
+    "WatchdogConfig",
     "WorldSizeMode",
 ]
 
@@ -33,6 +34,7 @@ _LOCATIONS = {
     "OptimizerWrapper": "torchft_lite.optim",
     "ProcessGroupGloo": "torchft_lite.process_group",
     "ProcessGroupNCCL": "torchft_lite.process_group",
+    "WatchdogConfig": "torchft_lite.watchdog",
     "WorldSizeMode": "torchft_lite.manager",
 }
 
