@@ -15,6 +15,12 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    # A restarted lighthouse (or ManagerServer) is back within a second or two;
+    # gRPC's default reconnect backoff grows to minutes and would keep the
+    # channel down long after it returned.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
 

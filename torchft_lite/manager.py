@@ -474,6 +474,11 @@ class Manager:
         if self._leave_signal is None:
             self._leave_signal = signum
             self._log(logging.WARNING, "received %s: leaving after this step", signal.Signals(signum).name)
+            future = self._quorum_future
+            if future is not None and not future.done():
+                # Abandon a quorum still in flight (it may never form without
+                # the groups that are leaving too): the step won't commit.
+                future.cancel()
 
     def _maybe_leave(self) -> None:
         """At a safe point (between steps): leave if a preemption signal arrived."""
