@@ -93,3 +93,24 @@ def test_a_flapping_member_never_stops_the_survivor(tmp_path):
             wait_for(lambda: len(steps_of(read_reports(report), 1)) >= before + 3,
                      f"the flapping group back after restart {cycle + 1}", groups=[survivor, flapper])
         assert assert_identical_per_step(read_reports(report)) > 0
+
+
+def test_watchdog_exits_a_group_stuck_in_quorum_for_rescheduling(tmp_path):
+    from torchft_lite.local_cluster import LighthouseProcess, ReplicaGroup
+    from torchft_lite.watchdog import EXIT_CODE_RESCHEDULE
+
+    from tests.integration.test_fault_tolerant_ddp import SCRIPT, WAIT
+
+    # min_replicas=2 with a single group: its quorum can never form.
+    lighthouse = LighthouseProcess(min_replicas=2, log_path=tmp_path / "lighthouse.log").start()
+    group = ReplicaGroup(0, 1, lighthouse.address, SCRIPT, ["--steps", "5"], log_dir=tmp_path,
+                         env={"TORCHFT_LITE_WATCHDOG_QUORUM_SEC": "3"})
+    try:
+        group.start()
+        assert group.wait(WAIT) == [EXIT_CODE_RESCHEDULE]
+        log = (tmp_path / "group0.1.0.log").read_text(errors="replace")
+        assert "quorum took more than 3s waiting for the quorum for step 0" in log
+        assert "thread stacks" in log
+    finally:
+        group.stop()
+        lighthouse.stop()
