@@ -52,6 +52,9 @@ class LighthouseConfig:
     """Interval of the background re-evaluation (join timeouts, heartbeat expiry)."""
     heartbeat_timeout: float = 5.0
     """A replica is healthy while its last heartbeat is younger than this."""
+    startup_grace: float | None = None
+    """No quorum until this long after start, so replicas already training
+    re-register (a restarted lighthouse knows nobody); None: heartbeat_timeout."""
     http_bind: str | None = DEFAULT_HTTP_BIND
     """HOST:PORT for the dashboard, /api/status and /metrics; None disables HTTP."""
     admin_token: str | None = None
@@ -84,6 +87,7 @@ class LighthouseConfig:
             min_replicas=self.min_replicas,
             join_timeout=self.join_timeout,
             heartbeat_timeout=self.heartbeat_timeout,
+            startup_grace=self.heartbeat_timeout if self.startup_grace is None else self.startup_grace,
         )
 
     # ------------------------------------------------------------------ CLI
@@ -117,6 +121,11 @@ class LighthouseConfig:
         parser.add_argument(
             "--heartbeat_timeout_ms", "--heartbeat-timeout-ms", type=int, default=5000,
             help="a replica is healthy while its last heartbeat is younger than this",
+        )
+        parser.add_argument(
+            "--startup_grace_ms", "--startup-grace-ms", type=int, default=None,
+            help="after starting, issue no quorum for this long so replicas already training re-register "
+            "(a restarted lighthouse knows nobody); default: the heartbeat timeout; 0 disables",
         )
         parser.add_argument(
             "--http-bind", "--http_bind", default=DEFAULT_HTTP_BIND,
@@ -157,6 +166,7 @@ class LighthouseConfig:
             join_timeout=args.join_timeout_ms / 1000,
             quorum_tick=args.quorum_tick_ms / 1000,
             heartbeat_timeout=args.heartbeat_timeout_ms / 1000,
+            startup_grace=None if args.startup_grace_ms is None else args.startup_grace_ms / 1000,
             http_bind=http_bind,
             admin_token=token,
             state_dir=args.state_dir,

@@ -49,11 +49,16 @@ class QuorumConfig:
     from the first participant's join."""
     heartbeat_timeout: float = 5.0
     """A replica is healthy while its last heartbeat is younger than this."""
+    startup_grace: float = 0.0
+    """No quorum is issued until this long after the lighthouse started, so that
+    replicas already training re-register first: a restarted lighthouse knows
+    nobody, and a minority (say, a freshly restarted group at step 0) could
+    otherwise form a quorum on its own and commit steps the others already did."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.min_replicas, int) or self.min_replicas < 1:
             raise ValueError(f"min_replicas must be an integer >= 1, got {self.min_replicas!r}")
-        for name in ("join_timeout", "heartbeat_timeout"):
+        for name in ("join_timeout", "heartbeat_timeout", "startup_grace"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
@@ -90,6 +95,7 @@ class Status(enum.Enum):
     NO_PARTICIPANTS = "no_participants"
     BELOW_MIN_REPLICAS = "below_min_replicas"
     SPLIT_BRAIN_GUARD = "split_brain_guard"
+    STARTUP_GRACE = "startup_grace"
     WAITING_FOR_STRAGGLERS = "waiting_for_stragglers"
     FAST_QUORUM = "fast_quorum"
     VALID_QUORUM = "valid_quorum"
@@ -131,8 +137,9 @@ class QuorumState:
     Not thread-safe: the server calls it from one event loop.
     """
 
-    def __init__(self, config: QuorumConfig, *, last_quorum_id: int = 0) -> None:
+    def __init__(self, config: QuorumConfig, *, last_quorum_id: int = 0, started_at: float = -math.inf) -> None:
         self.config = config
+        self._started_at = started_at
         self._quorum_id = last_quorum_id
         # replica_id -> last heartbeat, oldest first (moved to the end on update).
         self._heartbeats: OrderedDict[str, float] = OrderedDict()
@@ -237,6 +244,13 @@ class QuorumState:
             )
         if joined == 0:
             return Decision(Status.NO_PARTICIPANTS, f"no participants; {_n(healthy, 'healthy replica')} heartbeating")
+        grace_left = self._started_at + cfg.startup_grace - now
+        if prev is None and grace_left > 0:
+            return Decision(
+                Status.STARTUP_GRACE,
+                f"waiting: the lighthouse just started; replicas already training get {cfg.startup_grace:.1f}s "
+                f"to re-register before the first quorum ({grace_left:.1f}s left, {_n(joined, 'participant')})",
+            )
         if eligible < cfg.min_replicas:
             return Decision(
                 Status.BELOW_MIN_REPLICAS,

@@ -92,7 +92,7 @@ class LighthouseServer:
         self._clock = clock
         self._wall_clock = wall_clock
         self._ids = QuorumIdStore(config.state_dir, wall_clock)
-        self._state = QuorumState(config.quorum_config(), last_quorum_id=self._ids.initial())
+        self._state = QuorumState(config.quorum_config(), last_quorum_id=self._ids.initial(), started_at=clock())
         self._waiters: dict[str, list[asyncio.Future[bytes]]] = {}
         # Last Quorum request of each replica still worth showing (heartbeating,
         # participating or in the last quorum); pruned with them.

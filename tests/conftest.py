@@ -20,7 +20,7 @@ WAIT = 60.0
 
 def lighthouse_config(**overrides) -> LighthouseConfig:
     settings = dict(min_replicas=1, bind="127.0.0.1:0", http_bind="127.0.0.1:0", join_timeout=30.0,
-                    heartbeat_timeout=5.0, quorum_tick=0.05)
+                    heartbeat_timeout=5.0, quorum_tick=0.05, startup_grace=0.0)
     settings.update(overrides)
     return LighthouseConfig(**settings)
 

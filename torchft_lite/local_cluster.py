@@ -74,12 +74,14 @@ class LighthouseProcess:
 
     def __init__(self, *, min_replicas: int = 1, join_timeout: float = 2.0, heartbeat_timeout: float = 5.0,
                  quorum_tick: float = 0.05, port: int = 0, http: bool = False, log_path: Path | None = None,
-                 start_timeout: float = 60.0) -> None:
+                 start_timeout: float = 60.0, startup_grace: float | None = None) -> None:
         self.args = ["--bind", f"127.0.0.1:{port}", "--min_replicas", str(min_replicas),
                      "--join_timeout_ms", str(int(join_timeout * 1000)),
                      "--heartbeat_timeout_ms", str(int(heartbeat_timeout * 1000)),
                      "--quorum_tick_ms", str(max(1, int(quorum_tick * 1000))),
                      "--http-bind", "127.0.0.1:0" if http else "off"]
+        if startup_grace is not None:  # None: the lighthouse's default (its heartbeat timeout)
+            self.args += ["--startup_grace_ms", str(int(startup_grace * 1000))]
         self.log_path = log_path
         self.start_timeout = start_timeout
         self.address: str | None = None

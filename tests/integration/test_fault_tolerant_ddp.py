@@ -69,6 +69,8 @@ def wait_for(predicate, what: str, timeout: float = WAIT, groups: list[ReplicaGr
 
 @contextlib.contextmanager
 def cluster(tmp_path: Path, **lighthouse_kw):
+    # No startup grace: these tests start every group themselves (the chaos run keeps the default).
+    lighthouse_kw.setdefault("startup_grace", 0.0)
     lighthouse = LighthouseProcess(log_path=tmp_path / "lighthouse.log", **lighthouse_kw).start()
     groups: list[ReplicaGroup] = []
 

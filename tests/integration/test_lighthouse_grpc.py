@@ -99,7 +99,7 @@ def test_quorum_ids_increase_across_restarts_without_state_dir():
 
 def test_state_dir_keeps_ids_increasing_when_the_clock_steps_back(tmp_path):
     async def one_quorum(wall: float) -> int:
-        config = LighthouseConfig(min_replicas=1, bind="127.0.0.1:0", http_bind=None, state_dir=tmp_path)
+        config = LighthouseConfig(min_replicas=1, bind="127.0.0.1:0", http_bind=None, state_dir=tmp_path, startup_grace=0.0)
         server = LighthouseServer(config, wall_clock=lambda: wall)
         await server.start()
         try:
@@ -215,7 +215,7 @@ def test_bind_conflict_is_a_clear_error():
             taken.bind(("127.0.0.1", 0))
             taken.listen()
             port = taken.getsockname()[1]
-            server = LighthouseServer(LighthouseConfig(min_replicas=1, bind=f"127.0.0.1:{port}", http_bind=None))
+            server = LighthouseServer(LighthouseConfig(min_replicas=1, bind=f"127.0.0.1:{port}", http_bind=None, startup_grace=0.0))
             with pytest.raises(OSError, match="could not bind gRPC"):
                 await server.start()
 

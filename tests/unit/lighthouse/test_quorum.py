@@ -273,3 +273,24 @@ class TestForget:
         s.forget("a")
         s.heartbeat("a", 1.0)
         assert s.is_healthy("a", 1.0)
+
+
+class TestStartupGrace:
+    """A restarted lighthouse knows nobody: a minority must not form the first quorum alone."""
+
+    def test_no_first_quorum_until_the_grace_passed(self):
+        s = QuorumState(QuorumConfig(1, join_timeout=1.0, heartbeat_timeout=5.0, startup_grace=5.0), started_at=100.0)
+        join(s, 100.5, "fresh")
+        decision, _ = s.decide(101.0)
+        assert decision.quorum is None and decision.status is Status.STARTUP_GRACE
+        assert "4.0s left" in decision.reason
+        s.heartbeat("veteran", 102.0)  # a replica that was training re-registers in time
+        join(s, 103.0, "veteran")
+        assert issue(s, 105.0).replica_ids == ("fresh", "veteran")
+
+    def test_later_quorums_are_not_delayed(self):
+        s = QuorumState(QuorumConfig(1, startup_grace=5.0), started_at=0.0)
+        join(s, 4.0, "a")
+        assert issue(s, 5.0).replica_ids == ("a",)
+        join(s, 5.1, "a")
+        assert issue(s, 5.1).replica_ids == ("a",)
