@@ -112,7 +112,7 @@ def main() -> None:
                                                  "checksum": params_checksum(model), "loss": loss.item(),
                                                  "participants": manager.num_participants(),
                                                  "batches_committed": manager.batches_committed(),
-                                                 "time": time.time()}) + "\n")
+                                                 "time": time.time(), "pid": os.getpid()}) + "\n")
                 if args.step_sleep:
                     time.sleep(args.step_sleep)
                 if manager.current_step() >= args.steps:
