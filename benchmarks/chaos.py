@@ -10,6 +10,9 @@ the baseline speed, injects faults until ``--faults`` have been injected:
   hang        SIGSTOP a group for a few seconds, then SIGCONT
   lighthouse  SIGKILL the lighthouse and restart it on the same port
 
+The lighthouse runs with min_replicas = a majority of the groups (as a
+production job should), a 2 s heartbeat timeout and its startup grace.
+
 Verified from the groups' per-step reports (one JSON line per committed step
 and rank, with a parameter checksum):
 
@@ -88,8 +91,10 @@ class Chaos:
         self.workdir = Path(args.workdir or tempfile.mkdtemp(prefix="torchft-lite-chaos-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.report = self.workdir / "report.jsonl"
-        self.lighthouse = LighthouseProcess(min_replicas=1, join_timeout=1.0, heartbeat_timeout=2.0,
-                                            log_path=self.workdir / "lighthouse.log")
+        # A majority, as production jobs should run: with fewer, a lone fresh group could
+        # train on its own while the groups holding the latest state are hung (a fork).
+        self.lighthouse = LighthouseProcess(min_replicas=args.groups // 2 + 1, join_timeout=1.0,
+                                            heartbeat_timeout=2.0, log_path=self.workdir / "lighthouse.log")
         self.groups: list[ReplicaGroup] = []
         self.down: dict[int, float] = {}  # group -> when to restart it
         self.hung: dict[int, float] = {}  # group -> when to SIGCONT it
