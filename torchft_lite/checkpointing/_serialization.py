@@ -30,16 +30,17 @@ import struct
 import sys
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from torchft_lite.checkpointing._crc import checksums
 from torchft_lite.errors import CheckpointError, CheckpointTransferError
 
 __all__ = [
     "DTYPES", "PREFIX_SIZE", "EncodedStateDict", "FlatStateDict", "Header", "StateDictReader", "TensorEntry",
     "byte_view", "decode_bytes", "encode", "encode_to_bytes", "flatten", "format_path", "parse_header",
-    "unpack_prefix",
+    "targets_of", "unpack_prefix",
 ]
 
 MAGIC = b"TFTLSD01"
@@ -49,7 +50,7 @@ PREFIX_SIZE = _PREFIX.size
 MAX_HEADER_BYTES = 256 << 20
 MAX_DATA_BYTES = 1 << 50  # 1 PiB: a larger declaration is a corrupt or hostile header
 MAX_DEPTH = 64
-SLICE_BYTES = 8 << 20  # checksum / copy granularity, so callers can stop or yield between slices
+SLICE_BYTES = 8 << 20  # default size of the views iter_data yields
 
 _DTYPE_NAMES = (
     "float64", "float32", "float16", "bfloat16", "complex128", "complex64", "int64", "int32", "int16", "int8",
@@ -79,16 +80,6 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     array = (ctypes.c_ubyte * nbytes).from_address(tensor.data_ptr())
     array.owner = tensor  # the memoryview holds the array, the array holds the tensor
     return memoryview(array).cast("B")
-
-
-def checksum(view: memoryview, should_stop: Callable[[], bool] | None = None) -> int:
-    """crc32 of ``view`` in slices (zlib drops the GIL for each), checking ``should_stop`` between them."""
-    crc = 0
-    for start in range(0, len(view), SLICE_BYTES):
-        if should_stop is not None and should_stop():
-            raise CheckpointError("checksum abandoned: the state dict was released")
-        crc = zlib.crc32(view[start:start + SLICE_BYTES], crc)
-    return crc
 
 
 # ---------------------------------------------------------------- encoding
@@ -192,6 +183,12 @@ def flatten(state_dict: Any) -> FlatStateDict:
     return FlatStateDict(tree, tuple(tensors), tuple(paths))
 
 
+def targets_of(state_dict: Any) -> dict[Path, torch.Tensor]:
+    """Every tensor of ``state_dict`` by its path: where a receive may land in place."""
+    flat = flatten(state_dict)
+    return dict(zip(flat.paths, flat.tensors))
+
+
 @dataclass(frozen=True)
 class TensorEntry:
     """Where one tensor's bytes sit in the data section, and how to check them."""
@@ -270,20 +267,17 @@ def _prefix(header_json: bytes) -> bytes:
 
 
 def encode(step: int, flat: FlatStateDict, *, should_stop: Callable[[], bool] | None = None) -> EncodedStateDict:
-    """Read every tensor of ``flat`` (to CPU, contiguous) and checksum it.
+    """Read every tensor of ``flat`` (to CPU, contiguous) and checksum it (slices in parallel).
 
     ``should_stop`` is polled between slices; when it turns true the encoding
     is abandoned with ``CheckpointError``.
     """
+    buffers = [tensor.detach().resolve_conj().resolve_neg().to("cpu").contiguous() for tensor in flat.tensors]
     entries: list[TensorEntry] = []
-    buffers: list[torch.Tensor] = []
     offset = 0
-    for tensor in flat.tensors:
-        cpu = tensor.detach().resolve_conj().resolve_neg().to("cpu").contiguous()
+    for cpu, crc in zip(buffers, checksums([byte_view(cpu) for cpu in buffers], should_stop)):
         nbytes = cpu.numel() * cpu.element_size()
-        crc = checksum(byte_view(cpu), should_stop)
         entries.append(TensorEntry(_DTYPE_NAME[cpu.dtype], tuple(cpu.shape), offset, nbytes, crc))
-        buffers.append(cpu)
         offset += nbytes
     header = {"format": FORMAT_VERSION, "byteorder": sys.byteorder, "step": step, "data_bytes": offset,
               "tensors": [entry.to_json() for entry in entries], "tree": flat.tree}
@@ -452,81 +446,5 @@ def _decode_key(node: Any, path: Path, depth: int = 0) -> Any:
     return _decode_scalar(node[0], node[1], path)
 
 
-class StateDictReader:
-    """Receives the data section (in any order, in pieces) into preallocated tensors.
-
-    ``targets`` maps a tensor's path to an existing tensor: when dtype and
-    shape match, the bytes land in it (directly when it is a contiguous CPU
-    tensor, else through a CPU buffer copied in by :meth:`finish`), and the
-    result holds that very tensor. A failed transfer may leave such a target
-    partly overwritten.
-    """
-
-    def __init__(self, header: Header, targets: Mapping[Path, torch.Tensor] | None = None) -> None:
-        self.header = header
-        self._tensors: list[torch.Tensor] = []
-        self._copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
-        try:
-            for entry, path in zip(header.entries, header.paths):
-                self._tensors.append(self._buffer_for(entry, (targets or {}).get(path)))
-        except RuntimeError as exc:  # torch could not allocate what the header declared
-            raise CheckpointTransferError(f"cannot allocate {header.data_bytes} bytes for the checkpoint") from exc
-        self._views = [byte_view(tensor) for tensor in self._tensors]
-        self._starts = [entry.offset for entry in header.entries]
-        self.received_bytes = 0
-
-    def _buffer_for(self, entry: TensorEntry, target: torch.Tensor | None) -> torch.Tensor:
-        dtype = DTYPES[entry.dtype]
-        if target is None or target.dtype != dtype or tuple(target.shape) != entry.shape:
-            return torch.empty(entry.shape, dtype=dtype)
-        if target.device.type == "cpu" and target.is_contiguous():
-            return target
-        buffer = torch.empty(entry.shape, dtype=dtype)
-        self._copy_back.append((buffer, target))
-        return buffer
-
-    def write(self, offset: int, data: bytes | memoryview) -> None:
-        """Place ``data`` at ``offset`` of the data section."""
-        data = memoryview(data).cast("B")
-        end = offset + len(data)
-        if offset < 0 or end > self.header.data_bytes:
-            raise CheckpointTransferError(
-                f"received bytes [{offset}, {end}) outside the declared {self.header.data_bytes} data bytes")
-        index = max(bisect.bisect_right(self._starts, offset) - 1, 0)
-        position = offset
-        while position < end:
-            entry = self.header.entries[index]
-            stop = min(end, entry.offset + entry.nbytes)
-            if stop > position:
-                self._views[index][position - entry.offset:stop - entry.offset] = \
-                    data[position - offset:stop - offset]
-                position = stop
-            index += 1
-        self.received_bytes += len(data)
-
-    def finish(self) -> Any:
-        """Check that every byte arrived intact and return the state dict."""
-        if self.received_bytes != self.header.data_bytes:
-            raise CheckpointTransferError(
-                f"checkpoint truncated: {self.received_bytes} of {self.header.data_bytes} data bytes received")
-        for entry, path, view in zip(self.header.entries, self.header.paths, self._views):
-            if checksum(view) != entry.crc32:
-                raise CheckpointTransferError(f"checksum mismatch in tensor {format_path(path)} (corrupted in transit)")
-        results = {id(buffer): target for buffer, target in self._copy_back}
-        with torch.no_grad():
-            for buffer, target in self._copy_back:
-                target.copy_(buffer)
-        return self.header.build([results.get(id(tensor), tensor) for tensor in self._tensors])
-
-
-def decode_bytes(blob: bytes | memoryview, targets: Mapping[Path, torch.Tensor] | None = None) -> tuple[int, Any]:
-    """``(step, state_dict)`` from one whole encoding, as :func:`encode_to_bytes` makes."""
-    blob = memoryview(blob).cast("B")
-    length, crc = unpack_prefix(bytes(blob[:PREFIX_SIZE]))
-    if len(blob) < PREFIX_SIZE + length:
-        raise CheckpointTransferError(f"checkpoint truncated inside the {length}-byte header")
-    header = parse_header(bytes(blob[PREFIX_SIZE:PREFIX_SIZE + length]), crc,
-                          data_bytes=len(blob) - PREFIX_SIZE - length)
-    reader = StateDictReader(header, targets)
-    reader.write(0, blob[PREFIX_SIZE + length:])
-    return header.step, reader.finish()
+# The reader lives in its own module; re-exported here so the format has one import.
+from torchft_lite.checkpointing._reader import StateDictReader, decode_bytes  # after the definitions it imports

@@ -34,12 +34,13 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Coroutine, Iterable, TypeVar
+from typing import Any, Callable, Coroutine, Iterable, TypeVar
 
 import aiohttp
 from aiohttp import web
 
 from torchft_lite._control_plane import control_plane
+from torchft_lite.checkpointing import _http_body as _body
 from torchft_lite.checkpointing import _serialization as wire
 from torchft_lite.checkpointing.transport import CheckpointTransport
 from torchft_lite.errors import CheckpointError, CheckpointTimeout, CheckpointTransferError, ConfigError
@@ -49,7 +50,9 @@ __all__ = ["HTTPTransport", "HTTPTransportStatistics"]
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
-_SLICE_BYTES = 4 << 20  # write/read granularity: the loop never copies more than this at once
+_SLICE_BYTES = 8 << 20  # the largest view of tensor memory handed to the transport at once
+_SEND_BUFFER_BYTES = 8 << 20
+_QUEUE_BYTES = 16 << 20  # views of tensor memory the transport may queue before the stream waits
 _DONE_TIMEOUT = 5.0  # seconds a receiver spends telling the server it has finished
 _ABORT_GRACE = 10.0  # seconds disallow_checkpoint waits for aborted streams and encoding to stop
 _SESSION_ID = re.compile(r"[0-9A-Za-z_-]{1,64}")
@@ -151,10 +154,16 @@ class HTTPTransport(CheckpointTransport[T]):
         port: the port to listen on; 0 picks a free one.
         token: when set, every request must carry ``Authorization: Bearer <token>``
             (401 without, 403 when wrong) and :meth:`recv_checkpoint` sends it.
+        state_dict: when given, returns the local state dict; a received tensor
+            whose path, dtype and shape match one of its tensors is written into
+            that tensor (which the result then holds) instead of a new one: no
+            extra memory, and contiguous CPU targets receive straight from the
+            socket. A failed receive may leave such tensors partly overwritten.
     """
 
     def __init__(self, timeout: timedelta, num_chunks: int = 0, *, hostname: str | None = None,
-                 bind_host: str = "::", port: int = 0, token: str | None = None) -> None:
+                 bind_host: str = "::", port: int = 0, token: str | None = None,
+                 state_dict: Callable[[], T] | None = None) -> None:
         if num_chunks < 0:
             raise ConfigError(f"num_chunks must be >= 0, got {num_chunks}")
         if timeout.total_seconds() <= 0:
@@ -163,6 +172,7 @@ class HTTPTransport(CheckpointTransport[T]):
         self._num_chunks = num_chunks
         self._hostname = hostname or socket.gethostname()
         self._token = token
+        self._state_dict = state_dict
         self._plane = control_plane()
         self._snapshot: _Snapshot | None = None
         self._released_step: int | None = None
@@ -201,7 +211,8 @@ class HTTPTransport(CheckpointTransport[T]):
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> T:
         """Fetch, verify and decode (to CPU) the state dict of ``step`` from the URL ``metadata``."""
         seconds = timeout.total_seconds()
-        return self._call(self._receive(metadata.rstrip("/") + f"/{step}", step, seconds),
+        targets = {} if self._state_dict is None else wire.targets_of(self._state_dict())
+        return self._call(self._receive(metadata.rstrip("/") + f"/{step}", step, seconds, targets),
                           seconds + _DONE_TIMEOUT + _ABORT_GRACE, f"step {step} from replica {src_rank}")
 
     def shutdown(self, wait: bool = True) -> None:
@@ -404,13 +415,16 @@ class HTTPTransport(CheckpointTransport[T]):
             response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
             response.content_length = length
             await response.prepare(request)
-            for piece in pieces:
+            _tune(request.transport)
+            for piece in pieces:  # views of tensor memory, written without a copy
                 if snapshot.closed:
                     raise ConnectionAbortedError(f"step {step} was released mid-stream")
-                data = bytes(piece)  # the transport must never hold a view of tensor memory
-                await response.write(data)
-                session.bytes_sent += len(data)
-                self._bytes_served += len(data)
+                await response.write(piece)
+                session.bytes_sent += len(piece)
+                self._bytes_served += len(piece)
+            # Until the kernel has taken every byte, the transport may still hold views of tensor memory:
+            # only then may this session count as finished (and the trainer mutate the state dict).
+            await _flushed(request.transport)
             await response.write_eof()
             if part != "header":
                 session.data_sent += length - (len(encoded.header) if part == "all" else 0)
@@ -470,12 +484,11 @@ class HTTPTransport(CheckpointTransport[T]):
     def _auth_headers(self) -> dict[str, str]:
         return {} if self._token is None else {"Authorization": f"Bearer {self._token}"}
 
-    async def _receive(self, url: str, step: int, timeout: float) -> Any:
+    async def _receive(self, url: str, step: int, timeout: float, targets: dict[wire.Path, Any]) -> Any:
         if self._stopped:
             raise CheckpointError("the transport is shut down")
         if self._client is None:
-            self._client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None),
-                                                 read_bufsize=_SLICE_BYTES)
+            self._client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
         session_id = uuid.uuid4().hex
         started = time.monotonic()
         joined: list[bool] = []  # set once the server has counted this session
@@ -483,9 +496,10 @@ class HTTPTransport(CheckpointTransport[T]):
         try:
             async with asyncio.timeout(timeout):
                 if self._num_chunks <= 1:
-                    state = await self._fetch_all(url, step, session_id, started + timeout, joined)
+                    reader = await self._fetch_all(url, step, session_id, started + timeout, joined, targets)
                 else:
-                    state = await self._fetch_chunked(url, step, session_id, started + timeout, joined)
+                    reader = await self._fetch_chunked(url, step, session_id, started + timeout, joined, targets)
+                state = await asyncio.to_thread(reader.finish)
             ok = True
             logger.info("received step %d from %s in %.2fs", step, url, time.monotonic() - started)
             return state
@@ -493,7 +507,14 @@ class HTTPTransport(CheckpointTransport[T]):
             raise
         except TimeoutError as exc:
             raise CheckpointTimeout(f"timed out after {timeout:.1f}s receiving step {step} from {url}") from exc
-        except (aiohttp.ClientError, ConnectionError, asyncio.IncompleteReadError) as exc:
+        except _body.HTTPStatusError as exc:
+            if exc.status == 504:
+                raise CheckpointTimeout(f"{url}: {exc.text}") from exc
+            if exc.status in (401, 403):
+                raise CheckpointTransferError(f"{url} refused the request (HTTP {exc.status}, check the token): "
+                                              f"{exc.text}") from exc
+            raise CheckpointTransferError(f"{url} answered HTTP {exc.status}: {exc.text}") from exc
+        except (OSError, asyncio.IncompleteReadError) as exc:  # refused, reset, unreachable
             raise CheckpointTransferError(f"receiving step {step} from {url} failed: "
                                           f"{type(exc).__name__}: {exc}") from exc
         finally:
@@ -504,53 +525,46 @@ class HTTPTransport(CheckpointTransport[T]):
         remaining = max(0.0, deadline - time.monotonic())
         return {"session": session_id, "timeout": f"{remaining:.3f}", **{k: str(v) for k, v in extra.items()}}
 
-    async def _get(self, url: str, params: dict[str, str], joined: list[bool]) -> aiohttp.ClientResponse:
-        """GET ``url``; a non-200 answer becomes the matching checkpoint error."""
-        assert self._client is not None
-        response = await self._client.get(url, params=params, headers=self._auth_headers())
-        if response.status == 200:
+    async def _fetch_all(self, url: str, step: int, session_id: str, deadline: float, joined: list[bool],
+                         targets: dict[wire.Path, Any]) -> wire.StateDictReader:
+        """Prefix, header and data over one stream; the reader holds every data byte."""
+        sink: _EncodedSink | None = None
+
+        def sink_for(length: int) -> _EncodedSink:
+            nonlocal sink
             joined.append(True)
-            return response
-        text = (await response.content.read(2048)).decode(errors="replace")
-        response.release()
-        if response.status == 504:
-            raise CheckpointTimeout(f"{url}: {text}")
-        if response.status in (401, 403):
-            raise CheckpointTransferError(f"{url} refused the request (HTTP {response.status}, check the token): "
-                                          f"{text}")
-        raise CheckpointTransferError(f"{url} answered HTTP {response.status}: {text}")
+            sink = _EncodedSink(url, step, length, targets, header_only=False)
+            return sink
 
-    async def _read_header(self, content: aiohttp.StreamReader, step: int, url: str,
-                           total: int | None) -> wire.Header:
-        length, crc = wire.unpack_prefix(await content.readexactly(wire.PREFIX_SIZE))
-        header_json = await content.readexactly(length)
-        data_bytes = None if total is None else total - wire.PREFIX_SIZE - length
-        header = wire.parse_header(header_json, crc, data_bytes=data_bytes)
-        if header.step != step:
-            raise CheckpointTransferError(f"{url} sent step {header.step}, expected step {step}")
-        return header
+        await _body.get_into(url, self._params(session_id, deadline), self._auth_headers(), sink_for)
+        assert sink is not None
+        return sink.complete_reader()
 
-    async def _fetch_all(self, url: str, step: int, session_id: str, deadline: float, joined: list[bool]) -> Any:
-        async with await self._get(url, self._params(session_id, deadline), joined) as response:
-            header = await self._read_header(response.content, step, url, response.content_length)
-            reader = wire.StateDictReader(header)
-            await _read_into(reader, response.content, 0, header.data_bytes)
-        return await asyncio.to_thread(reader.finish)
+    async def _fetch_chunked(self, url: str, step: int, session_id: str, deadline: float, joined: list[bool],
+                             targets: dict[wire.Path, Any]) -> wire.StateDictReader:
+        """The header, then the data in ``num_chunks`` byte ranges fetched at once."""
+        sink: _EncodedSink | None = None
 
-    async def _fetch_chunked(self, url: str, step: int, session_id: str, deadline: float,
-                             joined: list[bool]) -> Any:
-        async with await self._get(f"{url}/header", self._params(session_id, deadline), joined) as response:
-            header = await self._read_header(response.content, step, url, None)
-        reader = wire.StateDictReader(header)
-        bounds = [header.data_bytes * i // self._num_chunks for i in range(self._num_chunks + 1)]
+        def header_sink(length: int) -> _EncodedSink:
+            nonlocal sink
+            joined.append(True)
+            sink = _EncodedSink(url, step, length, targets, header_only=True)
+            return sink
+
+        await _body.get_into(f"{url}/header", self._params(session_id, deadline), self._auth_headers(), header_sink)
+        assert sink is not None
+        reader = sink.complete_reader()
+        data_bytes = reader.header.data_bytes
+        bounds = [data_bytes * i // self._num_chunks for i in range(self._num_chunks + 1)]
 
         async def fetch(start: int, end: int) -> None:
+            def data_sink(length: int) -> _DataSink:
+                if length != end - start:
+                    raise CheckpointTransferError(f"{url}: range [{start}, {end}) came with {length} bytes")
+                return _DataSink(reader, start, end)
+
             params = self._params(session_id, deadline, start=start, end=end)
-            async with await self._get(f"{url}/data", params, joined) as response:
-                if response.content_length != end - start:
-                    raise CheckpointTransferError(f"{url}: range [{start}, {end}) came with "
-                                                  f"{response.content_length} bytes")
-                await _read_into(reader, response.content, start, end)
+            await _body.get_into(f"{url}/data", params, self._auth_headers(), data_sink)
 
         tasks = [asyncio.create_task(fetch(a, b)) for a, b in zip(bounds, bounds[1:]) if b > a]
         try:
@@ -559,7 +573,7 @@ class HTTPTransport(CheckpointTransport[T]):
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-        return await asyncio.to_thread(reader.finish)
+        return reader
 
     async def _tell_done(self, url: str, session_id: str, ok: bool) -> None:
         assert self._client is not None
@@ -573,15 +587,91 @@ class HTTPTransport(CheckpointTransport[T]):
             logger.debug("could not tell %s that session %s finished: %r", url, session_id, exc)
 
 
-async def _read_into(reader: wire.StateDictReader, content: aiohttp.StreamReader, start: int, end: int) -> None:
-    position = start
-    async for chunk in content.iter_chunked(_SLICE_BYTES):
-        if position + len(chunk) > end:
-            raise CheckpointTransferError(f"the server sent more than the bytes [{start}, {end}) it declared")
-        reader.write(position, chunk)
-        position += len(chunk)
-    if position != end:
-        raise CheckpointTransferError(f"checkpoint truncated: got bytes [{start}, {position}) of [{start}, {end})")
+class _DataSink:
+    """Data bytes ``[start, end)`` of a response body, straight into the reader's tensors."""
+
+    def __init__(self, reader: wire.StateDictReader, start: int, end: int) -> None:
+        self._reader = reader
+        self._position = start
+        self._end = end
+
+    def buffer(self) -> memoryview:
+        return self._reader.buffer_at(self._position, self._end)
+
+    def filled(self, count: int) -> None:
+        self._reader.filled(self._position, count)
+        self._position += count
+
+
+class _EncodedSink:
+    """Prefix, header and (unless ``header_only``) data of one state dict, as a response body of ``length``."""
+
+    def __init__(self, url: str, step: int, length: int, targets: dict[wire.Path, Any], *,
+                 header_only: bool) -> None:
+        if length < wire.PREFIX_SIZE:
+            raise CheckpointTransferError(f"checkpoint truncated: {url} sent a {length}-byte answer")
+        self._url, self._step, self._length, self._header_only = url, step, length, header_only
+        self._targets = targets
+        self._pending = memoryview(bytearray(wire.PREFIX_SIZE))
+        self._got = 0
+        self._crc: int | None = None
+        self._data: _DataSink | None = None
+        self.reader: wire.StateDictReader | None = None
+
+    def buffer(self) -> memoryview:
+        if self._data is not None:
+            return self._data.buffer()
+        return self._pending[self._got:]
+
+    def filled(self, count: int) -> None:
+        if self._data is not None:
+            self._data.filled(count)
+            return
+        self._got += count
+        if self._got < len(self._pending):
+            return
+        if self._crc is None:
+            length, self._crc = wire.unpack_prefix(bytes(self._pending))
+            self._pending, self._got = memoryview(bytearray(length)), 0
+            if length:
+                return
+        header_end = wire.PREFIX_SIZE + len(self._pending)
+        header = wire.parse_header(bytes(self._pending), self._crc,
+                                   data_bytes=None if self._header_only else self._length - header_end)
+        if header.step != self._step:
+            raise CheckpointTransferError(f"{self._url} sent step {header.step}, expected step {self._step}")
+        self.reader = wire.StateDictReader(header, self._targets)
+        if header.data_bytes and not self._header_only:
+            self._data = _DataSink(self.reader, 0, header.data_bytes)
+
+    def complete_reader(self) -> wire.StateDictReader:
+        """The reader, once the body has ended; the header must have been whole."""
+        if self.reader is None:
+            raise CheckpointTransferError(f"checkpoint truncated: {self._url} ended inside the header")
+        return self.reader
+
+
+def _tune(transport: asyncio.BaseTransport | None) -> None:
+    """Big kernel send buffers and a deep write queue: the queue holds views, never copies."""
+    if transport is None:
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SEND_BUFFER_BYTES)
+        except OSError as exc:
+            logger.debug("could not enlarge the send buffer: %r", exc)
+    if isinstance(transport, asyncio.WriteTransport):
+        transport.set_write_buffer_limits(high=_QUEUE_BYTES)
+
+
+async def _flushed(transport: asyncio.BaseTransport | None) -> None:
+    """Wait until ``transport`` has handed every queued byte to the kernel (or is closing)."""
+    delay = 0.0001
+    while isinstance(transport, asyncio.WriteTransport) and not transport.is_closing() \
+            and transport.get_write_buffer_size():
+        await asyncio.sleep(delay)
+        delay = min(2 * delay, 0.005)
 
 
 def _log_failure(future: concurrent.futures.Future) -> None:

@@ -138,10 +138,7 @@ class PGTransport(CheckpointTransport[T]):
         """Nothing to release: the process group belongs to the caller."""
 
     def _targets(self) -> dict[wire.Path, torch.Tensor]:
-        if self._state_dict is None:
-            return {}
-        flat = wire.flatten(self._state_dict())
-        return dict(zip(flat.paths, flat.tensors))
+        return {} if self._state_dict is None else wire.targets_of(self._state_dict())
 
     def _recv(self, buffer: torch.Tensor, src_rank: int, tag: int, deadline: float, what: str) -> torch.Tensor:
         """Receive into ``buffer`` (travelling on the transport's device) and return it on CPU."""

@@ -1,0 +1,361 @@
+"""Heal bandwidth: move one state dict between two processes on loopback, several ways.
+
+Each case starts a *server* and a *receiver* process; this parent drives both
+over their stdin/stdout, one line of JSON per command, so every transport runs
+the same schedule: ``step k`` to both (the server publishes or sends, the
+receiver fetches and times its own receive), then ``release`` to the server
+(``disallow_checkpoint``). After the last step both report their peak extra
+memory: the RSS high-water mark minus the RSS at the start of the transfers
+(the peak is reset with ``/proc/self/clear_refs``), as a multiple of the state
+dict's tensor bytes.
+
+Cases: a raw loopback TCP stream of the same bytes (the ceiling for HTTP), our
+HTTPTransport over one stream and over several byte-range chunks, torchft's
+HTTPTransport when ``torchft`` imports, our PGTransport over gloo, and a plain
+gloo send/recv of the same tensors (the ceiling for PG). Prints a table, then
+one JSON line last.
+
+    python -m benchmarks.heal_bench                 # 1 GiB, 3 steps per case
+    python -m benchmarks.heal_bench --size-mb 64 --steps 2 --cases ours-0,tcp
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import select
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+ALL_CASES = ("tcp", "ours-0", "ours-1", "ours-4", "ours-8", "ours-4-inplace", "torchft-0", "torchft-4", "pg-ours",
+             "pg-gloo")
+TIMEOUT = timedelta(seconds=300)
+
+
+# ---------------------------------------------------------------- the state dict and memory
+
+
+def tensor_sizes(size_mb: int, tensor_mb: int) -> list[int]:
+    total, per = size_mb << 20, max(4, (tensor_mb << 20) // 4 * 4)
+    return [per] * (total // per) + ([total % per] if total % per else [])
+
+
+def build_state_dict(size_mb: int, tensor_mb: int) -> dict:
+    """``size_mb`` MiB of float32 tensors of about ``tensor_mb`` MiB each, plus optimizer-like plain state."""
+    import torch
+
+    sizes = tensor_sizes(size_mb, tensor_mb)
+    model = {f"layers.{i}.weight": torch.arange(nbytes // 4, dtype=torch.float32).mul_(1e-3 * (i + 1))
+             for i, nbytes in enumerate(sizes)}
+    optim = {"state": {i: {"step": i * 10, "lr_scale": 0.5 ** i, "betas": [0.9, 0.999], "history": [1, 2.5, "x"]}
+                       for i in range(len(sizes))},
+             "param_groups": [{"lr": 1e-3, "params": list(range(len(sizes))), "nested": {"a": {"b": [None, True]}}}]}
+    return {"user": {"model": model, "optim": optim}, "torchft": {"step": 0, "batches_committed": 0}}
+
+
+def tensors_of(state: Any) -> list:
+    import torch
+
+    if isinstance(state, torch.Tensor):
+        return [state]
+    if isinstance(state, dict):
+        return [t for value in state.values() for t in tensors_of(value)]
+    if isinstance(state, (list, tuple)):
+        return [t for value in state for t in tensors_of(value)]
+    return []
+
+
+def _status(field: str) -> int:
+    """A ``/proc/self/status`` field in bytes."""
+    with open("/proc/self/status") as status:
+        return int(re.search(rf"^{field}:\s+(\d+) kB", status.read(), re.MULTILINE).group(1)) * 1024
+
+
+def reset_peak() -> int:
+    """Reset the RSS high-water mark; the current RSS, in bytes."""
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")
+    return _status("VmRSS")
+
+
+# ---------------------------------------------------------------- the two roles (child processes)
+
+
+class Role:
+    """One side of one case. ``setup`` returns what the other side needs; ``step`` moves one state dict."""
+
+    def __init__(self, case: str, side: str, args: argparse.Namespace) -> None:
+        self.case, self.side, self.args = case, side, args
+        self.kind, _, variant = case.partition("-")
+        self.chunks = int(variant.split("-")[0]) if variant[:1].isdigit() else 0
+        self.in_place = case.endswith("-inplace")  # the receiver already holds a state dict of the same shapes
+        self.state = build_state_dict(args.size_mb, args.tensor_mb) if side == "server" or self.in_place else None
+        self.received: Any = None
+
+    # -- setup
+
+    def setup(self, peer: dict) -> dict:
+        if self.kind == "tcp":
+            if self.side == "server":
+                self.listener = socket.create_server(("127.0.0.1", 0))
+                return {"port": self.listener.getsockname()[1]}
+            self.sock = socket.create_connection(("127.0.0.1", peer["port"]))
+            self.buffer = memoryview(bytearray(b"\1") * (self.args.size_mb << 20))  # touched, as a model is
+            return {}
+        if self.kind in ("ours", "torchft"):
+            self.transport = self._http_transport()
+            return {"url": self.transport.metadata()}
+        import torch.distributed as dist
+
+        if self.side == "server":
+            self.store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
+            peer = {"port": self.store.port}
+        else:
+            self.store = dist.TCPStore("127.0.0.1", peer["port"], 2, is_master=False, timeout=TIMEOUT)
+        return peer
+
+    def connect(self, peer: dict) -> None:
+        """Second half of setup, once both sides are listening."""
+        if self.kind == "tcp" and self.side == "server":
+            self.sock, _ = self.listener.accept()
+        if self.kind == "pg":
+            import torch.distributed as dist
+
+            rank = 0 if self.side == "server" else 1
+            self.pg = dist.ProcessGroupGloo(self.store, rank, 2, TIMEOUT)
+            if self.case == "pg-ours":
+                from torchft_lite.checkpointing.pg_transport import PGTransport
+
+                self.transport = PGTransport(self.pg, TIMEOUT)
+        self.peer_url = peer.get("url", "<n/a>")
+
+    def _http_transport(self):
+        if self.kind == "ours":
+            from torchft_lite.checkpointing import HTTPTransport
+
+            local = (lambda: self.state) if self.in_place and self.side == "receiver" else None
+            return HTTPTransport(TIMEOUT, num_chunks=self.chunks, hostname="127.0.0.1", bind_host="127.0.0.1",
+                                 state_dict=local)
+        from torchft.checkpointing.http_transport import HTTPTransport as TorchftHTTPTransport
+
+        return TorchftHTTPTransport(TIMEOUT, num_chunks=self.chunks)
+
+    # -- one step
+
+    def step(self, step: int) -> float:
+        import torch
+
+        self.received = None
+        started = time.perf_counter()
+        if self.kind == "tcp":
+            if self.side == "server":
+                for tensor in tensors_of(self.state):
+                    self.sock.sendall(_bytes_of(tensor))
+            else:
+                view, got = self.buffer, 0
+                while got < len(view):
+                    n = self.sock.recv_into(view[got:], min(len(view) - got, 8 << 20))
+                    if n == 0:
+                        raise ConnectionError("the raw TCP server closed early")
+                    got += n
+        elif self.kind in ("ours", "torchft") or self.case == "pg-ours":
+            if self.side == "server":
+                self.state["torchft"]["step"] = step
+                self.transport.send_checkpoint([1], step, self.state, TIMEOUT)
+            else:
+                self.received = self.transport.recv_checkpoint(0, self.peer_url, step, TIMEOUT)
+                if self.received["torchft"]["step"] != step:
+                    raise RuntimeError(f"received step {self.received['torchft']['step']}, expected {step}")
+        else:  # plain gloo: one send/recv per tensor, into tensors allocated for the step
+            if self.side == "server":
+                works = [self.pg.send([t], 1, i) for i, t in enumerate(tensors_of(self.state))]
+            else:
+                self.received = [torch.empty(shape) for shape in self._gloo_shapes()]
+                works = [self.pg.recv([t], 0, i) for i, t in enumerate(self.received)]
+            for work in works:
+                work.wait()
+        return time.perf_counter() - started
+
+    def _gloo_shapes(self) -> list[tuple[int]]:
+        return [(nbytes // 4,) for nbytes in tensor_sizes(self.args.size_mb, self.args.tensor_mb)]
+
+    def release(self) -> None:
+        if self.side == "server" and self.kind in ("ours", "torchft"):
+            self.transport.disallow_checkpoint()
+
+    def close(self) -> None:
+        self.received = None
+        if self.kind in ("ours", "torchft"):
+            self.transport.shutdown()
+        if self.kind == "tcp":
+            self.sock.close()
+
+
+def _bytes_of(tensor) -> memoryview:
+    from torchft_lite.checkpointing._serialization import byte_view
+
+    return byte_view(tensor)
+
+
+def child_main(case: str, side: str, args: argparse.Namespace) -> None:
+    """Answer the parent's commands, one JSON line each, until ``exit``."""
+    role = Role(case, side, args)
+    def reply(**fields: Any) -> None:
+        print(json.dumps(fields), flush=True)
+
+    for line in sys.stdin:
+        command = json.loads(line)
+        action = command["action"]
+        if action == "setup":
+            reply(**role.setup(command.get("peer", {})))
+        elif action == "connect":
+            role.connect(command.get("peer", {}))
+            role.baseline = reset_peak()
+            reply(ok=True)
+        elif action == "step":
+            reply(seconds=role.step(command["step"]))
+        elif action == "release":
+            role.release()
+            reply(ok=True)
+        elif action == "exit":
+            peak = _status("VmHWM") - role.baseline
+            role.close()
+            reply(peak_extra_bytes=peak)
+            return
+
+
+# ---------------------------------------------------------------- the parent
+
+
+class Child:
+    def __init__(self, case: str, side: str, args: argparse.Namespace) -> None:
+        command = [sys.executable, "-W", "ignore", "-m", "benchmarks.heal_bench", "--role", f"{case}:{side}",
+                   "--size-mb", str(args.size_mb), "--tensor-mb", str(args.tensor_mb)]
+        env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        self.name = f"{case}:{side}"
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+                                        cwd=ROOT, start_new_session=True)
+
+    def send(self, **command: Any) -> None:
+        self.process.stdin.write(json.dumps(command) + "\n")
+        self.process.stdin.flush()
+
+    def answer(self, timeout: float) -> dict:
+        ready, _, _ = select.select([self.process.stdout], [], [], timeout)
+        line = self.process.stdout.readline() if ready else ""
+        if not line:
+            code = self.process.poll()
+            raise RuntimeError(f"{self.name} gave no answer within {timeout:.0f}s (exit code {code})")
+        return json.loads(line)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+
+
+def run_case(case: str, args: argparse.Namespace) -> dict:
+    server, receiver = Child(case, "server", args), Child(case, "receiver", args)
+    try:
+        wait = args.timeout
+        server.send(action="setup")
+        peer = server.answer(wait)
+        receiver.send(action="setup", peer=peer)
+        receiver.answer(wait)
+        for child in (server, receiver):
+            child.send(action="connect", peer=peer)
+        for child in (server, receiver):
+            child.answer(wait)
+        seconds = []
+        for step in range(args.steps):
+            for child in (server, receiver):
+                child.send(action="step", step=step)
+            server.answer(wait)
+            seconds.append(receiver.answer(wait)["seconds"])
+            server.send(action="release")
+            server.answer(wait)
+        peaks = {}
+        for name, child in (("server", server), ("receiver", receiver)):
+            child.send(action="exit")
+            peaks[name] = child.answer(wait)["peak_extra_bytes"]
+        size = args.size_mb << 20
+        median = statistics.median(seconds)
+        return {"case": case, "gbps": round(size / median / 1e9, 3), "seconds": [round(s, 3) for s in seconds],
+                "server_peak_extra_x": round(peaks["server"] / size, 3),
+                "receiver_peak_extra_x": round(peaks["receiver"] / size, 3)}
+    finally:
+        for child in (server, receiver):
+            child.kill()
+
+
+def torchft_available() -> bool:
+    try:
+        import torchft.checkpointing.http_transport  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--size-mb", type=int, default=1024, help="MiB of float32 tensors in the state dict")
+    parser.add_argument("--tensor-mb", type=int, default=4, help="MiB per tensor (the last one takes the rest)")
+    parser.add_argument("--steps", type=int, default=3, help="transfers per case; the median is reported")
+    parser.add_argument("--cases", default=",".join(ALL_CASES),
+                        help="comma-separated subset of " + ",".join(ALL_CASES))
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for any one answer")
+    parser.add_argument("--role", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.role:
+        case, side = args.role.split(":")
+        child_main(case, side, args)
+        return 0
+    cases = [case for case in args.cases.split(",") if case]
+    unknown = sorted(set(cases) - set(ALL_CASES))
+    if unknown:
+        parser.error(f"unknown cases {unknown}")
+    skipped = []
+    if not torchft_available():
+        skipped = [case for case in cases if case.startswith("torchft")]
+        cases = [case for case in cases if case not in skipped]
+    results = {case: run_case(case, args) for case in cases}
+    print(f"{'case':<12}{'GB/s':>8}{'server extra x':>16}{'receiver extra x':>18}   seconds per step")
+    for r in results.values():
+        print(f"{r['case']:<12}{r['gbps']:>8.3f}{r['server_peak_extra_x']:>16.3f}{r['receiver_peak_extra_x']:>18.3f}"
+              f"   {r['seconds']}")
+    print(json.dumps(summary(results, args, skipped)))
+    return 0
+
+
+def summary(results: dict, args: argparse.Namespace, skipped: list[str]) -> dict:
+    gbps = {case: r["gbps"] for case, r in results.items()}
+    ours = max((g for c, g in gbps.items() if c.startswith("ours")), default=None)
+    theirs = max((g for c, g in gbps.items() if c.startswith("torchft")), default=None)
+    loopback = gbps.get("tcp")
+    receiver_x = max((r["receiver_peak_extra_x"] for c, r in results.items() if c.startswith("ours")), default=None)
+    targets = {
+        "http_vs_loopback_ge_0.75": None if ours is None or not loopback else ours / loopback >= 0.75,
+        "http_vs_torchft_ge_1.5": None if ours is None or not theirs else ours / theirs >= 1.5,
+        "receiver_peak_extra_le_1.1x": None if receiver_x is None else receiver_x <= 1.1,
+    }
+    return {"bench": "heal", "size_mb": args.size_mb, "tensor_mb": args.tensor_mb, "steps": args.steps,
+            "gbps": gbps, "best_ours_http_gbps": ours, "best_torchft_http_gbps": theirs,
+            "ours_vs_loopback": None if ours is None or not loopback else round(ours / loopback, 3),
+            "ours_vs_torchft": None if ours is None or not theirs else round(ours / theirs, 3),
+            "peak_extra_x": {c: {"server": r["server_peak_extra_x"], "receiver": r["receiver_peak_extra_x"]}
+                             for c, r in results.items()},
+            "skipped": skipped, "targets_met": targets}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
