@@ -75,6 +75,8 @@ class Member:
     shrink_only: bool = False
     commit_failures: int = 0
     payload: Any = field(default=None, compare=False)
+    step: int = 0
+    """The replica's committed step (for the stale-quorum guard)."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,7 @@ class Status(enum.Enum):
     NO_PARTICIPANTS = "no_participants"
     BELOW_MIN_REPLICAS = "below_min_replicas"
     SPLIT_BRAIN_GUARD = "split_brain_guard"
+    BEHIND_COMMITTED = "behind_committed"
     STARTUP_GRACE = "startup_grace"
     WAITING_FOR_STRAGGLERS = "waiting_for_stragglers"
     FAST_QUORUM = "fast_quorum"
@@ -152,6 +155,10 @@ class QuorumState:
         self._healthy_participants = 0
         self._healthy_prev_participants = 0
         self._healthy_shrink_only = 0
+        # The highest step any issued quorum reached, and how many healthy
+        # participants hold it: without one of them a quorum would redo steps.
+        self._max_step = 0
+        self._healthy_up_to_date = 0
         self.quorums_issued = 0
 
     # ------------------------------------------------------------ inputs
@@ -256,6 +263,12 @@ class QuorumState:
                 Status.BELOW_MIN_REPLICAS,
                 f"waiting: {_n(eligible, 'eligible participant')}{shrink_note}, need min_replicas={cfg.min_replicas}",
             )
+        if self._max_step > 0 and self._healthy_up_to_date == 0:
+            return Decision(
+                Status.BEHIND_COMMITTED,
+                f"waiting: no participant holds step {self._max_step}, the highest step a quorum reached; "
+                "a quorum without one would redo committed steps (fresh or behind replicas only)",
+            )
         if eligible * 2 <= healthy:
             return Decision(
                 Status.SPLIT_BRAIN_GUARD,
@@ -353,6 +366,8 @@ class QuorumState:
             self._healthy_prev_participants += sign
         if member.shrink_only:
             self._healthy_shrink_only += sign
+        if member.step >= self._max_step:
+            self._healthy_up_to_date += sign
 
     def _first_joined(self) -> float:
         # Participants are kept in join order (see _issue for the re-queued ones).
@@ -373,6 +388,7 @@ class QuorumState:
         if ids != self._prev_ids or self._prev is None or any(m.commit_failures > 0 for m in chosen):
             self._quorum_id += 1
         quorum = IssuedQuorum(self._quorum_id, tuple(chosen), now)
+        self._max_step = max([self._max_step, *(m.step for m in chosen)])
         self._prev = quorum
         self._prev_ids = ids
         self.quorums_issued += 1
@@ -381,6 +397,7 @@ class QuorumState:
         remaining = {rid: p for rid, p in self._participants.items() if rid not in ids}
         self._participants = remaining
         self._healthy_participants = self._healthy_prev_participants = self._healthy_shrink_only = 0
+        self._healthy_up_to_date = 0
         for rid, participant in remaining.items():
             participant.joined_at = now
             if rid in heartbeats:

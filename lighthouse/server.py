@@ -278,7 +278,8 @@ class LighthouseServer:
         self._known[replica_id] = requester
         future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self._waiters.setdefault(replica_id, []).append(future)
-        member = Member(replica_id, requester.shrink_only, requester.commit_failures, payload=requester)
+        member = Member(replica_id, requester.shrink_only, requester.commit_failures, payload=requester,
+                        step=requester.step)
         self._state.join(member, self._clock())
         self._decide()
         try:

@@ -294,3 +294,31 @@ class TestStartupGrace:
         assert issue(s, 5.0).replica_ids == ("a",)
         join(s, 5.1, "a")
         assert issue(s, 5.1).replica_ids == ("a",)
+
+
+class TestStaleQuorumGuard:
+    """Replicas that are all behind the highest step already reached must not form a quorum alone."""
+
+    def test_fresh_replicas_wait_for_a_holder_of_the_latest_step(self):
+        s = state(min_replicas=2, join_timeout=1.0, heartbeat_timeout=5.0)
+        for rid in ("a", "b", "c"):
+            s.join(Member(rid, step=40), 0.0)
+        assert issue(s, 0.0).replica_ids == ("a", "b", "c")
+        # a and b die; their replacements start over at step 0 while c is unreachable
+        s.forget("a"), s.forget("b"), s.forget("c")
+        s.join(Member("a2", step=0), 1.0)
+        s.join(Member("b2", step=0), 1.0)
+        decision, _ = s.decide(1.0)
+        assert decision.quorum is None and decision.status is Status.BEHIND_COMMITTED
+        assert "step 40" in decision.reason
+        s.join(Member("c", step=41), 2.0)  # the holder is back (it committed once more meanwhile)
+        quorum = issue(s, 2.0)
+        assert quorum.replica_ids == ("a2", "b2", "c")
+
+    def test_a_behind_replica_with_a_holder_present_is_fine(self):
+        s = state(min_replicas=1)
+        s.join(Member("a", step=10), 0.0)
+        issue(s, 0.0)
+        s.join(Member("a", step=11), 0.5)
+        s.join(Member("new", step=0), 0.5)
+        assert issue(s, 0.5).replica_ids == ("a", "new")
