@@ -5,7 +5,7 @@ client (grpc.aio spent ~70 ms CPU per round against the server's ~40 ms on the
 project's 2-core machine), so the ratio it reported measured the load
 generator. This client speaks HTTP/2 with prior knowledge (RFC 9113) and gRPC's
 length-prefixed framing directly on an ``asyncio.Protocol``: one connection
-per channel, unary calls only, no retries, no TLS, no compression.
+per channel, unary calls only, no TLS, no compression.
 
 What it does implement, because either server may need it:
 
@@ -19,6 +19,10 @@ What it does implement, because either server may need it:
   the encoder needs no state);
 * trailers (or a trailers-only answer) carry grpc-status; anything but OK,
   RST_STREAM, GOAWAY and a lost connection raise :class:`H2CallError`;
+* a connection is used once the server's SETTINGS arrived; until then
+  failures are retried with backoff (as gRPC's wait_for_ready does: torchft's
+  server overflows its listen backlog when 1000 groups connect at once, and
+  the kernel resets some of those connections); a call in flight is not;
 * every wait is bounded: connecting, stream slots, send windows and the answer
   share the call's timeout, which also goes to the server as grpc-timeout.
 """
@@ -26,6 +30,7 @@ What it does implement, because either server may need it:
 from __future__ import annotations
 
 import asyncio
+import random
 import socket
 import struct
 import urllib.parse
@@ -150,194 +155,105 @@ class _HeaderDecoder:
 
 
 class _Stream:
-    __slots__ = ("id", "answer", "headers", "body", "recv_window", "send_window", "headers_done")
+    __slots__ = ("id", "answer", "body", "recv_window", "send_window", "headers_done")
 
     def __init__(self, stream_id: int, answer: asyncio.Future, recv_window: int, send_window: int) -> None:
         self.id = stream_id
         self.answer = answer
-        self.headers: list[tuple[bytes, bytes]] = []
         self.body = bytearray()
         self.recv_window = recv_window
         self.send_window = send_window
         self.headers_done = False
 
 
-class _Protocol(asyncio.Protocol):
-    """The connection's state: frames in, frames out, streams by id."""
+class _Connection(asyncio.Protocol):
+    """One HTTP/2 connection: frames in and out, streams by id, the windows both ways."""
 
-    def __init__(self, channel: "H2Channel") -> None:
-        self.channel = channel
+    def __init__(self, target: str, recv_window: int, max_frame_size: int) -> None:
+        self.target = target
+        self.recv_window = recv_window
+        self.max_frame_size = max_frame_size
         self.transport: asyncio.Transport | None = None
-        self.buffer = bytearray()
-        self.out: list[bytes] | None = None  # frames to send once this read is handled
-        self.decoder = _HeaderDecoder()
-        self.continuation: tuple[int, int, bytearray] | None = None  # stream id, first flags, block
-        self.closed: H2CallError | None = None
-        self.changed = asyncio.Event()  # windows, stream slots or connection state changed
-        self.paused = False
-        self.drained = asyncio.Event()
+        self.ready = asyncio.get_running_loop().create_future()  # done at the server's first SETTINGS
+        self.closed: H2CallError | None = None  # why no new stream may start here
+        self.changed = asyncio.Event()  # windows, stream slots or the connection's state changed
+        self.drained = asyncio.Event()  # the transport's write buffer is below its high-water mark
         self.drained.set()
+        self._buffer = bytearray()
+        self._out: list[bytes] | None = None  # frames to send once the current read is handled
+        self._decoder = _HeaderDecoder()
+        self._continuation: tuple[int, int, bytearray] | None = None  # stream id, first flags, block
+        self._streams: dict[int, _Stream] = {}
+        self._next_stream_id = 1
+        self._recv_unacked = 0
+        self._send_window = DEFAULT_WINDOW
+        self._peer_initial_window = DEFAULT_WINDOW
+        self._peer_max_frame = DEFAULT_MAX_FRAME
+        self._peer_max_streams = MAX_STREAM_ID
+
+    def usable(self) -> bool:
+        return self.closed is None and self.transport is not None and self.ready.done() \
+            and not self.ready.cancelled() and self.ready.exception() is None
+
+    # ------------------------------------------------------------ asyncio
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.channel._connection_made(self)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        reason = f"connection to {self.channel.target} lost" + (f": {exc}" if exc else "")
-        if self.closed is not None:  # a GOAWAY (ours or the server's) says why
-            reason += f" after: {self.closed}"
-        self.channel._fail_all(H2CallError(reason))
-        self.transport = None
-        self.drained.set()
-
-    def pause_writing(self) -> None:
-        self.paused = True
-        self.drained.clear()
-
-    def resume_writing(self) -> None:
-        self.paused = False
-        self.drained.set()
-
-    def write(self, data: bytes) -> None:
-        if self.out is not None:
-            self.out.append(data)
-        elif self.transport is not None:
-            self.transport.write(data)
-
-    def data_received(self, data: bytes) -> None:
-        self.buffer += data
-        self.out = []
-        try:
-            self._frames()
-        except H2CallError as exc:
-            self.channel._connection_error(exc)
-        except hpack.HPACKError as exc:
-            self.channel._connection_error(H2CallError(f"bad HPACK block from {self.channel.target}: {exc}"))
-        finally:
-            out, self.out = self.out, None
-            if out and self.transport is not None:
-                self.transport.write(b"".join(out))
-
-    def _frames(self) -> None:
-        buffer = self.buffer
-        offset = 0
-        channel = self.channel
-        max_frame = channel.max_frame_size
-        while len(buffer) - offset >= 9:
-            high, low, kind, flags, stream_id = _HEADER.unpack_from(buffer, offset)
-            length = (high << 16) | low
-            if length > max_frame:
-                raise H2CallError(f"{channel.target} sent a {length}-byte frame, over our {max_frame}")
-            end = offset + 9 + length
-            if len(buffer) < end:
-                break
-            payload = bytes(buffer[offset + 9:end])
-            offset = end
-            channel._frame(kind, flags, stream_id & 0x7FFFFFFF, payload)
-            if self.transport is None or self.transport.is_closing():
-                break
-        del buffer[:offset]
-
-
-class H2Channel:
-    """One HTTP/2 connection to ``host:port`` carrying unary gRPC calls.
-
-    ``recv_window`` is the receive window advertised for the connection and
-    for each stream; the default HTTP/2 window (65535) makes a large answer
-    take several WINDOW_UPDATE round trips, which the benchmark's tests use.
-    """
-
-    def __init__(self, host: str, port: int, *, recv_window: int = 4 * 1024 * 1024,
-                 max_frame_size: int = DEFAULT_MAX_FRAME) -> None:
-        if not DEFAULT_WINDOW <= recv_window <= MAX_WINDOW:
-            raise ValueError(f"recv_window must be in [{DEFAULT_WINDOW}, {MAX_WINDOW}], got {recv_window}")
-        if not DEFAULT_MAX_FRAME <= max_frame_size <= 2**24 - 1:
-            raise ValueError(f"max_frame_size must be in [{DEFAULT_MAX_FRAME}, {2**24 - 1}], got {max_frame_size}")
-        self.host, self.port = host, port
-        self.target = f"{host}:{port}"
-        self.recv_window = recv_window
-        self.max_frame_size = max_frame_size
-        self._authority = self.target.encode()
-        self._request_blocks: dict[tuple[str, float], bytes] = {}  # literal fields only: reusable as is
-        self._protocol: _Protocol | None = None
-        self._connecting: asyncio.Future | None = None
-        self._streams: dict[int, _Stream] = {}
-        self._next_stream_id = 1
-        self._conn_recv_unacked = 0
-        self._conn_send_window = DEFAULT_WINDOW
-        self._peer_initial_window = DEFAULT_WINDOW
-        self._peer_max_frame = DEFAULT_MAX_FRAME
-        self._peer_max_streams = 2**31 - 1
-
-    # ------------------------------------------------------------ public
-
-    async def unary(self, path: str, request: bytes, timeout: float) -> bytes:
-        """Call ``path`` with one serialized request message; returns the response message."""
-        try:
-            async with asyncio.timeout(timeout):
-                return await self._unary(path, request, timeout)
-        except TimeoutError as exc:
-            raise H2CallTimeout(f"{path} on {self.target}: no answer within {timeout:.1f}s") from exc
-
-    async def close(self) -> None:
-        protocol = self._protocol
-        if protocol is not None and protocol.transport is not None:
-            protocol.transport.write(_frame(GOAWAY, 0, 0, _U32.pack(0) + _U32.pack(0)))
-            protocol.transport.close()
-        self._fail_all(H2CallError(f"channel to {self.target} closed"))
-
-    # ------------------------------------------------------------ calls
-
-    async def _connected(self) -> _Protocol:
-        protocol = self._protocol
-        if protocol is not None:
-            if protocol.closed is not None:
-                raise protocol.closed
-            return protocol
-        if self._connecting is None:
-            self._connecting = asyncio.ensure_future(self._connect())
-        return await asyncio.shield(self._connecting)
-
-    async def _connect(self) -> _Protocol:
-        loop = asyncio.get_running_loop()
-        try:
-            _, protocol = await loop.create_connection(lambda: _Protocol(self), self.host, self.port)
-        except OSError as exc:
-            self._connecting = None
-            raise H2CallError(f"cannot connect to {self.target}: {exc}") from exc
-        return protocol
-
-    def _connection_made(self, protocol: _Protocol) -> None:
-        """Called from ``connection_made``, before any byte from the server is handled.
-
-        The preface must precede everything else we send (a SETTINGS ACK
-        included), and the server's first frames may be read before the task
-        awaiting ``create_connection`` resumes.
-        """
-        self._protocol = protocol
+        # The preface goes first, before any answer to the server's frames
+        # (which may be read before create_connection's caller resumes).
         settings = {SETTINGS_ENABLE_PUSH: 0, SETTINGS_INITIAL_WINDOW_SIZE: self.recv_window}
         if self.max_frame_size != DEFAULT_MAX_FRAME:
             settings[SETTINGS_MAX_FRAME_SIZE] = self.max_frame_size
         hello = PREFACE + _frame(SETTINGS, 0, 0, b"".join(struct.pack(">HI", k, v) for k, v in settings.items()))
         if self.recv_window > DEFAULT_WINDOW:
             hello += _frame(WINDOW_UPDATE, 0, 0, _U32.pack(self.recv_window - DEFAULT_WINDOW))
-        protocol.transport.write(hello)
+        self.transport.write(hello)
 
-    async def _unary(self, path: str, request: bytes, timeout: float) -> bytes:
-        block = self._request_blocks.get((path, timeout))
-        if block is None:
-            block = self._request_blocks[(path, timeout)] = (
-                b"\x83\x86"  # :method POST, :scheme http (static table 3 and 6)
-                + _literal(b":path", path.encode()) + _literal(b":authority", self._authority)
-                + _literal(b"content-type", b"application/grpc") + _literal(b"te", b"trailers")
-                + _literal(b"grpc-timeout", _grpc_timeout(timeout)))
-        body = _GRPC_PREFIX.pack(0, len(request)) + request
-        protocol = await self._connected()
+    def connection_lost(self, exc: Exception | None) -> None:
+        reason = f"connection to {self.target} lost" + (f": {exc}" if exc else "")
+        if self.closed is not None:  # a GOAWAY (ours or the server's) says why
+            reason += f" after: {self.closed}"
+        self.transport = None
+        self._fail(H2CallError(reason))
+        self.drained.set()
+
+    def pause_writing(self) -> None:
+        self.drained.clear()
+
+    def resume_writing(self) -> None:
+        self.drained.set()
+
+    def data_received(self, data: bytes) -> None:
+        self._buffer += data
+        self._out = []
+        try:
+            self._frames()
+        except H2CallError as exc:
+            self._connection_error(exc)
+        except hpack.HPACKError as exc:
+            self._connection_error(H2CallError(f"bad HPACK block from {self.target}: {exc}"))
+        finally:
+            out, self._out = self._out, None
+            if out and self.transport is not None:
+                self.transport.write(b"".join(out))
+
+    def _write(self, data: bytes) -> None:
+        if self._out is not None:
+            self._out.append(data)
+        elif self.transport is not None:
+            self.transport.write(data)
+
+    # ------------------------------------------------------------ calls
+
+    async def call(self, block: bytes, body: bytes) -> bytes:
+        """One unary call: HEADERS ``block``, DATA ``body``; the answer's message."""
         while len(self._streams) >= self._peer_max_streams:
-            await self._wait_change(protocol)
+            await self._wait_change()
+        if self.closed is not None:
+            raise self.closed
         if len(block) > self._peer_max_frame:
             raise H2CallError(f"request headers of {len(block)} bytes would need CONTINUATION (not implemented)")
         # No await from taking a stream id to writing its HEADERS: ids must reach
@@ -355,62 +271,85 @@ class H2Channel:
         try:
             sent = 0
             while True:  # DATA within the server's windows and frame size
-                n = min(len(body) - sent, stream.send_window, self._conn_send_window, self._peer_max_frame)
+                n = min(len(body) - sent, stream.send_window, self._send_window, self._peer_max_frame)
                 if n > 0:
                     last = sent + n == len(body)
                     out += _frame(DATA, END_STREAM if last else 0, stream_id, body[sent:sent + n])
                     stream.send_window -= n
-                    self._conn_send_window -= n
+                    self._send_window -= n
                     sent += n
                     if last:
                         break
                     continue
-                protocol.write(out)
+                self._write(out)
                 out = b""
-                await self._wait_change(protocol)
+                await self._wait_change()
                 if answer.done():
                     break  # the server answered (or reset) before taking the whole request
             if out:
-                protocol.write(out)
-            if protocol.paused:
-                await protocol.drained.wait()
+                self._write(out)
+            await self.drained.wait()
             return await answer
         except BaseException:
-            if self._streams.pop(stream_id, None) is not None and protocol.transport is not None:
-                protocol.write(_frame(RST_STREAM, 0, stream_id, _U32.pack(CANCEL)))
+            if self._streams.pop(stream_id, None) is not None:
+                self._write(_frame(RST_STREAM, 0, stream_id, _U32.pack(CANCEL)))
             raise
 
-    async def _wait_change(self, protocol: _Protocol) -> None:
-        if protocol.closed is not None:
-            raise protocol.closed
-        protocol.changed.clear()
-        await protocol.changed.wait()
-        if protocol.closed is not None:
-            raise protocol.closed
+    async def _wait_change(self) -> None:
+        if self.closed is not None:
+            raise self.closed
+        self.changed.clear()
+        await self.changed.wait()
+        if self.closed is not None:
+            raise self.closed
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.write(_frame(GOAWAY, 0, 0, struct.pack(">II", 0, 0)))
+            self.transport.close()
+        self._fail(H2CallError(f"connection to {self.target} closed"))
 
     # ------------------------------------------------------------ frames
 
+    def _frames(self) -> None:
+        buffer = self._buffer
+        offset = 0
+        while len(buffer) - offset >= 9:
+            high, low, kind, flags, stream_id = _HEADER.unpack_from(buffer, offset)
+            length = (high << 16) | low
+            if length > self.max_frame_size:
+                raise H2CallError(f"{self.target} sent a {length}-byte frame, over our {self.max_frame_size}")
+            end = offset + 9 + length
+            if len(buffer) < end:
+                break
+            payload = bytes(buffer[offset + 9:end])
+            offset = end
+            self._frame(kind, flags, stream_id & 0x7FFFFFFF, payload)
+            if self.transport is None or self.transport.is_closing():
+                break
+        del buffer[:offset]
+
     def _frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
-        if self._protocol is not None and self._protocol.continuation is not None and kind != CONTINUATION:
+        if self._continuation is not None and kind != CONTINUATION:
             raise H2CallError(f"{self.target} sent frame type {kind} inside a header block")
         if kind == DATA:
             self._on_data(flags, stream_id, payload)
         elif kind == HEADERS:
             if flags & PADDED:
-                payload = self._unpad(payload)
+                payload = _unpad(payload)
             if flags & PRIORITY_FLAG:
                 payload = payload[5:]
             if flags & END_HEADERS:
                 self._header_block(stream_id, flags, payload)
             else:
-                self._protocol.continuation = (stream_id, flags, bytearray(payload))
+                self._continuation = (stream_id, flags, bytearray(payload))
         elif kind == CONTINUATION:
-            pending = self._protocol.continuation
+            pending = self._continuation
             if pending is None or pending[0] != stream_id:
                 raise H2CallError(f"{self.target} sent an unexpected CONTINUATION")
             pending[2].extend(payload)
             if flags & END_HEADERS:
-                self._protocol.continuation = None
+                self._continuation = None
                 self._header_block(stream_id, pending[1], bytes(pending[2]))
         elif kind == SETTINGS:
             if not flags & ACK:
@@ -418,8 +357,10 @@ class H2Channel:
         elif kind == WINDOW_UPDATE:
             self._on_window_update(stream_id, payload)
         elif kind == PING:
+            if len(payload) != 8 or stream_id:
+                raise H2CallError(f"{self.target} sent a malformed PING")
             if not flags & ACK:
-                self._protocol.write(_frame(PING, ACK, 0, payload))
+                self._write(_frame(PING, ACK, 0, payload))
         elif kind == RST_STREAM:
             if len(payload) != 4 or not stream_id:
                 raise H2CallError(f"{self.target} sent a malformed RST_STREAM")
@@ -427,38 +368,30 @@ class H2Channel:
             if stream is not None and not stream.answer.done():
                 code = _U32.unpack(payload)[0]
                 stream.answer.set_exception(H2CallError(f"{self.target} reset stream {stream_id} (code {code})"))
-            self._changed()
+            self.changed.set()
         elif kind == GOAWAY:
             if len(payload) < 8 or stream_id:
                 raise H2CallError(f"{self.target} sent a malformed GOAWAY")
-            last_id, code = struct.unpack(">II", payload[:8])
-            last_id &= 0x7FFFFFFF
+            last_id, code = struct.unpack_from(">II", payload)
             debug = payload[8:].decode("utf-8", "replace")
             error = H2CallError(f"{self.target} sent GOAWAY (code {code}{': ' + debug if debug else ''})")
-            self._protocol.closed = error  # no new streams on this connection
-            for sid in [sid for sid in self._streams if sid > last_id]:
+            self.closed = error  # no new streams here; those up to last_id may still be answered
+            for sid in [sid for sid in self._streams if sid > last_id & 0x7FFFFFFF]:
                 stream = self._streams.pop(sid)
                 if not stream.answer.done():
                     stream.answer.set_exception(error)
-            self._changed()
+            self.changed.set()
         elif kind == PUSH_PROMISE:
             raise H2CallError(f"{self.target} sent PUSH_PROMISE though we disabled push")
         # PRIORITY and unknown frame types are ignored.
 
-    @staticmethod
-    def _unpad(payload: bytes) -> bytes:
-        if not payload or payload[0] >= len(payload):
-            raise H2CallError("malformed padding")
-        return payload[1:len(payload) - payload[0]]
-
     def _on_data(self, flags: int, stream_id: int, payload: bytes) -> None:
-        protocol = self._protocol
         n = len(payload)
-        # Connection window: every DATA byte counts, for any stream, open or not.
-        self._conn_recv_unacked += n
-        if self._conn_recv_unacked >= self.recv_window // 2:
-            protocol.write(_frame(WINDOW_UPDATE, 0, 0, _U32.pack(self._conn_recv_unacked)))
-            self._conn_recv_unacked = 0
+        # The connection window counts every DATA byte, on any stream, open or not.
+        self._recv_unacked += n
+        if self._recv_unacked >= self.recv_window // 2:
+            self._write(_frame(WINDOW_UPDATE, 0, 0, _U32.pack(self._recv_unacked)))
+            self._recv_unacked = 0
         stream = self._streams.get(stream_id)
         if stream is None:
             return  # a stream we cancelled: its bytes were counted above
@@ -466,27 +399,25 @@ class H2Channel:
         if stream.recv_window < 0:
             raise H2CallError(f"{self.target} overran stream {stream_id}'s receive window")
         if flags & PADDED:
-            payload = self._unpad(payload)
+            payload = _unpad(payload)
         stream.body += payload
         if flags & END_STREAM:
             self._end_stream(stream, None)
         elif stream.recv_window < self.recv_window // 2:
-            protocol.write(_frame(WINDOW_UPDATE, 0, stream_id, _U32.pack(self.recv_window - stream.recv_window)))
+            self._write(_frame(WINDOW_UPDATE, 0, stream_id, _U32.pack(self.recv_window - stream.recv_window)))
             stream.recv_window = self.recv_window
 
     def _header_block(self, stream_id: int, flags: int, block: bytes) -> None:
-        headers = self._protocol.decoder.decode(block)  # always: the HPACK table is per connection
+        headers = self._decoder.decode(block)  # always: the HPACK table is per connection
         stream = self._streams.get(stream_id)
         if stream is None:
             return
         if not stream.headers_done:
             stream.headers_done = True
-            stream.headers = headers
             status = dict(headers).get(b":status")
             if status != b"200":
                 self._end_stream(stream, H2CallError(f"{self.target} answered HTTP status {status!r}"))
-                return
-            if flags & END_STREAM:  # trailers-only
+            elif flags & END_STREAM:  # trailers-only
                 self._end_stream(stream, headers)
             return
         if not flags & END_STREAM:
@@ -495,14 +426,15 @@ class H2Channel:
 
     def _end_stream(self, stream: _Stream, trailers: list[tuple[bytes, bytes]] | H2CallError | None) -> None:
         self._streams.pop(stream.id, None)
-        self._changed()
+        self.changed.set()
         if stream.answer.done():
             return
+        where = f"{self.target} stream {stream.id}"
         if isinstance(trailers, H2CallError):
             stream.answer.set_exception(trailers)
             return
         if trailers is None:
-            stream.answer.set_exception(H2CallError(f"{self.target} ended stream {stream.id} without trailers"))
+            stream.answer.set_exception(H2CallError(f"{where} ended without trailers"))
             return
         fields = dict(trailers)
         status = fields.get(b"grpc-status")
@@ -510,16 +442,16 @@ class H2Channel:
             message = urllib.parse.unquote(fields.get(b"grpc-message", b"").decode("ascii", "replace"))
             code = int(status) if status is not None and status.isdigit() else None
             stream.answer.set_exception(H2CallError(
-                f"{self.target} stream {stream.id}: grpc-status {status.decode() if status else None}: {message}", code))
+                f"{where}: grpc-status {status.decode() if status else None}: {message}", code))
             return
         body = stream.body
         if len(body) < 5:
-            stream.answer.set_exception(H2CallError(f"{self.target} stream {stream.id}: no response message"))
+            stream.answer.set_exception(H2CallError(f"{where}: no response message"))
             return
         compressed, length = _GRPC_PREFIX.unpack_from(body, 0)
         if compressed or len(body) != 5 + length:
             stream.answer.set_exception(H2CallError(
-                f"{self.target} stream {stream.id}: expected one uncompressed message of {length} bytes, "
+                f"{where}: expected one uncompressed message of {length} bytes, "
                 f"got {len(body) - 5} bytes (compressed flag {compressed})"))
             return
         stream.answer.set_result(bytes(body[5:]))
@@ -540,44 +472,151 @@ class H2Channel:
                 self._peer_max_frame = value
             elif key == SETTINGS_MAX_CONCURRENT_STREAMS:
                 self._peer_max_streams = value
-        self._protocol.write(_frame(SETTINGS, ACK, 0))
-        self._changed()
+        self._write(_frame(SETTINGS, ACK, 0))
+        if not self.ready.done():
+            self.ready.set_result(None)
+        self.changed.set()
 
     def _on_window_update(self, stream_id: int, payload: bytes) -> None:
         if len(payload) != 4:
             raise H2CallError(f"{self.target} sent a malformed WINDOW_UPDATE")
         increment = _U32.unpack(payload)[0] & 0x7FFFFFFF
         if stream_id == 0:
-            self._conn_send_window += increment
+            self._send_window += increment
         else:
             stream = self._streams.get(stream_id)
             if stream is None:
                 return
             stream.send_window += increment
-        self._changed()
-
-    def _changed(self) -> None:
-        if self._protocol is not None:
-            self._protocol.changed.set()
+        self.changed.set()
 
     def _connection_error(self, error: H2CallError) -> None:
-        protocol = self._protocol
-        if protocol is not None and protocol.transport is not None:
-            protocol.write(_frame(GOAWAY, 0, 0, struct.pack(">II", 0, 1) + str(error).encode()[:200]))
-            transport = protocol.transport
-            out, protocol.out = protocol.out, None
+        if self.transport is not None:
+            self._write(_frame(GOAWAY, 0, 0, struct.pack(">II", 0, 1) + str(error).encode()[:200]))
+            out, self._out = self._out, None
             if out:
-                transport.write(b"".join(out))
-            transport.close()
-        self._fail_all(error)
+                self.transport.write(b"".join(out))
+            self.transport.close()
+        self._fail(error)
 
-    def _fail_all(self, error: H2CallError) -> None:
-        protocol = self._protocol
-        if protocol is not None:
-            if protocol.closed is None:
-                protocol.closed = error
-            protocol.changed.set()
+    def _fail(self, error: H2CallError) -> None:
+        if self.closed is None:
+            self.closed = error
+        if not self.ready.done():
+            self.ready.set_exception(error)
+            self.ready.exception()  # retrieved: the connecting task reads it, or nobody needs to
+        self.changed.set()
         streams, self._streams = self._streams, {}
         for stream in streams.values():
             if not stream.answer.done():
                 stream.answer.set_exception(error)
+
+
+def _unpad(payload: bytes) -> bytes:
+    if not payload or payload[0] >= len(payload):
+        raise H2CallError("malformed padding")
+    return payload[1:len(payload) - payload[0]]
+
+
+class H2Channel:
+    """Unary gRPC calls to ``host:port`` over one HTTP/2 connection at a time.
+
+    ``recv_window`` is the receive window advertised for the connection and
+    for each stream (the HTTP/2 default, 65535, makes a large answer take
+    several WINDOW_UPDATE round trips). A connection that fails before the
+    server's SETTINGS arrive is retried with backoff for ``connect_timeout``
+    seconds (bounded also by each waiting call's own timeout); a connection
+    lost later fails its calls, and the next call opens a new one.
+    """
+
+    def __init__(self, host: str, port: int, *, recv_window: int = 4 * 1024 * 1024,
+                 max_frame_size: int = DEFAULT_MAX_FRAME, connect_timeout: float = 60.0) -> None:
+        if not DEFAULT_WINDOW <= recv_window <= MAX_WINDOW:
+            raise ValueError(f"recv_window must be in [{DEFAULT_WINDOW}, {MAX_WINDOW}], got {recv_window}")
+        if not DEFAULT_MAX_FRAME <= max_frame_size <= 2**24 - 1:
+            raise ValueError(f"max_frame_size must be in [{DEFAULT_MAX_FRAME}, {2**24 - 1}], got {max_frame_size}")
+        if connect_timeout <= 0:
+            raise ValueError(f"connect_timeout must be positive, got {connect_timeout}")
+        self.host, self.port = host, port
+        self.target = f"{host}:{port}"
+        self.recv_window = recv_window
+        self.max_frame_size = max_frame_size
+        self.connect_timeout = connect_timeout
+        self.connect_attempts = 0
+        self._authority = self.target.encode()
+        self._request_blocks: dict[tuple[str, float], bytes] = {}  # literal fields only: reusable as is
+        self._connection: _Connection | None = None
+        self._connecting: asyncio.Task[_Connection] | None = None
+        self._closed = False
+
+    async def unary(self, path: str, request: bytes, timeout: float) -> bytes:
+        """Call ``path`` with one serialized request message; returns the response message."""
+        block = self._request_blocks.get((path, timeout))
+        if block is None:
+            block = self._request_blocks[(path, timeout)] = (
+                b"\x83\x86"  # :method POST, :scheme http (static table 3 and 6)
+                + _literal(b":path", path.encode()) + _literal(b":authority", self._authority)
+                + _literal(b"content-type", b"application/grpc") + _literal(b"te", b"trailers")
+                + _literal(b"grpc-timeout", _grpc_timeout(timeout)))
+        body = _GRPC_PREFIX.pack(0, len(request)) + request
+        try:
+            async with asyncio.timeout(timeout):
+                connection = await self._ready_connection()
+                return await connection.call(block, body)
+        except TimeoutError as exc:
+            raise H2CallTimeout(f"{path} on {self.target}: no answer within {timeout:.1f}s") from exc
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._connecting is not None:
+            self._connecting.cancel()
+            await asyncio.gather(self._connecting, return_exceptions=True)
+        if self._connection is not None:
+            self._connection.close()
+
+    async def _ready_connection(self) -> _Connection:
+        if self._closed:
+            raise H2CallError(f"channel to {self.target} closed")
+        connection = self._connection
+        if connection is not None and connection.usable():
+            return connection
+        if self._connecting is None:
+            self._connecting = asyncio.ensure_future(self._connect())
+        # Shielded: a caller's timeout must not cancel the attempt others wait on.
+        return await asyncio.shield(self._connecting)
+
+    async def _connect(self) -> _Connection:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.connect_timeout
+        delay = 0.05
+        last_error: Exception | None = None
+        try:
+            while True:
+                connection: _Connection | None = None
+                self.connect_attempts += 1
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        _, connection = await loop.create_connection(
+                            lambda: _Connection(self.target, self.recv_window, self.max_frame_size),
+                            self.host, self.port)
+                        await connection.ready
+                    self._connection = connection
+                    return connection
+                except (OSError, H2CallError) as exc:
+                    last_error = exc
+                    if connection is not None and connection.transport is not None:
+                        connection.transport.abort()
+                except TimeoutError:
+                    if connection is not None and connection.transport is not None:
+                        connection.transport.abort()
+                    raise H2CallError(f"no HTTP/2 connection to {self.target} within {self.connect_timeout:.1f}s "
+                                      f"({self.connect_attempts} attempts; last: {last_error})") from last_error
+                except BaseException:  # cancelled by close()
+                    if connection is not None and connection.transport is not None:
+                        connection.transport.abort()
+                    raise
+                pause = min(delay * (0.5 + random.random()), max(0.0, deadline - loop.time()))
+                await asyncio.sleep(pause)
+                delay = min(delay * 2, 1.0)
+        finally:
+            self._connecting = None

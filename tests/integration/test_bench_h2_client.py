@@ -12,6 +12,7 @@ import pytest
 
 from benchmarks._h2_client import DEFAULT_WINDOW, H2CallError, H2CallTimeout, H2Channel
 from lighthouse.h2grpc import GrpcServer
+from lighthouse.h2grpc.connection import H2Connection
 from lighthouse.protocol import torchft_pb2 as pb
 from tests.conftest import WAIT, running_lighthouse
 
@@ -85,6 +86,35 @@ def test_grpc_errors_timeouts_and_a_lost_connection_raise_clearly():
                 await asyncio.wait_for(pending, WAIT)
         finally:
             await channel.close()
+            await server.stop(1.0)
+
+    asyncio.run(scenario())
+
+
+def test_connections_that_fail_before_the_servers_settings_are_retried():
+    """As grpc's wait_for_ready: a listener that overflows its backlog resets connections the
+    client already counted as open (torchft's at N=1000); no call was sent on them."""
+    class Reset(asyncio.Protocol):
+        def connection_made(self, transport) -> None:
+            transport.abort()
+
+    async def scenario():
+        server, _, _ = await start_server()
+        accepted = 0
+
+        def factory():
+            nonlocal accepted
+            accepted += 1
+            return Reset() if accepted <= 2 else H2Connection(server)
+
+        listener = await asyncio.get_running_loop().create_server(factory, "127.0.0.1", 0)
+        channel = H2Channel("127.0.0.1", listener.sockets[0].getsockname()[1])
+        try:
+            assert await channel.unary("/t.S/Echo", b"third time", WAIT) == b"third time"
+            assert channel.connect_attempts == 3
+        finally:
+            await channel.close()
+            listener.close()
             await server.stop(1.0)
 
     asyncio.run(scenario())
