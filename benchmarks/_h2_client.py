@@ -36,27 +36,8 @@ import struct
 import urllib.parse
 
 import hpack
-from hpack.table import HeaderTable
 
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-_HEADER = struct.Struct(">BHBBI")  # 24-bit length as 8+16, type, flags, stream id
-_U32 = struct.Struct(">I")
-_GRPC_PREFIX = struct.Struct(">BI")
-
-DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = range(10)
-END_STREAM = ACK = 0x1
-END_HEADERS = 0x4
-PADDED = 0x8
-PRIORITY_FLAG = 0x20
-SETTINGS_ENABLE_PUSH = 0x2
-SETTINGS_MAX_CONCURRENT_STREAMS = 0x3
-SETTINGS_INITIAL_WINDOW_SIZE = 0x4
-SETTINGS_MAX_FRAME_SIZE = 0x5
-CANCEL = 0x8
-DEFAULT_WINDOW = 65_535
-DEFAULT_MAX_FRAME = 16_384
-MAX_WINDOW = 2**31 - 1
-MAX_STREAM_ID = 2**31 - 1
+from benchmarks import _h2_wire as wire
 
 
 class H2CallError(Exception):
@@ -69,89 +50,6 @@ class H2CallError(Exception):
 
 class H2CallTimeout(H2CallError, TimeoutError):
     """A call (or connecting) took longer than its timeout."""
-
-
-def _frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
-    n = len(payload)
-    return _HEADER.pack(n >> 16, n & 0xFFFF, kind, flags, stream_id) + payload
-
-
-def _hpack_int(value: int, prefix_bits: int, first: int = 0) -> bytes:
-    limit = (1 << prefix_bits) - 1
-    if value < limit:
-        return bytes([first | value])
-    out = bytearray([first | limit])
-    value -= limit
-    while value >= 128:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _literal(name: bytes, value: bytes) -> bytes:
-    """HPACK literal field without indexing, literal name: no dynamic-table state."""
-    return b"\x00" + _hpack_int(len(name), 7) + name + _hpack_int(len(value), 7) + value
-
-
-def _grpc_timeout(seconds: float) -> bytes:
-    """grpc-timeout value: at most 8 digits, in the finest unit that fits."""
-    for unit, scale in ((b"m", 1e3), (b"S", 1.0), (b"M", 1 / 60), (b"H", 1 / 3600)):
-        value = max(1, int(seconds * scale + 0.999))
-        if value < 10**8:
-            return str(value).encode() + unit
-    return b"99999999H"
-
-
-class _CountedTable(HeaderTable):
-    """hpack's dynamic table, counting its changes (insertions and resizes).
-
-    A header block that leaves the count alone decodes the same way for as
-    long as the count stands, so its decoding can be reused: a lighthouse
-    answers every call with the same few blocks, and decoding them again
-    (Huffman strings included, from torchft's server) was ~30 ms of client
-    CPU per round at N=300.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.changes = 0
-
-    def add(self, name: bytes, value: bytes) -> None:
-        self.changes += 1
-        super().add(name, value)
-
-    @property
-    def maxsize(self) -> int:
-        return self._maxsize
-
-    @maxsize.setter
-    def maxsize(self, value: int) -> None:
-        self.changes += 1
-        HeaderTable.maxsize.fset(self, value)
-
-
-class _HeaderDecoder:
-    """``hpack.Decoder`` with a cache of blocks that do not change the table."""
-
-    MAX_CACHED = 256
-
-    def __init__(self) -> None:
-        self._decoder = hpack.Decoder()
-        self._table = self._decoder.header_table = _CountedTable()
-        self._cache: dict[bytes, tuple[int, list[tuple[bytes, bytes]]]] = {}
-
-    def decode(self, block: bytes) -> list[tuple[bytes, bytes]]:
-        changes = self._table.changes
-        cached = self._cache.get(block)
-        if cached is not None and cached[0] == changes:
-            return cached[1]
-        headers = self._decoder.decode(block, raw=True)
-        if self._table.changes == changes:  # a pure function of the table as it stands
-            if len(self._cache) >= self.MAX_CACHED:
-                self._cache.clear()
-            self._cache[block] = (changes, headers)
-        return headers
 
 
 class _Stream:
@@ -181,15 +79,15 @@ class _Connection(asyncio.Protocol):
         self.drained.set()
         self._buffer = bytearray()
         self._out: list[bytes] | None = None  # frames to send once the current read is handled
-        self._decoder = _HeaderDecoder()
+        self._decoder = wire.HeaderDecoder()
         self._continuation: tuple[int, int, bytearray] | None = None  # stream id, first flags, block
         self._streams: dict[int, _Stream] = {}
         self._next_stream_id = 1
         self._recv_unacked = 0
-        self._send_window = DEFAULT_WINDOW
-        self._peer_initial_window = DEFAULT_WINDOW
-        self._peer_max_frame = DEFAULT_MAX_FRAME
-        self._peer_max_streams = MAX_STREAM_ID
+        self._send_window = wire.DEFAULT_WINDOW
+        self._peer_initial_window = wire.DEFAULT_WINDOW
+        self._peer_max_frame = wire.DEFAULT_MAX_FRAME
+        self._peer_max_streams = wire.MAX_STREAM_ID
 
     def usable(self) -> bool:
         return self.closed is None and self.transport is not None and self.ready.done() \
@@ -204,12 +102,13 @@ class _Connection(asyncio.Protocol):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         # The preface goes first, before any answer to the server's frames
         # (which may be read before create_connection's caller resumes).
-        settings = {SETTINGS_ENABLE_PUSH: 0, SETTINGS_INITIAL_WINDOW_SIZE: self.recv_window}
-        if self.max_frame_size != DEFAULT_MAX_FRAME:
-            settings[SETTINGS_MAX_FRAME_SIZE] = self.max_frame_size
-        hello = PREFACE + _frame(SETTINGS, 0, 0, b"".join(struct.pack(">HI", k, v) for k, v in settings.items()))
-        if self.recv_window > DEFAULT_WINDOW:
-            hello += _frame(WINDOW_UPDATE, 0, 0, _U32.pack(self.recv_window - DEFAULT_WINDOW))
+        settings = {wire.SETTINGS_ENABLE_PUSH: 0, wire.SETTINGS_INITIAL_WINDOW_SIZE: self.recv_window}
+        if self.max_frame_size != wire.DEFAULT_MAX_FRAME:
+            settings[wire.SETTINGS_MAX_FRAME_SIZE] = self.max_frame_size
+        payload = b"".join(struct.pack(">HI", k, v) for k, v in settings.items())
+        hello = wire.PREFACE + wire.frame(wire.SETTINGS, 0, 0, payload)
+        if self.recv_window > wire.DEFAULT_WINDOW:
+            hello += wire.frame(wire.WINDOW_UPDATE, 0, 0, wire.U32.pack(self.recv_window - wire.DEFAULT_WINDOW))
         self.transport.write(hello)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -261,20 +160,20 @@ class _Connection(asyncio.Protocol):
         # quorum call share the connection. Opening them out of order stalled a
         # benchmark round (the server ignored the lower id; it now sends GOAWAY).
         stream_id = self._next_stream_id
-        if stream_id > MAX_STREAM_ID:
+        if stream_id > wire.MAX_STREAM_ID:
             raise H2CallError(f"stream ids on the connection to {self.target} are used up")
         self._next_stream_id += 2
         answer = asyncio.get_running_loop().create_future()
         stream = _Stream(stream_id, answer, self.recv_window, self._peer_initial_window)
         self._streams[stream_id] = stream
-        out = _frame(HEADERS, END_HEADERS, stream_id, block)
+        out = wire.frame(wire.HEADERS, wire.END_HEADERS, stream_id, block)
         try:
             sent = 0
             while True:  # DATA within the server's windows and frame size
                 n = min(len(body) - sent, stream.send_window, self._send_window, self._peer_max_frame)
                 if n > 0:
                     last = sent + n == len(body)
-                    out += _frame(DATA, END_STREAM if last else 0, stream_id, body[sent:sent + n])
+                    out += wire.frame(wire.DATA, wire.END_STREAM if last else 0, stream_id, body[sent:sent + n])
                     stream.send_window -= n
                     self._send_window -= n
                     sent += n
@@ -292,7 +191,7 @@ class _Connection(asyncio.Protocol):
             return await answer
         except BaseException:
             if self._streams.pop(stream_id, None) is not None:
-                self._write(_frame(RST_STREAM, 0, stream_id, _U32.pack(CANCEL)))
+                self._write(wire.frame(wire.RST_STREAM, 0, stream_id, wire.U32.pack(wire.CANCEL)))
             raise
 
     async def _wait_change(self) -> None:
@@ -305,7 +204,7 @@ class _Connection(asyncio.Protocol):
 
     def close(self) -> None:
         if self.transport is not None:
-            self.transport.write(_frame(GOAWAY, 0, 0, struct.pack(">II", 0, 0)))
+            self.transport.write(wire.frame(wire.GOAWAY, 0, 0, struct.pack(">II", 0, 0)))
             self.transport.close()
         self._fail(H2CallError(f"connection to {self.target} closed"))
 
@@ -315,7 +214,7 @@ class _Connection(asyncio.Protocol):
         buffer = self._buffer
         offset = 0
         while len(buffer) - offset >= 9:
-            high, low, kind, flags, stream_id = _HEADER.unpack_from(buffer, offset)
+            high, low, kind, flags, stream_id = wire.FRAME_HEADER.unpack_from(buffer, offset)
             length = (high << 16) | low
             if length > self.max_frame_size:
                 raise H2CallError(f"{self.target} sent a {length}-byte frame, over our {self.max_frame_size}")
@@ -330,46 +229,46 @@ class _Connection(asyncio.Protocol):
         del buffer[:offset]
 
     def _frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
-        if self._continuation is not None and kind != CONTINUATION:
+        if self._continuation is not None and kind != wire.CONTINUATION:
             raise H2CallError(f"{self.target} sent frame type {kind} inside a header block")
-        if kind == DATA:
+        if kind == wire.DATA:
             self._on_data(flags, stream_id, payload)
-        elif kind == HEADERS:
-            if flags & PADDED:
+        elif kind == wire.HEADERS:
+            if flags & wire.PADDED:
                 payload = _unpad(payload)
-            if flags & PRIORITY_FLAG:
+            if flags & wire.PRIORITY_FLAG:
                 payload = payload[5:]
-            if flags & END_HEADERS:
+            if flags & wire.END_HEADERS:
                 self._header_block(stream_id, flags, payload)
             else:
                 self._continuation = (stream_id, flags, bytearray(payload))
-        elif kind == CONTINUATION:
+        elif kind == wire.CONTINUATION:
             pending = self._continuation
             if pending is None or pending[0] != stream_id:
                 raise H2CallError(f"{self.target} sent an unexpected CONTINUATION")
             pending[2].extend(payload)
-            if flags & END_HEADERS:
+            if flags & wire.END_HEADERS:
                 self._continuation = None
                 self._header_block(stream_id, pending[1], bytes(pending[2]))
-        elif kind == SETTINGS:
-            if not flags & ACK:
+        elif kind == wire.SETTINGS:
+            if not flags & wire.ACK:
                 self._on_settings(payload)
-        elif kind == WINDOW_UPDATE:
+        elif kind == wire.WINDOW_UPDATE:
             self._on_window_update(stream_id, payload)
-        elif kind == PING:
+        elif kind == wire.PING:
             if len(payload) != 8 or stream_id:
                 raise H2CallError(f"{self.target} sent a malformed PING")
-            if not flags & ACK:
-                self._write(_frame(PING, ACK, 0, payload))
-        elif kind == RST_STREAM:
+            if not flags & wire.ACK:
+                self._write(wire.frame(wire.PING, wire.ACK, 0, payload))
+        elif kind == wire.RST_STREAM:
             if len(payload) != 4 or not stream_id:
                 raise H2CallError(f"{self.target} sent a malformed RST_STREAM")
             stream = self._streams.pop(stream_id, None)
             if stream is not None and not stream.answer.done():
-                code = _U32.unpack(payload)[0]
+                code = wire.U32.unpack(payload)[0]
                 stream.answer.set_exception(H2CallError(f"{self.target} reset stream {stream_id} (code {code})"))
             self.changed.set()
-        elif kind == GOAWAY:
+        elif kind == wire.GOAWAY:
             if len(payload) < 8 or stream_id:
                 raise H2CallError(f"{self.target} sent a malformed GOAWAY")
             last_id, code = struct.unpack_from(">II", payload)
@@ -381,7 +280,7 @@ class _Connection(asyncio.Protocol):
                 if not stream.answer.done():
                     stream.answer.set_exception(error)
             self.changed.set()
-        elif kind == PUSH_PROMISE:
+        elif kind == wire.PUSH_PROMISE:
             raise H2CallError(f"{self.target} sent PUSH_PROMISE though we disabled push")
         # PRIORITY and unknown frame types are ignored.
 
@@ -390,7 +289,7 @@ class _Connection(asyncio.Protocol):
         # The connection window counts every DATA byte, on any stream, open or not.
         self._recv_unacked += n
         if self._recv_unacked >= self.recv_window // 2:
-            self._write(_frame(WINDOW_UPDATE, 0, 0, _U32.pack(self._recv_unacked)))
+            self._write(wire.frame(wire.WINDOW_UPDATE, 0, 0, wire.U32.pack(self._recv_unacked)))
             self._recv_unacked = 0
         stream = self._streams.get(stream_id)
         if stream is None:
@@ -398,13 +297,14 @@ class _Connection(asyncio.Protocol):
         stream.recv_window -= n
         if stream.recv_window < 0:
             raise H2CallError(f"{self.target} overran stream {stream_id}'s receive window")
-        if flags & PADDED:
+        if flags & wire.PADDED:
             payload = _unpad(payload)
         stream.body += payload
-        if flags & END_STREAM:
+        if flags & wire.END_STREAM:
             self._end_stream(stream, None)
         elif stream.recv_window < self.recv_window // 2:
-            self._write(_frame(WINDOW_UPDATE, 0, stream_id, _U32.pack(self.recv_window - stream.recv_window)))
+            increment = self.recv_window - stream.recv_window
+            self._write(wire.frame(wire.WINDOW_UPDATE, 0, stream_id, wire.U32.pack(increment)))
             stream.recv_window = self.recv_window
 
     def _header_block(self, stream_id: int, flags: int, block: bytes) -> None:
@@ -417,11 +317,11 @@ class _Connection(asyncio.Protocol):
             status = dict(headers).get(b":status")
             if status != b"200":
                 self._end_stream(stream, H2CallError(f"{self.target} answered HTTP status {status!r}"))
-            elif flags & END_STREAM:  # trailers-only
+            elif flags & wire.END_STREAM:  # trailers-only
                 self._end_stream(stream, headers)
             return
-        if not flags & END_STREAM:
-            raise H2CallError(f"{self.target} sent a second header block without END_STREAM")
+        if not flags & wire.END_STREAM:
+            raise H2CallError(f"{self.target} sent a second header block without wire.END_STREAM")
         self._end_stream(stream, headers)
 
     def _end_stream(self, stream: _Stream, trailers: list[tuple[bytes, bytes]] | H2CallError | None) -> None:
@@ -448,7 +348,7 @@ class _Connection(asyncio.Protocol):
         if len(body) < 5:
             stream.answer.set_exception(H2CallError(f"{where}: no response message"))
             return
-        compressed, length = _GRPC_PREFIX.unpack_from(body, 0)
+        compressed, length = wire.GRPC_PREFIX.unpack_from(body, 0)
         if compressed or len(body) != 5 + length:
             stream.answer.set_exception(H2CallError(
                 f"{where}: expected one uncompressed message of {length} bytes, "
@@ -458,21 +358,21 @@ class _Connection(asyncio.Protocol):
 
     def _on_settings(self, payload: bytes) -> None:
         if len(payload) % 6:
-            raise H2CallError(f"{self.target} sent a malformed SETTINGS frame")
+            raise H2CallError(f"{self.target} sent a malformed SETTINGS wire.frame")
         for offset in range(0, len(payload), 6):
             key, value = struct.unpack_from(">HI", payload, offset)
-            if key == SETTINGS_INITIAL_WINDOW_SIZE:
-                if value > MAX_WINDOW:
+            if key == wire.SETTINGS_INITIAL_WINDOW_SIZE:
+                if value > wire.MAX_WINDOW:
                     raise H2CallError(f"{self.target} set an initial window over 2^31-1")
                 delta = value - self._peer_initial_window
                 self._peer_initial_window = value
                 for stream in self._streams.values():
                     stream.send_window += delta
-            elif key == SETTINGS_MAX_FRAME_SIZE:
+            elif key == wire.SETTINGS_MAX_FRAME_SIZE:
                 self._peer_max_frame = value
-            elif key == SETTINGS_MAX_CONCURRENT_STREAMS:
+            elif key == wire.SETTINGS_MAX_CONCURRENT_STREAMS:
                 self._peer_max_streams = value
-        self._write(_frame(SETTINGS, ACK, 0))
+        self._write(wire.frame(wire.SETTINGS, wire.ACK, 0))
         if not self.ready.done():
             self.ready.set_result(None)
         self.changed.set()
@@ -480,7 +380,7 @@ class _Connection(asyncio.Protocol):
     def _on_window_update(self, stream_id: int, payload: bytes) -> None:
         if len(payload) != 4:
             raise H2CallError(f"{self.target} sent a malformed WINDOW_UPDATE")
-        increment = _U32.unpack(payload)[0] & 0x7FFFFFFF
+        increment = wire.U32.unpack(payload)[0] & 0x7FFFFFFF
         if stream_id == 0:
             self._send_window += increment
         else:
@@ -492,7 +392,7 @@ class _Connection(asyncio.Protocol):
 
     def _connection_error(self, error: H2CallError) -> None:
         if self.transport is not None:
-            self._write(_frame(GOAWAY, 0, 0, struct.pack(">II", 0, 1) + str(error).encode()[:200]))
+            self._write(wire.frame(wire.GOAWAY, 0, 0, struct.pack(">II", 0, 1) + str(error).encode()[:200]))
             out, self._out = self._out, None
             if out:
                 self.transport.write(b"".join(out))
@@ -523,18 +423,18 @@ class H2Channel:
 
     ``recv_window`` is the receive window advertised for the connection and
     for each stream (the HTTP/2 default, 65535, makes a large answer take
-    several WINDOW_UPDATE round trips). A connection that fails before the
-    server's SETTINGS arrive is retried with backoff for ``connect_timeout``
+    several wire.WINDOW_UPDATE round trips). A connection that fails before the
+    server's wire.SETTINGS arrive is retried with backoff for ``connect_timeout``
     seconds (bounded also by each waiting call's own timeout); a connection
     lost later fails its calls, and the next call opens a new one.
     """
 
     def __init__(self, host: str, port: int, *, recv_window: int = 4 * 1024 * 1024,
-                 max_frame_size: int = DEFAULT_MAX_FRAME, connect_timeout: float = 60.0) -> None:
-        if not DEFAULT_WINDOW <= recv_window <= MAX_WINDOW:
-            raise ValueError(f"recv_window must be in [{DEFAULT_WINDOW}, {MAX_WINDOW}], got {recv_window}")
-        if not DEFAULT_MAX_FRAME <= max_frame_size <= 2**24 - 1:
-            raise ValueError(f"max_frame_size must be in [{DEFAULT_MAX_FRAME}, {2**24 - 1}], got {max_frame_size}")
+                 max_frame_size: int = wire.DEFAULT_MAX_FRAME, connect_timeout: float = 60.0) -> None:
+        if not wire.DEFAULT_WINDOW <= recv_window <= wire.MAX_WINDOW:
+            raise ValueError(f"recv_window must be in [{wire.DEFAULT_WINDOW}, {wire.MAX_WINDOW}], got {recv_window}")
+        if not wire.DEFAULT_MAX_FRAME <= max_frame_size <= 2**24 - 1:
+            raise ValueError(f"max_frame_size must be in [{wire.DEFAULT_MAX_FRAME}, {2**24 - 1}], got {max_frame_size}")
         if connect_timeout <= 0:
             raise ValueError(f"connect_timeout must be positive, got {connect_timeout}")
         self.host, self.port = host, port
@@ -555,10 +455,10 @@ class H2Channel:
         if block is None:
             block = self._request_blocks[(path, timeout)] = (
                 b"\x83\x86"  # :method POST, :scheme http (static table 3 and 6)
-                + _literal(b":path", path.encode()) + _literal(b":authority", self._authority)
-                + _literal(b"content-type", b"application/grpc") + _literal(b"te", b"trailers")
-                + _literal(b"grpc-timeout", _grpc_timeout(timeout)))
-        body = _GRPC_PREFIX.pack(0, len(request)) + request
+                + wire.literal(b":path", path.encode()) + wire.literal(b":authority", self._authority)
+                + wire.literal(b"content-type", b"application/grpc") + wire.literal(b"te", b"trailers")
+                + wire.literal(b"grpc-timeout", wire.grpc_timeout(timeout)))
+        body = wire.GRPC_PREFIX.pack(0, len(request)) + request
         try:
             async with asyncio.timeout(timeout):
                 connection = await self._ready_connection()

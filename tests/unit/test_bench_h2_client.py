@@ -1,14 +1,14 @@
-"""Pure parts of the benchmark's lean h2c client (benchmarks/_h2_client.py)."""
+"""Wire details of the benchmark's lean h2c client (benchmarks/_h2_wire.py)."""
 
 import hpack
 import pytest
 
-from benchmarks._h2_client import _grpc_timeout, _HeaderDecoder
+from benchmarks._h2_wire import HeaderDecoder, grpc_timeout
 
 
 def test_cached_header_blocks_follow_the_dynamic_table():
     """The same bytes (an indexed field) mean another header once the table changed."""
-    decoder = _HeaderDecoder()
+    decoder = HeaderDecoder()
     index_62 = b"\xbe"  # the newest dynamic-table entry
     assert decoder.decode(b"\x40\x01a\x011") == [(b"a", b"1")]  # literal, incremental indexing
     assert decoder.decode(index_62) == [(b"a", b"1")]
@@ -25,7 +25,7 @@ def test_cached_header_blocks_follow_the_dynamic_table():
 
 
 def test_header_blocks_from_a_real_encoder_decode_as_hpack_does():
-    encoder, decoder, reference = hpack.Encoder(), _HeaderDecoder(), hpack.Decoder()
+    encoder, decoder, reference = hpack.Encoder(), HeaderDecoder(), hpack.Decoder()
     for i in range(300):
         headers = [(b":status", b"200"), (b"content-type", b"application/grpc"), (b"date", b"t%d" % (i // 50))]
         block = encoder.encode(headers, huffman=True)
@@ -33,8 +33,8 @@ def test_header_blocks_from_a_real_encoder_decode_as_hpack_does():
 
 
 def test_grpc_timeout_uses_at_most_eight_digits():
-    assert _grpc_timeout(0.0001) == b"1m"
-    assert _grpc_timeout(5.0) == b"5000m"
-    assert _grpc_timeout(120.0) == b"120000m"
-    assert _grpc_timeout(10**6) == b"1000000S"
-    assert _grpc_timeout(10**9) == b"16666667M"
+    assert grpc_timeout(0.0001) == b"1m"
+    assert grpc_timeout(5.0) == b"5000m"
+    assert grpc_timeout(120.0) == b"120000m"
+    assert grpc_timeout(10**6) == b"1000000S"
+    assert grpc_timeout(10**9) == b"16666667M"
