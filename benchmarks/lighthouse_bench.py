@@ -1,8 +1,11 @@
 """Lighthouse scaling benchmark: N simulated replica groups in lockstep.
 
-Each simulated group has its own gRPC channel, heartbeats every second and
+Each simulated group has its own connection, heartbeats every second and
 calls Quorum once per round (step) with every other group; a round ends when
-all N have their quorum. The lighthouse runs in its own process: ours
+all N have their quorum. The groups run in this process on the lean h2c client
+(benchmarks/_h2_client.py) or, with ``--client grpcio``, on grpc.aio, which
+spends about twice the client CPU: on 2 cores that made the round time at
+N=300 measure the load generator more than the server. The lighthouse runs in its own process: ours
 (``python -m lighthouse``) and, when ``torchft`` is installed, torchft's Rust
 ``torchft_lighthouse`` in the same run as the reference.
 
@@ -40,6 +43,7 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 import grpc  # noqa: E402
 
 from benchmarks import torchft_ref  # noqa: E402
+from benchmarks._h2_client import H2CallError, H2Channel  # noqa: E402
 from lighthouse.protocol import torchft_pb2 as pb  # noqa: E402
 
 LISTEN_RE = re.compile(r"Lighthouse listening on: \S+?:(\d+)\s*$")
@@ -115,11 +119,24 @@ def start_server(impl: str, n: int, startup_timeout: float = 60.0) -> tuple[subp
     raise RuntimeError(f"{impl} lighthouse did not start within {startup_timeout}s:\n{''.join(proc.output_tail)}")
 
 
-class Group:
-    """One simulated replica group: its own channel, heartbeat loop and quorum calls."""
+QUORUM_PATH = "/torchft.LighthouseService/Quorum"
+HEARTBEAT_PATH = "/torchft.LighthouseService/Heartbeat"
 
-    def __init__(self, target: str, replica_id: str) -> None:
+
+def quorum_request(replica_id: str, step: int) -> pb.LighthouseQuorumRequest:
+    member = pb.QuorumMember(
+        replica_id=replica_id, address=f"http://host-{replica_id}:29512",
+        store_address=f"host-{replica_id}:29500", step=step, world_size=8,
+    )
+    return pb.LighthouseQuorumRequest(requester=member)
+
+
+class Group:
+    """One simulated replica group on grpc.aio: its own channel, heartbeat loop and quorum calls."""
+
+    def __init__(self, host: str, port: int, replica_id: str) -> None:
         self.replica_id = replica_id
+        target = f"{host}:{port}"
         # A local subchannel pool gives every group its own TCP connection, as
         # separate processes would have; otherwise grpc shares one connection
         # between all channels to the same target.
@@ -149,23 +166,63 @@ class Group:
             await asyncio.sleep(interval)
 
     async def quorum(self, step: int, timeout: float) -> bytes:
-        member = pb.QuorumMember(
-            replica_id=self.replica_id, address=f"http://host-{self.replica_id}:29512",
-            store_address=f"host-{self.replica_id}:29500", step=step, world_size=8,
-        )
-        return await self.quorum_call(pb.LighthouseQuorumRequest(requester=member), timeout=timeout,
-                                      wait_for_ready=True)
+        return await self.quorum_call(quorum_request(self.replica_id, step), timeout=timeout, wait_for_ready=True)
+
+    async def close(self) -> None:
+        await self.channel.close()
 
 
-async def run_rounds(port: int, n: int, rounds: int, round_timeout: float) -> list[float]:
-    groups = [Group(f"127.0.0.1:{port}", f"replica-{i:05d}") for i in range(n)]
+class LeanGroup:
+    """The same simulated replica group on benchmarks/_h2_client.py (about half grpc.aio's client CPU)."""
+
+    def __init__(self, host: str, port: int, replica_id: str) -> None:
+        self.replica_id = replica_id
+        self.channel = H2Channel(host, port)
+        self.heartbeat_errors = 0
+
+    async def heartbeat_forever(self, interval: float) -> None:
+        await asyncio.sleep(random.random() * interval)
+        request = pb.LighthouseHeartbeatRequest(replica_id=self.replica_id).SerializeToString()
+        while True:
+            try:
+                await self.channel.unary(HEARTBEAT_PATH, request, timeout=5.0)
+            except H2CallError:
+                self.heartbeat_errors += 1
+            await asyncio.sleep(interval)
+
+    async def quorum(self, step: int, timeout: float) -> bytes:
+        return await self.channel.unary(QUORUM_PATH, quorum_request(self.replica_id, step).SerializeToString(),
+                                        timeout=timeout)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+CLIENTS = {"lean": LeanGroup, "grpcio": Group}
+
+
+async def run_rounds(port: int, n: int, rounds: int, round_timeout: float, client: str) -> list[float]:
+    groups = [CLIENTS[client]("127.0.0.1", port, f"replica-{i:05d}") for i in range(n)]
     heartbeats = [asyncio.create_task(g.heartbeat_forever(1.0)) for g in groups]
     times = []
     try:
         for step in range(rounds + 1):  # round 0 forms the first quorum (connections, joins)
             start = time.perf_counter()
-            responses = await asyncio.gather(*(g.quorum(step, round_timeout) for g in groups))
+            # Each call is bounded by round_timeout; the first failure ends the round
+            # (a lost connection would otherwise wait out everyone's timeout).
+            calls = [asyncio.ensure_future(g.quorum(step, round_timeout)) for g in groups]
+            _, pending = await asyncio.wait(calls, return_when=asyncio.FIRST_EXCEPTION)
             times.append(time.perf_counter() - start)
+            if pending:
+                for call in pending:
+                    call.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
+                failed = [(g.replica_id, c.exception()) for g, c in zip(groups, calls)
+                          if not c.cancelled() and c.exception() is not None]
+                shown = "; ".join(f"{rid}: {type(exc).__name__}: {exc}" for rid, exc in failed[:3])
+                raise RuntimeError(f"round {step}: {len(failed)} of {n} quorum calls failed, {len(pending)} "
+                                   f"still waiting ({shown})") from failed[0][1]
+            responses = [c.result() for c in calls]
             quorum = pb.LighthouseQuorumResponse.FromString(responses[step % n]).quorum
             members = {m.replica_id for m in quorum.participants}
             if members != {g.replica_id for g in groups} or any(m.step != step for m in quorum.participants):
@@ -178,7 +235,7 @@ async def run_rounds(port: int, n: int, rounds: int, round_timeout: float) -> li
         for task in heartbeats:
             task.cancel()
         await asyncio.gather(*heartbeats, return_exceptions=True)
-        await asyncio.wait_for(asyncio.gather(*(g.channel.close() for g in groups)), round_timeout)
+        await asyncio.wait_for(asyncio.gather(*(g.close() for g in groups)), round_timeout)
     return times
 
 
@@ -188,7 +245,7 @@ def process_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def bench(impl: str, n: int, rounds: int, round_timeout: float) -> Result:
+def bench(impl: str, n: int, rounds: int, round_timeout: float, client: str) -> Result:
     proc, port = start_server(impl, n)
     server_cpu0 = process_cpu_seconds(proc.pid)
     client_cpu0 = time.process_time()
@@ -201,7 +258,7 @@ def bench(impl: str, n: int, rounds: int, round_timeout: float) -> Result:
             loop_factory = None
         try:
             with asyncio.Runner(loop_factory=loop_factory) as runner:  # also makes it the current loop
-                times = runner.run(run_rounds(port, n, rounds, round_timeout))
+                times = runner.run(run_rounds(port, n, rounds, round_timeout, client))
         except BaseException:
             print(f"{impl} lighthouse (exit code {proc.poll()}) last output:\n{''.join(proc.output_tail)}",
                   file=sys.stderr)
@@ -233,6 +290,11 @@ def main() -> int:
         "torchft-nolog (its Rust server in-process, no logger). torchft ones are skipped when not installed",
     )
     parser.add_argument("--round-timeout", type=float, default=120.0, help="seconds a round may take")
+    parser.add_argument(
+        "--client", choices=sorted(CLIENTS), default="lean",
+        help="load generator: lean (benchmarks/_h2_client.py, raw h2c, about half the client CPU) or grpcio "
+        "(grpc.aio); the same client drives every server in a run (default: lean)",
+    )
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",") if s]
     impls = [i for i in args.impls.split(",") if i]
@@ -247,7 +309,7 @@ def main() -> int:
     results: list[Result] = []
     for n in sizes:
         for impl in impls:
-            result = bench(impl, n, args.rounds, args.round_timeout)
+            result = bench(impl, n, args.rounds, args.round_timeout, args.client)
             results.append(result)
             print(f"  {impl:13s} N={n:5d}: p50 {result.p50_s * 1000:8.1f} ms  first {result.first_round_s:.2f} s  "
                   f"CPU/round: server {result.server_cpu_ms_per_round:.0f} ms, "
@@ -275,7 +337,7 @@ def main() -> int:
         targets["n1000_p50_le_500ms"] = by_key[("ours", 1000)].p50_s <= 0.5
     if "speedup_vs_torchft_n300" in summary:
         targets["n300_ge_2x_torchft"] = summary["speedup_vs_torchft_n300"] >= 2.0
-    print(json.dumps({"benchmark": "lighthouse", "cpus": os.cpu_count(), "results": [asdict(r) for r in results],
+    print(json.dumps({"benchmark": "lighthouse", "cpus": os.cpu_count(), "client": args.client, "results": [asdict(r) for r in results],
                       **summary, "targets_met": targets}))
     return 0
 

@@ -227,7 +227,16 @@ class H2Connection(asyncio.Protocol):
             self._request_complete(stream)
             return
         if stream_id <= self._last_stream_id:
-            return  # a stream we already closed or refused; ignore
+            if any(name == b":method" for name, _ in headers):
+                # A new request on an id below one the peer already opened: that
+                # id was implicitly closed (RFC 9113 5.1.1) and can never be
+                # answered. Ignoring it left the caller waiting forever on an idle
+                # connection (a load generator that took a stream id before an
+                # await and wrote HEADERS after a later stream's stalled a whole
+                # benchmark round); torchft's server (h2) answers GOAWAY too.
+                raise ProtocolError(f"stream {stream_id} opened after stream {self._last_stream_id}: "
+                                    "stream ids must increase")
+            return  # trailers for a stream we already closed or refused; ignore
         self._last_stream_id = stream_id
         if self._going_away or len(self._streams) >= self.server.max_concurrent_streams:
             self._write(wire.rst_stream(stream_id, wire.REFUSED_STREAM))

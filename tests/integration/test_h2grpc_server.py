@@ -180,6 +180,56 @@ def test_protocol_errors_get_goaway_and_the_server_survives(frames, code):
     asyncio.run(scenario())
 
 
+def request_frames(stream_id: int, message: bytes, path: bytes = b"/t.S/Echo") -> bytes:
+    block = wire.encode_headers([(b":method", b"POST"), (b":scheme", b"http"), (b":path", path),
+                                 (b"content-type", b"application/grpc"), (b"te", b"trailers")])
+    return (wire.frame(wire.HEADERS, wire.END_HEADERS, stream_id, block)
+            + wire.frame(wire.DATA, wire.END_STREAM, stream_id, wire.grpc_message(message)))
+
+
+def test_a_request_on_a_lower_stream_id_than_one_already_opened_gets_goaway():
+    """Stream 3 after stream 5 can never be answered (5 implicitly closed it).
+
+    The server used to ignore it silently: the caller then waited forever on an
+    idle, established connection, which is how a benchmark round at N=300
+    stalled with both processes idle and every socket queue empty.
+    """
+    async def scenario():
+        async with serve() as (server, probe, port):
+            received = await raw_exchange(
+                port, wire.PREFACE + wire.settings_frame({}) + request_frames(5, b"five") + request_frames(3, b"three"))
+            assert goaway_code(received) == wire.PROTOCOL_ERROR
+            assert b"stream 3 opened after stream 5" in received
+            assert server.protocol_errors == 1
+
+    asyncio.run(scenario())
+
+
+def test_trailers_for_a_stream_the_server_closed_are_ignored():
+    """Only a new request on a used id is an error: late trailers of a finished stream are not."""
+    async def scenario():
+        async with serve() as (server, probe, port):
+            trailers = wire.frame(wire.HEADERS, wire.END_HEADERS | wire.END_STREAM, 1,
+                                  wire.encode_headers([(b"x-late", b"1")]))
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(wire.PREFACE + wire.settings_frame({}) + request_frames(1, b"one"))
+            received = b""
+            while b"grpc-status" not in received:
+                chunk = await asyncio.wait_for(reader.read(65536), timeout=WAIT)
+                assert chunk, "connection closed before stream 1 was answered"
+                received += chunk
+            writer.write(trailers + request_frames(3, b"three"))
+            while received.count(b"grpc-status") < 2:
+                chunk = await asyncio.wait_for(reader.read(65536), timeout=WAIT)
+                assert chunk, "connection closed before stream 3 was answered"
+                received += chunk
+            writer.close()
+            assert goaway_code(received) is None
+            assert server.protocol_errors == 0
+
+    asyncio.run(scenario())
+
+
 def test_non_http2_clients_are_disconnected():
     async def scenario():
         async with serve() as (server, probe, port):
