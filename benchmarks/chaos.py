@@ -8,6 +8,8 @@ the baseline speed, injects faults until ``--faults`` have been injected:
   kill-rank   SIGKILL one rank of a group (the supervisor then replaces the group, as torchrun would)
   term        SIGTERM a group: it leaves gracefully (exit 143) and is restarted
   hang        SIGSTOP a group for a few seconds, then SIGCONT
+  partition   cut a group off the network for a few seconds (each group runs in its own
+              network namespace behind a veth pair; the host side is set down, then up)
   lighthouse  SIGKILL the lighthouse and restart it on the same port
 
 The lighthouse runs with min_replicas = a majority of the groups (as a
@@ -32,8 +34,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -46,7 +51,7 @@ sys.path.insert(0, str(REPO))
 from torchft_lite.local_cluster import LighthouseProcess, ReplicaGroup  # noqa: E402
 
 SCRIPT = REPO / "examples" / "train_ddp.py"
-KINDS = ("kill", "kill-rank", "term", "hang", "lighthouse")
+KINDS = ("kill", "kill-rank", "term", "hang", "partition", "lighthouse")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -68,6 +73,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"unknown fault kinds {sorted(unknown)}; choose from {', '.join(KINDS)}")
     if "kill-rank" in kinds and args.ranks < 2:
         kinds.remove("kill-rank")  # needs a group with more than one rank
+    if "partition" in kinds:
+        why = Network.unavailable()
+        if why:
+            print(f"partition faults skipped: {why}", flush=True)
+            kinds.remove("partition")
     args.kinds = kinds
     return args
 
@@ -84,6 +94,74 @@ def read_reports(path: Path) -> list[dict]:
     return rows
 
 
+class Network:
+    """One network namespace per replica group, joined to the host by a veth pair.
+
+    Group i lives at 10.<net>.<i>.2 and reaches the host (the lighthouse, the
+    stores, the other groups through forwarding) at 10.<net>.<i>.1. A partition
+    sets the host end down: packets vanish (no reset), as in a real partition.
+    """
+
+    def __init__(self, groups: int) -> None:
+        self.tag = f"{os.getpid() % 10000}"
+        self.net = 200 + os.getpid() % 50
+        self.groups = groups
+        self.forwarding = Path("/proc/sys/net/ipv4/ip_forward").read_text().strip()
+
+    @staticmethod
+    def unavailable() -> str | None:
+        if os.geteuid() != 0:
+            return "needs root for network namespaces"
+        if shutil.which("ip") is None:
+            return "the `ip` command (iproute2) is missing"
+        probe = subprocess.run(["ip", "netns", "add", f"tftlprobe{os.getpid()}"], capture_output=True, text=True)
+        if probe.returncode != 0:
+            return f"network namespaces unavailable: {probe.stderr.strip()}"
+        subprocess.run(["ip", "netns", "del", f"tftlprobe{os.getpid()}"], capture_output=True)
+        return None
+
+    def ns(self, g: int) -> str:
+        return f"tftl{self.tag}g{g}"
+
+    def host_if(self, g: int) -> str:
+        return f"th{self.tag}g{g}"
+
+    def host_ip(self, g: int) -> str:
+        return f"10.{self.net}.{g}.1"
+
+    def group_ip(self, g: int) -> str:
+        return f"10.{self.net}.{g}.2"
+
+    def setup(self) -> None:
+        Path("/proc/sys/net/ipv4/ip_forward").write_text("1")
+        for g in range(self.groups):
+            ns, host_if, ns_if = self.ns(g), self.host_if(g), f"tn{self.tag}g{g}"
+            for command in (
+                f"ip netns add {ns}",
+                f"ip link add {host_if} type veth peer name {ns_if}",
+                f"ip link set {ns_if} netns {ns}",
+                f"ip addr add {self.host_ip(g)}/24 dev {host_if}",
+                f"ip link set {host_if} up",
+                f"ip netns exec {ns} ip addr add {self.group_ip(g)}/24 dev {ns_if}",
+                f"ip netns exec {ns} ip link set {ns_if} up",
+                f"ip netns exec {ns} ip link set lo up",
+                f"ip netns exec {ns} ip route add default via {self.host_ip(g)}",
+            ):
+                subprocess.run(command.split(), check=True, capture_output=True)
+
+    def env(self, g: int) -> dict[str, str]:
+        return {"GLOO_SOCKET_IFNAME": f"tn{self.tag}g{g}"}  # gloo must not pick the namespace's loopback
+
+    def cut(self, g: int, connected: bool) -> None:
+        subprocess.run(["ip", "link", "set", self.host_if(g), "up" if connected else "down"], check=True)
+
+    def teardown(self) -> None:
+        for g in range(self.groups):
+            subprocess.run(["ip", "netns", "del", self.ns(g)], capture_output=True)
+            subprocess.run(["ip", "link", "del", self.host_if(g)], capture_output=True)
+        Path("/proc/sys/net/ipv4/ip_forward").write_text(self.forwarding)
+
+
 class Chaos:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -93,8 +171,11 @@ class Chaos:
         self.report = self.workdir / "report.jsonl"
         # A majority, as production jobs should run: with fewer, a lone fresh group could
         # train on its own while the groups holding the latest state are hung (a fork).
+        self.network = Network(args.groups) if "partition" in args.kinds else None
         self.lighthouse = LighthouseProcess(min_replicas=args.groups // 2 + 1, join_timeout=1.0,
-                                            heartbeat_timeout=2.0, log_path=self.workdir / "lighthouse.log")
+                                            heartbeat_timeout=2.0, log_path=self.workdir / "lighthouse.log",
+                                            host="0.0.0.0" if self.network else "127.0.0.1")
+        self.partitioned: dict[int, float] = {}  # group -> when to reconnect it
         self.groups: list[ReplicaGroup] = []
         self.down: dict[int, float] = {}  # group -> when to restart it
         self.hung: dict[int, float] = {}  # group -> when to SIGCONT it
@@ -108,12 +189,22 @@ class Chaos:
         print(line, flush=True)
 
     def start(self) -> None:
+        if self.network:
+            self.network.setup()
         self.lighthouse.start()
         train = ["--steps", "100000000", "--step-sleep", "0.02", "--report", str(self.report), "--timeout", "10"]
-        env = {"TORCHFT_QUORUM_RETRIES": "3"}
         for g in range(self.args.groups):
-            group = ReplicaGroup(g, self.args.groups, self.lighthouse.address, SCRIPT, train,
-                                 world_size=self.args.ranks, log_dir=self.workdir, env=env)
+            env = {"TORCHFT_QUORUM_RETRIES": "3"}
+            where: dict = {}
+            lighthouse = self.lighthouse.address
+            if self.network:
+                env.update(self.network.env(g))
+                port = lighthouse.rsplit(":", 1)[1]
+                lighthouse = f"http://{self.network.host_ip(g)}:{port}"
+                where = dict(store_host=self.network.host_ip(g), advertise=self.network.group_ip(g),
+                             prefix=["ip", "netns", "exec", self.network.ns(g)])
+            group = ReplicaGroup(g, self.args.groups, lighthouse, SCRIPT, train,
+                                 world_size=self.args.ranks, log_dir=self.workdir, env=env, **where)
             self.groups.append(group.start())
 
     def stop(self) -> None:
@@ -122,6 +213,8 @@ class Chaos:
         for group in self.groups:
             group.stop()
         self.lighthouse.stop()
+        if self.network:
+            self.network.teardown()
 
     def committed(self) -> int:
         return max((r["step"] for r in read_reports(self.report)), default=0)
@@ -133,6 +226,11 @@ class Chaos:
                 self.groups[g].kill(signal.SIGCONT)
                 del self.hung[g]
                 self.say(f"group {g}: SIGCONT")
+        for g, when in list(self.partitioned.items()):
+            if now >= when:
+                self.network.cut(g, connected=True)
+                del self.partitioned[g]
+                self.say(f"group {g}: reconnected")
         for g, group in enumerate(self.groups):
             if g in self.down or g in self.hung:
                 if g in self.down and now >= self.down[g]:
@@ -150,12 +248,13 @@ class Chaos:
                 self.say(f"group {g}: ranks exited {codes}; replacing it")
 
     def inject(self, now: float) -> None:
-        live = [g for g in range(len(self.groups)) if g not in self.down and g not in self.hung]
+        live = [g for g in range(len(self.groups))
+                if g not in self.down and g not in self.hung and g not in self.partitioned]
         kind = self.rng.choice(self.args.kinds)
         if kind != "lighthouse" and len(live) < 2:
             return  # keep at least one group training, or there is nothing to verify
-        self.faults[kind] += 1
         if kind == "lighthouse":
+            self.faults[kind] += 1
             self.lighthouse.kill()
             time.sleep(self.rng.uniform(0.2, 1.5))
             self.lighthouse.start()
@@ -163,6 +262,11 @@ class Chaos:
             return
         g = self.rng.choice(live)
         group = self.groups[g]
+        if kind in ("kill", "kill-rank", "term") and not self.another_holder(g, live):
+            # Destroying the only live process that holds the latest committed state loses
+            # it for good (the lighthouse then rightly refuses to go on from older state).
+            return
+        self.faults[kind] += 1
         if kind == "kill":
             group.kill(signal.SIGKILL)
             self.down[g] = now + self.rng.uniform(0.5, 3.0)
@@ -174,6 +278,9 @@ class Chaos:
         elif kind == "hang":
             group.kill(signal.SIGSTOP)
             self.hung[g] = now + self.rng.uniform(1.0, 5.0)
+        elif kind == "partition":
+            self.network.cut(g, connected=False)
+            self.partitioned[g] = now + self.rng.uniform(1.0, 5.0)
         self.say(f"fault {sum(self.faults.values())}: {kind} group {g}")
 
     def run(self) -> dict:
@@ -198,7 +305,7 @@ class Chaos:
             time.sleep(0.05)
         last_fault = time.monotonic()
         # Let everything come back, then demand progress from every group.
-        while self.down or self.hung:
+        while self.down or self.hung or self.partitioned:
             self.supervise(time.monotonic())
             time.sleep(0.05)
         marks = {g: self.last_step_of(g) for g in range(len(self.groups))}
@@ -214,6 +321,16 @@ class Chaos:
         return {"baseline_steps_per_s": baseline_rate, "chaos_steps_per_s": chaos_rate,
                 "efficiency": chaos_rate / baseline_rate if baseline_rate else 0.0,
                 "chaos_seconds": last_fault - chaos_start, "hangs": hangs}
+
+    def another_holder(self, g: int, live: list[int]) -> bool:
+        """Whether a live group other than ``g`` holds the latest committed step."""
+        rows = read_reports(self.report)
+        latest = max((r["step"] for r in rows), default=0)
+        for other in live:
+            pids = {p.pid for p in self.groups[other].procs}
+            if other != g and any(r["step"] == latest and r["pid"] in pids for r in rows):
+                return True
+        return False
 
     def last_step_of(self, group: int) -> int:
         return max((r["step"] for r in read_reports(self.report) if r["group"] == group), default=0)

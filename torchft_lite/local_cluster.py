@@ -74,8 +74,9 @@ class LighthouseProcess:
 
     def __init__(self, *, min_replicas: int = 1, join_timeout: float = 2.0, heartbeat_timeout: float = 5.0,
                  quorum_tick: float = 0.05, port: int = 0, http: bool = False, log_path: Path | None = None,
-                 start_timeout: float = 60.0, startup_grace: float | None = None) -> None:
-        self.args = ["--bind", f"127.0.0.1:{port}", "--min_replicas", str(min_replicas),
+                 start_timeout: float = 60.0, startup_grace: float | None = None, host: str = "127.0.0.1") -> None:
+        self.host = host
+        self.args = ["--bind", f"{host}:{port}", "--min_replicas", str(min_replicas),
                      "--join_timeout_ms", str(int(join_timeout * 1000)),
                      "--heartbeat_timeout_ms", str(int(heartbeat_timeout * 1000)),
                      "--quorum_tick_ms", str(max(1, int(quorum_tick * 1000))),
@@ -90,7 +91,7 @@ class LighthouseProcess:
 
     def start(self) -> "LighthouseProcess":
         if self.port and self.address:  # a restart binds the same port again
-            self.args[1] = f"127.0.0.1:{self.port}"
+            self.args[1] = f"{self.host}:{self.port}"
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         # stdout carries the "listening on" line; logs go to stderr.
@@ -126,7 +127,11 @@ class ReplicaGroup:
 
     def __init__(self, group_id: int, num_groups: int, lighthouse: str, script: str | Path,
                  script_args: Sequence[str] = (), *, world_size: int = 1, use_torchrun: bool = False,
-                 env: dict[str, str] | None = None, log_dir: Path | None = None) -> None:
+                 env: dict[str, str] | None = None, log_dir: Path | None = None,
+                 store_host: str = "127.0.0.1", advertise: str = "127.0.0.1", prefix: Sequence[str] = ()) -> None:
+        """``store_host``: where ranks reach this group's TCPStore; ``advertise``: the host
+        its ranks advertise to peers; ``prefix``: a command prefix for every rank (such as
+        ``ip netns exec NAME``, to run the group in a network namespace)."""
         self.group_id = group_id
         self.num_groups = num_groups
         self.lighthouse = lighthouse
@@ -136,6 +141,9 @@ class ReplicaGroup:
         self.use_torchrun = use_torchrun
         self.extra_env = env or {}
         self.log_dir = log_dir
+        self.store_host = store_host
+        self.advertise = advertise
+        self.prefix = list(prefix)
         self.procs: list[subprocess.Popen] = []
         self.incarnation = 0
         self._store = None
@@ -143,7 +151,7 @@ class ReplicaGroup:
     def _env(self) -> dict[str, str]:
         env = dict(os.environ)
         env.update(REPLICA_GROUP_ID=str(self.group_id), NUM_REPLICA_GROUPS=str(self.num_groups),
-                   TORCHFT_LIGHTHOUSE=self.lighthouse, TORCHFT_LITE_HOSTNAME="127.0.0.1",
+                   TORCHFT_LIGHTHOUSE=self.lighthouse, TORCHFT_LITE_HOSTNAME=self.advertise,
                    PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         env.update(self.extra_env)
         return env
@@ -169,12 +177,13 @@ class ReplicaGroup:
         # A fresh store per incarnation, as a restarted torchrun job would have.
         self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                timeout=timedelta(seconds=60))
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self._store.port), WORLD_SIZE=str(self.world_size))
+        env.update(MASTER_ADDR=self.store_host, MASTER_PORT=str(self._store.port), WORLD_SIZE=str(self.world_size))
         self.procs = []
         for rank in range(self.world_size):
             log = self._log(rank)
             self.procs.append(subprocess.Popen(
-                [sys.executable, self.script, *self.script_args], env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
+                [*self.prefix, sys.executable, self.script, *self.script_args],
+                env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             ))
         return self
