@@ -12,6 +12,8 @@ import struct
 import hpack
 from hpack.table import HeaderTable
 
+from lighthouse.h2grpc.wire import _hpack_int  # the server's encoder: one HPACK integer codec
+
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 FRAME_HEADER = struct.Struct(">BHBBI")  # 24-bit length as 8+16, type, flags, stream id
 U32 = struct.Struct(">I")
@@ -36,19 +38,6 @@ MAX_STREAM_ID = 2**31 - 1
 def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
     n = len(payload)
     return FRAME_HEADER.pack(n >> 16, n & 0xFFFF, kind, flags, stream_id) + payload
-
-
-def _hpack_int(value: int, prefix_bits: int, first: int = 0) -> bytes:
-    limit = (1 << prefix_bits) - 1
-    if value < limit:
-        return bytes([first | value])
-    out = bytearray([first | limit])
-    value -= limit
-    while value >= 128:
-        out.append((value & 0x7F) | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
 
 
 def literal(name: bytes, value: bytes) -> bytes:
