@@ -36,6 +36,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -363,6 +364,23 @@ def verify(rows: list[dict]) -> dict:
             "inconsistent_steps": inconsistent, "batch_accounting_errors": bad_batches[:20]}
 
 
+def heal_and_stall_figures(workdir: Path, rows: list[dict]) -> dict:
+    """Heals and their bytes (from the groups' logs) and stalls: gaps between committed steps over 1 s."""
+    heals, heal_mb = 0, 0.0
+    for log in workdir.glob("group*.log"):
+        for match in re.finditer(r"healed: ([\d.]+) MB", log.read_text(errors="replace")):
+            heals += 1
+            heal_mb += float(match.group(1))
+    first_commit: dict[int, float] = {}
+    for row in rows:
+        first_commit[row["step"]] = min(first_commit.get(row["step"], row["time"]), row["time"])
+    times = [first_commit[s] for s in sorted(first_commit)]
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    stalls = [g for g in gaps if g > 1.0]
+    return {"heals": heals, "heal_mb": round(heal_mb, 1), "stalls_over_1s": len(stalls),
+            "longest_stall_s": round(max(gaps, default=0.0), 2), "stalled_s": round(sum(stalls), 1)}
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     chaos = Chaos(args)
@@ -373,7 +391,7 @@ def main(argv=None) -> int:
         chaos.stop()
     rows = read_reports(chaos.report)
     checks = verify(rows)
-    heals = sum(log.read_text(errors="replace").count("healed:") for log in chaos.workdir.glob("group*.log"))
+    figures = heal_and_stall_figures(chaos.workdir, rows)
     ok = (not checks["divergent_steps"] and not checks["duplicated_steps"] and not checks["missing_steps"]
           and not checks["inconsistent_steps"] and not checks["batch_accounting_errors"] and not outcome["hangs"])
     print("\n================ chaos summary ================")
@@ -381,7 +399,9 @@ def main(argv=None) -> int:
     print(f"faults injected                {sum(chaos.faults.values())} "
           f"({', '.join(f'{k} {v}' for k, v in sorted(chaos.faults.items()))})")
     print(f"group restarts                 {chaos.restarts}")
-    print(f"heals                          {heals}")
+    print(f"heals (bytes)                  {figures['heals']} ({figures['heal_mb']:.0f} MB)")
+    print(f"stalls over 1 s                {figures['stalls_over_1s']} ({figures['stalled_s']:.0f} s in all, "
+          f"longest {figures['longest_stall_s']:.1f} s)")
     print(f"committed steps                {checks['committed_steps']}")
     print(f"divergent steps                {len(checks['divergent_steps'])}")
     print(f"duplicated / missing steps     {len(checks['duplicated_steps'])} / {len(checks['missing_steps'])}")
@@ -391,7 +411,7 @@ def main(argv=None) -> int:
           f"({outcome['chaos_steps_per_s']:.1f} vs {outcome['baseline_steps_per_s']:.1f} steps/s fault-free)")
     print(f"verdict                        {'PASS' if ok else 'FAIL'}")
     print("================================================")
-    print(json.dumps({"seed": args.seed, "faults": dict(chaos.faults), "restarts": chaos.restarts, "heals": heals,
+    print(json.dumps({"seed": args.seed, "faults": dict(chaos.faults), "restarts": chaos.restarts, **figures,
                       **checks, **outcome, "ok": ok}))
     return 0 if ok else 1
 
