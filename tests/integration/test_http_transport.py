@@ -9,6 +9,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import time
 import urllib.request
 from pathlib import Path
 from datetime import timedelta
@@ -18,6 +19,7 @@ import torch
 
 from torchft_lite.checkpointing import HTTPTransport
 from torchft_lite.checkpointing import _serialization as wire
+from torchft_lite.checkpointing import http_transport
 from torchft_lite.errors import CheckpointError, CheckpointTimeout, CheckpointTransferError
 from tests.conftest import WAIT, wait_until_sync
 
@@ -270,3 +272,147 @@ def test_a_receiver_in_another_process(make_transport):
         if child.poll() is None:
             child.kill()
             child.wait()
+
+
+# ---------------------------------------------------------------- snapshot safety, damaged streams, in place
+
+
+def big_state_dict(megabytes: int = 48) -> dict:
+    """More than the kernel's socket buffers hold, so disallow_checkpoint returns mid-stream for a slow reader."""
+    return {"w": torch.arange((megabytes << 20) // 4, dtype=torch.float32), "b": torch.ones(3), "step": 7}
+
+
+def test_mutating_right_after_disallow_leaves_what_was_served_intact(make_transport, threads, monkeypatch):
+    # Small kernel buffers on both ends: most of the stream waits in the server's own write queue,
+    # which holds views of the tensors, not copies.
+    monkeypatch.setattr(http_transport, "_SEND_BUFFER_BYTES", 64 << 10)
+    server = make_transport()
+    sent = big_state_dict()
+    expected = digest(5, sent)
+    server.send_checkpoint([1], 5, sent, LONG)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+    sock.connect(("127.0.0.1", server.port))
+    sock.sendall(b"GET /checkpoint/5?session=slow HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    received = bytearray()
+    released = threads.submit(server.disallow_checkpoint)
+    while not released.done():  # a slow reader: the server's queue and the kernel's buffers stay full
+        chunk = sock.recv(256 << 10)
+        assert chunk, "the server closed before disallow_checkpoint returned"
+        received += chunk
+        time.sleep(0.005)
+    released.result(WAIT)
+    with torch.no_grad():  # the optimizer step the Manager runs once disallow_checkpoint returns
+        sent["w"].mul_(-1).add_(1)
+        sent["b"].zero_()
+    sock.settimeout(WAIT)
+    while chunk := sock.recv(1 << 20):
+        received += chunk
+    sock.close()
+    body = bytes(received).split(b"\r\n\r\n", 1)[1]
+    step, state = wire.decode_bytes(body)  # checks every tensor's crc32 too
+    assert hashlib.sha256(wire.encode_to_bytes(step, state)).hexdigest() == expected
+
+
+@pytest.mark.parametrize("num_chunks", [0, 4])
+def test_a_receiver_gets_the_values_from_before_a_mutation_after_disallow(make_transport, threads, num_chunks):
+    server, client = make_transport(), make_transport(num_chunks=num_chunks)
+    sent = big_state_dict(16)
+    expected = digest(5, sent)
+    server.send_checkpoint([1], 5, sent, LONG)
+    receiving = threads.submit(client.recv_checkpoint, 0, server.metadata(), 5, LONG)
+    server.disallow_checkpoint()
+    with torch.no_grad():
+        sent["w"].fill_(-1.0)
+    assert digest(5, receiving.result(WAIT)) == expected
+
+
+class FakeServer:
+    """Answers every GET with ``head`` then ``body`` and closes: for streams our server never sends."""
+
+    def __init__(self, threads, head: bytes, body: bytes) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.stopped = False
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}/checkpoint"
+        self.task = threads.submit(self.serve, head, body)
+
+    def serve(self, head: bytes, body: bytes) -> None:
+        self.listener.settimeout(0.1)
+        try:
+            while not self.stopped:
+                try:
+                    conn, _ = self.listener.accept()
+                except TimeoutError:
+                    continue
+                with conn:
+                    conn.settimeout(WAIT)
+                    request = b""
+                    while b"\r\n\r\n" not in request:
+                        request += conn.recv(4096)
+                    if b"/done" in request:
+                        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+                    else:
+                        conn.sendall(head + body)
+        except OSError:
+            return  # closed by the test
+
+    def close(self) -> None:
+        self.stopped = True
+        self.task.result(WAIT)
+        self.listener.close()
+
+
+def ok_head(length: int) -> bytes:
+    return f"HTTP/1.1 200 OK\r\nContent-Length: {length}\r\nContent-Type: application/octet-stream\r\n\r\n".encode()
+
+
+@pytest.mark.parametrize("cut", [10, 200, -1000, -1])
+def test_a_truncated_stream_is_detected(make_transport, threads, cut):
+    blob = wire.encode_to_bytes(5, state_dict(big_elements=10_000))
+    fake = FakeServer(threads, ok_head(len(blob)), blob[:cut])  # declares all, sends less, closes
+    try:
+        with pytest.raises(CheckpointTransferError, match="truncated"):
+            make_transport().recv_checkpoint(0, fake.url, 5, LONG)
+    finally:
+        fake.close()
+
+
+@pytest.mark.parametrize("where", ["data", "header"])
+def test_a_corrupted_stream_is_detected(make_transport, threads, where):
+    blob = bytearray(wire.encode_to_bytes(5, state_dict(big_elements=10_000)))
+    blob[-100 if where == "data" else wire.PREFIX_SIZE + 5] ^= 0x40
+    fake = FakeServer(threads, ok_head(len(blob)), bytes(blob))
+    try:
+        with pytest.raises(CheckpointTransferError, match="checksum mismatch"):
+            make_transport().recv_checkpoint(0, fake.url, 5, LONG)
+    finally:
+        fake.close()
+
+
+def test_an_answer_without_content_length_is_refused(make_transport, threads):
+    fake = FakeServer(threads, b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n", b"0\r\n\r\n")
+    try:
+        with pytest.raises(CheckpointTransferError, match="Content-Length"):
+            make_transport().recv_checkpoint(0, fake.url, 5, LONG)
+    finally:
+        fake.close()
+
+
+@pytest.mark.parametrize("num_chunks", [0, 4])
+def test_receive_in_place_fills_the_local_tensors(make_transport, num_chunks):
+    server = make_transport()
+    sent = state_dict(big_elements=300_000)
+    local = state_dict(big_elements=300_000)
+    with torch.no_grad():
+        for tensor in (local["user"]["big"], local["user"]["model"]["weight"]):
+            tensor.zero_()
+    local["user"]["half"] = torch.zeros(2, 2, dtype=torch.bfloat16)  # another shape: not a target
+    big, weight = local["user"]["big"], local["user"]["model"]["weight"]
+    client = make_transport(num_chunks=num_chunks, state_dict=lambda: local)
+    server.send_checkpoint([1], 5, sent, LONG)
+    received = client.recv_checkpoint(0, server.metadata(), 5, LONG)
+    server.disallow_checkpoint()
+    assert received["user"]["big"] is big and received["user"]["model"]["weight"] is weight
+    assert torch.equal(big, sent["user"]["big"]) and torch.equal(weight, sent["user"]["model"]["weight"])
+    assert received["user"]["half"] is not local["user"]["half"]
+    assert digest(5, received) == digest(5, sent)

@@ -661,15 +661,17 @@ def _tune(transport: asyncio.BaseTransport | None) -> None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SEND_BUFFER_BYTES)
         except OSError as exc:
             logger.debug("could not enlarge the send buffer: %r", exc)
-    if isinstance(transport, asyncio.WriteTransport):
-        transport.set_write_buffer_limits(high=_QUEUE_BYTES)
+    transport.set_write_buffer_limits(high=_QUEUE_BYTES)  # type: ignore[attr-defined]
 
 
 async def _flushed(transport: asyncio.BaseTransport | None) -> None:
-    """Wait until ``transport`` has handed every queued byte to the kernel (or is closing)."""
+    """Wait until ``transport`` has handed every queued byte to the kernel (or is closing).
+
+    Duck-typed: uvloop's transports are not registered as ``asyncio.WriteTransport``.
+    """
     delay = 0.0001
-    while isinstance(transport, asyncio.WriteTransport) and not transport.is_closing() \
-            and transport.get_write_buffer_size():
+    while transport is not None and not transport.is_closing() \
+            and transport.get_write_buffer_size():  # type: ignore[attr-defined]
         await asyncio.sleep(delay)
         delay = min(2 * delay, 0.005)
 

@@ -1,0 +1,36 @@
+"""A tiny run of benchmarks/heal_bench.py: it runs, prints its table, and ends with one valid JSON line."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_tiny_heal_bench_prints_a_table_and_json():
+    cases = "tcp,ours-0,ours-4-inplace,pg-ours,pg-gloo"
+    run = subprocess.run([sys.executable, "-W", "ignore", "-m", "benchmarks.heal_bench", "--size-mb", "16",
+                          "--tensor-mb", "2", "--steps", "2", "--cases", cases, "--timeout", "120"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-4000:]
+    lines = run.stdout.strip().splitlines()
+    result = json.loads(lines[-1])
+    assert set(result["gbps"]) == set(cases.split(","))
+    assert all(value > 0 for value in result["gbps"].values())
+    assert set(result["targets_met"]) == {"http_vs_loopback_ge_0.75", "http_vs_torchft_ge_1.5",
+                                          "receiver_peak_extra_le_1.1x"}
+    assert result["peak_extra_x"]["ours-4-inplace"]["receiver"] < 1.0  # received in place: no second copy
+    assert any(line.startswith("ours-0") for line in lines[:-1])
+
+
+def test_help_explains_the_flags():
+    run = subprocess.run([sys.executable, "-W", "ignore", "-m", "benchmarks.heal_bench", "--help"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0
+    for flag in ("--size-mb", "--tensor-mb", "--steps", "--cases", "--timeout"):
+        assert flag in run.stdout
