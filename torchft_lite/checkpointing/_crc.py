@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 
 from torchft_lite.errors import CheckpointError
 
-__all__ = ["checksums", "crc32_combine"]
+__all__ = ["checksums", "crc32_combine", "executor"]
 
 SLICE_BYTES = 8 << 20
 _INLINE_BYTES = 4 << 20  # below this, a thread pool costs more than it saves
@@ -73,7 +73,8 @@ def crc32_combine(crc1: int, crc2: int, length2: int) -> int:
     return crc1 ^ crc2
 
 
-def _executor() -> concurrent.futures.ThreadPoolExecutor:
+def executor() -> concurrent.futures.ThreadPoolExecutor:
+    """The process's crc32 threads (zlib drops the GIL, so they run beside the event loop)."""
     global _pool
     with _lock:
         if _pool is None:
@@ -95,7 +96,7 @@ def checksums(views: Sequence[memoryview], should_stop: Callable[[], bool] | Non
 
     if sum(len(view) for view in views) <= _INLINE_BYTES:
         return [crc(view) for view in views]
-    pool = _executor()
+    pool = executor()
     jobs = [[(len(view[start:start + SLICE_BYTES]), pool.submit(crc, view[start:start + SLICE_BYTES]))
              for start in range(0, len(view), SLICE_BYTES)] for view in views]
     try:

@@ -6,27 +6,33 @@ network protocol asks for :meth:`~StateDictReader.buffer_at` (a writable view
 of the destination memory) and reports :meth:`~StateDictReader.filled` after
 the kernel has written into it, so nothing is copied in user space.
 
-Either way the crc32 of the new bytes is computed right then (they are still
-in cache) and chained onto the run of that tensor's bytes they extend; runs
-from different streams of one tensor are joined with ``crc32_combine`` at the
-end. :meth:`~StateDictReader.finish` never reads the data a second time.
+Either way the new bytes extend a run of that tensor's received bytes; once
+a run reaches ``BATCH_BYTES`` (or the tensor's end) its crc32 is computed on
+the crc thread pool, on another core while the event loop keeps receiving.
+The runs' crcs (several per tensor when streams split it) are joined with
+``crc32_combine``: :meth:`~StateDictReader.finish` never reads the data a
+second time, it only waits for the last runs.
 """
 
 from __future__ import annotations
 
 import bisect
+import concurrent.futures
 import zlib
 from typing import Any, Mapping
 
 import torch
 
-from torchft_lite.checkpointing._crc import crc32_combine
+from torchft_lite.checkpointing._crc import crc32_combine, executor
 from torchft_lite.checkpointing._serialization import (
     DTYPES, PREFIX_SIZE, Header, Path, TensorEntry, byte_view, format_path, parse_header, unpack_prefix,
 )
 from torchft_lite.errors import CheckpointTransferError
 
 __all__ = ["StateDictReader", "decode_bytes"]
+
+BATCH_BYTES = 4 << 20  # a run this long is checksummed on the pool; shorter ones wait for more bytes
+_INLINE_BYTES = 256 << 10  # a final run shorter than this is checksummed on the spot
 
 
 class StateDictReader:
@@ -50,8 +56,10 @@ class StateDictReader:
             raise CheckpointTransferError(f"cannot allocate {header.data_bytes} bytes for the checkpoint") from exc
         self._views = [byte_view(tensor) for tensor in self._tensors]
         self._starts = [entry.offset for entry in header.entries]
-        # per tensor: end of a run of received bytes -> (start of the run, crc32 of the run)
-        self._runs: list[dict[int, tuple[int, int]]] = [{} for _ in header.entries]
+        # per tensor: end of a run of received bytes not yet checksummed -> start of the run
+        self._open: list[dict[int, int]] = [{} for _ in header.entries]
+        # per tensor: (start, end, crc32 or its future) of each checksummed run
+        self._runs: list[list[tuple[int, int, Any]]] = [[] for _ in header.entries]
         self.received_bytes = 0
 
     def _buffer_for(self, entry: TensorEntry, target: torch.Tensor | None) -> torch.Tensor:
@@ -96,10 +104,18 @@ class StateDictReader:
         self._account(index, first, first + count)
 
     def _account(self, index: int, first: int, stop: int) -> None:
-        runs = self._runs[index]
-        start, crc = runs.pop(first, (first, 0))
-        runs[stop] = (start, zlib.crc32(self._views[index][first:stop], crc))
+        open_runs = self._open[index]
+        start = open_runs.pop(first, first)
+        if stop - start >= BATCH_BYTES or stop == self.header.entries[index].nbytes:
+            self._checksum(index, start, stop)
+        else:
+            open_runs[stop] = start
         self.received_bytes += stop - first
+
+    def _checksum(self, index: int, start: int, stop: int) -> None:
+        view = self._views[index][start:stop]
+        crc = zlib.crc32(view) if stop - start < _INLINE_BYTES else executor().submit(zlib.crc32, view)
+        self._runs[index].append((start, stop, crc))
 
     def write(self, offset: int, data: bytes | memoryview) -> None:
         """Place ``data`` at ``offset`` of the data section."""
@@ -118,7 +134,9 @@ class StateDictReader:
     def _verify(self, index: int) -> None:
         entry, path = self.header.entries[index], self.header.paths[index]
         crc, position = 0, 0
-        for stop, (start, run_crc) in sorted(self._runs[index].items(), key=lambda item: item[1][0]):
+        for start, stop, run_crc in sorted(self._runs[index], key=lambda run: run[0]):
+            if isinstance(run_crc, concurrent.futures.Future):
+                run_crc = run_crc.result()
             if start != position:
                 raise CheckpointTransferError(f"tensor {format_path(path)}: bytes [{min(start, position)}, "
                                               f"{max(start, position)}) were received twice or not at all")
@@ -136,6 +154,10 @@ class StateDictReader:
             what = "truncated" if self.received_bytes < self.header.data_bytes else "repeated bytes"
             raise CheckpointTransferError(
                 f"checkpoint {what}: {self.received_bytes} of {self.header.data_bytes} data bytes received")
+        for index, open_runs in enumerate(self._open):
+            for stop, start in open_runs.items():
+                self._checksum(index, start, stop)
+            open_runs.clear()
         for index in range(len(self.header.entries)):
             self._verify(index)
         results = {id(buffer): target for buffer, target in self._copy_back}
