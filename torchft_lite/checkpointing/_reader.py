@@ -93,6 +93,15 @@ class StateDictReader:
         entry = self.header.entries[index]
         return self._views[index][offset - entry.offset:min(limit, entry.offset + entry.nbytes) - entry.offset]
 
+    def data_tensor(self, start: int, end: int) -> torch.Tensor:
+        """A flat uint8 tensor aliasing the destination of data bytes ``[start, end)`` (within one tensor)."""
+        self._check_range(start, end)
+        index = self._index(start)
+        entry = self.header.entries[index]
+        if end > entry.offset + entry.nbytes:
+            raise CheckpointTransferError(f"bytes [{start}, {end}) span more than tensor {index}")
+        return self._tensors[index].reshape(-1).view(torch.uint8)[start - entry.offset:end - entry.offset]
+
     def filled(self, offset: int, count: int) -> None:
         """Account for ``count`` bytes written at ``offset`` through :meth:`buffer_at` (within one tensor)."""
         self._check_range(offset, offset + count)

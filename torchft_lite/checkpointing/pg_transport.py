@@ -4,11 +4,14 @@ Per destination rank, in order (tags keep the messages apart from other traffic)
 
     tag 1   int64[3]  (_MAGIC, header bytes, bucket bytes)
     tag 2   uint8[n]  prefix + JSON header (see ``_serialization``)
-    tag 3+i uint8[]   bucket i: data bytes [i * bucket, (i + 1) * bucket) of the data section
+    tag 3+i uint8[]   piece i: the data bytes of one tensor within one bucket
 
-The buckets are split by bytes, so one huge tensor spans several and many
-small ones share one. Nothing is pickled; the receiver validates the header
-and the step, and checks every tensor's checksum.
+Both sides cut the data section the same way, from the header: at every
+tensor boundary and every ``bucket bytes``, so a huge tensor travels as
+several pieces. Each piece is sent from the tensor's own memory and received
+straight into the destination tensor (on CPU): no staging copies. Nothing is
+pickled; the receiver validates the header and the step, and checks every
+tensor's checksum.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ logger = logging.getLogger(__name__)
 _MAGIC = 0x54465450  # "TFTP"
 _TAG_META, _TAG_HEADER, _TAG_DATA = 1, 2, 3
 DEFAULT_BUCKET_BYTES = 256 << 20
+_WINDOW = 16  # pieces in flight at once on each side
 
 
 class _Work(Protocol):
@@ -46,8 +50,10 @@ class PointToPoint(Protocol):
     def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int) -> _Work: ...
 
 
-def _buckets(data_bytes: int, bucket_bytes: int) -> list[tuple[int, int]]:
-    return [(start, min(start + bucket_bytes, data_bytes)) for start in range(0, data_bytes, bucket_bytes)]
+def _pieces(entries: Sequence[wire.TensorEntry], bucket_bytes: int) -> list[tuple[int, int]]:
+    """Data byte ranges ``[start, end)``, each within one tensor and at most ``bucket_bytes`` long."""
+    return [(start, min(start + bucket_bytes, entry.offset + entry.nbytes))
+            for entry in entries for start in range(entry.offset, entry.offset + entry.nbytes, bucket_bytes)]
 
 
 class PGTransport(CheckpointTransport[T]):
@@ -92,12 +98,14 @@ class PGTransport(CheckpointTransport[T]):
             for dst in dst_ranks:
                 works.append(self._pg.send([meta.to(self._device)], dst, _TAG_META))
                 works.append(self._pg.send([header.to(self._device)], dst, _TAG_HEADER))
-            for index, (start, end) in enumerate(_buckets(encoded.data_bytes, self._bucket_bytes)):
-                parts = encoded.data_tensors(start, end)
-                bucket = (parts[0] if len(parts) == 1 else torch.cat(parts)).to(self._device)
-                works.extend(self._pg.send([bucket], dst, _TAG_DATA + index) for dst in dst_ranks)
-                _wait(works, deadline, f"bucket {index} of step {step} to reach ranks {dst_ranks}")
-                works = []
+            pieces = _pieces(encoded.entries, self._bucket_bytes)
+            for index, (start, end) in enumerate(pieces):
+                (piece,) = encoded.data_tensors(start, end)
+                piece = piece.to(self._device)
+                works.extend(self._pg.send([piece], dst, _TAG_DATA + index) for dst in dst_ranks)
+                if index % _WINDOW == _WINDOW - 1 or index == len(pieces) - 1:  # a window in flight at once
+                    _wait(works, deadline, f"piece {index} of step {step} to reach ranks {dst_ranks}")
+                    works = []
             _wait(works, deadline, f"the header of step {step} to reach ranks {dst_ranks}")
         finally:
             encoded.release()
@@ -120,15 +128,23 @@ class PGTransport(CheckpointTransport[T]):
         if wire.PREFIX_SIZE + length != header_len:
             raise CheckpointTransferError(f"rank {src_rank} announced {header_len} header bytes but sent {length}")
         header = wire.parse_header(blob[wire.PREFIX_SIZE:], crc)
-        buckets = _buckets(header.data_bytes, bucket_bytes)
+        pieces = _pieces(header.entries, bucket_bytes)
         if header.step != step:
-            self._drain(buckets, src_rank, deadline)  # keep the pair in step for the next transfer
+            self._drain(pieces, src_rank, deadline)  # keep the pair in step for the next transfer
             raise CheckpointTransferError(f"rank {src_rank} sent step {header.step}, expected step {step}")
         reader = wire.StateDictReader(header, self._targets())
-        for index, (start, end) in enumerate(buckets):
-            bucket = self._recv(torch.empty(end - start, dtype=torch.uint8), src_rank, _TAG_DATA + index, deadline,
-                                f"bucket {index} of {len(buckets)} of step {step} from rank {src_rank}")
-            reader.write(start, wire.byte_view(bucket))
+        for first in range(0, len(pieces), _WINDOW):
+            window = list(enumerate(pieces))[first:first + _WINDOW]
+            what = f"pieces {first}-{first + len(window) - 1} of {len(pieces)} of step {step} from rank {src_rank}"
+            if self._device.type == "cpu":  # straight into the destination tensors, a window posted at once
+                _wait([self._pg.recv([reader.data_tensor(start, end)], src_rank, _TAG_DATA + index)
+                       for index, (start, end) in window], deadline, what)
+            else:
+                for index, (start, end) in window:
+                    reader.data_tensor(start, end).copy_(self._recv(
+                        torch.empty(end - start, dtype=torch.uint8), src_rank, _TAG_DATA + index, deadline, what))
+            for _, (start, end) in window:
+                reader.filled(start, end - start)
         state = reader.finish()
         logger.info("received step %d (%d bytes) from rank %d in %.2fs", step, header.data_bytes, src_rank,
                     time.monotonic() - started)
@@ -146,12 +162,12 @@ class PGTransport(CheckpointTransport[T]):
         _wait([self._pg.recv([on_device], src_rank, tag)], deadline, what)
         return on_device.cpu()
 
-    def _drain(self, buckets: Sequence[tuple[int, int]], src_rank: int, deadline: float) -> None:
-        scratch = torch.empty(max((end - start for start, end in buckets), default=0), dtype=torch.uint8,
+    def _drain(self, pieces: Sequence[tuple[int, int]], src_rank: int, deadline: float) -> None:
+        scratch = torch.empty(max((end - start for start, end in pieces), default=0), dtype=torch.uint8,
                               device=self._device)
-        for index, (start, end) in enumerate(buckets):
+        for index, (start, end) in enumerate(pieces):
             _wait([self._pg.recv([scratch[:end - start]], src_rank, _TAG_DATA + index)], deadline,
-                  f"bucket {index} of an unwanted checkpoint from rank {src_rank}")
+                  f"piece {index} of an unwanted checkpoint from rank {src_rank}")
 
 
 def _wait(works: Sequence[Any], deadline: float, what: str) -> None:
