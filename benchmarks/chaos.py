@@ -12,8 +12,9 @@ the baseline speed, injects faults until ``--faults`` have been injected:
               network namespace behind a veth pair; the host side is set down, then up)
   lighthouse  SIGKILL the lighthouse and restart it on the same port
 
-The lighthouse runs with min_replicas = a majority of the groups (as a
-production job should), a 2 s heartbeat timeout and its startup grace.
+The lighthouse runs as a production one should: min_replicas = a majority of
+the groups, a --state-dir (so a restart remembers the highest committed step),
+its startup grace, and a 2 s heartbeat timeout.
 
 Verified from the groups' per-step reports (one JSON line per committed step
 and rank, with a parameter checksum):
@@ -175,7 +176,8 @@ class Chaos:
         self.network = Network(args.groups) if "partition" in args.kinds else None
         self.lighthouse = LighthouseProcess(min_replicas=args.groups // 2 + 1, join_timeout=1.0,
                                             heartbeat_timeout=2.0, log_path=self.workdir / "lighthouse.log",
-                                            host="0.0.0.0" if self.network else "127.0.0.1")
+                                            host="0.0.0.0" if self.network else "127.0.0.1",
+                                            state_dir=self.workdir / "lighthouse-state")
         self.partitioned: dict[int, float] = {}  # group -> when to reconnect it
         self.groups: list[ReplicaGroup] = []
         self.down: dict[int, float] = {}  # group -> when to restart it
@@ -411,8 +413,14 @@ def main(argv=None) -> int:
           f"({outcome['chaos_steps_per_s']:.1f} vs {outcome['baseline_steps_per_s']:.1f} steps/s fault-free)")
     print(f"verdict                        {'PASS' if ok else 'FAIL'}")
     print("================================================")
+    short: dict = {}
+    for key, value in checks.items():  # counts, and the first few steps of each kind of violation
+        if isinstance(value, list):
+            short[key], short[f"{key}_first"] = len(value), value[:10]
+        else:
+            short[key] = value
     print(json.dumps({"seed": args.seed, "faults": dict(chaos.faults), "restarts": chaos.restarts, **figures,
-                      **checks, **outcome, "ok": ok}))
+                      **short, **outcome, "ok": ok}))
     return 0 if ok else 1
 
 

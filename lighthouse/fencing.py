@@ -20,6 +20,7 @@ from typing import Callable
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "last_quorum_id"
+MAX_STEP_FILE = "max_step"  # the highest step a quorum reached (the stale-quorum guard's memory)
 
 
 def time_seed(wall_clock: Callable[[], float] = time.time) -> int:
@@ -60,10 +61,32 @@ class QuorumIdStore:
         """Durably record ``quorum_id`` (a no-op without a state directory)."""
         if self._path is None or quorum_id == self._last_saved:
             return
-        tmp = self._path.with_name(self._path.name + ".tmp")
-        with open(tmp, "w") as f:
-            f.write(f"{quorum_id}\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self._path)
+        _write_atomically(self._path, quorum_id)
         self._last_saved = quorum_id
+
+    def initial_max_step(self) -> int:
+        """The highest step an earlier incarnation saw a quorum reach (0 without a state directory)."""
+        if self._path is None:
+            return 0
+        path = self._path.with_name(MAX_STEP_FILE)
+        try:
+            text = path.read_text().strip()
+        except FileNotFoundError:
+            return 0
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"{path} does not hold a step (got {text[:40]!r}); fix or remove it") from None
+
+    def save_max_step(self, step: int) -> None:
+        if self._path is not None:
+            _write_atomically(self._path.with_name(MAX_STEP_FILE), step)
+
+
+def _write_atomically(path: Path, value: int) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(f"{value}\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

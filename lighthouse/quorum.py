@@ -140,7 +140,8 @@ class QuorumState:
     Not thread-safe: the server calls it from one event loop.
     """
 
-    def __init__(self, config: QuorumConfig, *, last_quorum_id: int = 0, started_at: float = -math.inf) -> None:
+    def __init__(self, config: QuorumConfig, *, last_quorum_id: int = 0, started_at: float = -math.inf,
+                 max_step: int = 0) -> None:
         self.config = config
         self._started_at = started_at
         self._quorum_id = last_quorum_id
@@ -157,7 +158,7 @@ class QuorumState:
         self._healthy_shrink_only = 0
         # The highest step any issued quorum reached, and how many healthy
         # participants hold it: without one of them a quorum would redo steps.
-        self._max_step = 0
+        self._max_step = max_step  # restored from the state directory after a restart
         self._healthy_up_to_date = 0
         self.quorums_issued = 0
 
@@ -309,6 +310,11 @@ class QuorumState:
         return decision, expired
 
     # ------------------------------------------------------------ views
+
+    @property
+    def max_step(self) -> int:
+        """The highest step an issued quorum reached."""
+        return self._max_step
 
     @property
     def quorum_id(self) -> int:

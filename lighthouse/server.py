@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import socket
 import time
 from dataclasses import dataclass
@@ -92,7 +93,10 @@ class LighthouseServer:
         self._clock = clock
         self._wall_clock = wall_clock
         self._ids = QuorumIdStore(config.state_dir, wall_clock)
-        self._state = QuorumState(config.quorum_config(), last_quorum_id=self._ids.initial(), started_at=clock())
+        self._state = QuorumState(config.quorum_config(), last_quorum_id=self._ids.initial(), started_at=clock(),
+                                  max_step=self._ids.initial_max_step())
+        self._saved_max_step = self._state.max_step
+        self._max_step_saved_at = -math.inf
         self._waiters: dict[str, list[asyncio.Future[bytes]]] = {}
         # Last Quorum request of each replica still worth showing (heartbeating,
         # participating or in the last quorum); pruned with them.
@@ -192,6 +196,7 @@ class LighthouseServer:
 
     async def _shutdown(self) -> None:
         self._stopping = True  # lease streams ending now are our doing, not their replicas dying
+        self._save_max_step(force=True)
         for futures in self._waiters.values():
             for fut in futures:
                 if not fut.done():
@@ -444,6 +449,15 @@ class LighthouseServer:
             logger.debug("quorum %d reissued with %d members after %.3fs", quorum.quorum_id, len(ids), formation)
         for replica_id in previous - ids:
             self._prune_known(replica_id)
+        self._save_max_step(force=False)
+
+    def _save_max_step(self, force: bool) -> None:
+        # At most once a second: a slightly stale value still stops replicas at
+        # step 0 from redoing history after a restart, without an fsync per step.
+        step, now = self._state.max_step, self._clock()
+        if step > self._saved_max_step and (force or now - self._max_step_saved_at >= 1.0):
+            self._ids.save_max_step(step)
+            self._saved_max_step, self._max_step_saved_at = step, now
 
     def _on_expired(self, expired: list[str]) -> None:
         self._counts["expired_replicas"] += len(expired)

@@ -74,7 +74,8 @@ class LighthouseProcess:
 
     def __init__(self, *, min_replicas: int = 1, join_timeout: float = 2.0, heartbeat_timeout: float = 5.0,
                  quorum_tick: float = 0.05, port: int = 0, http: bool = False, log_path: Path | None = None,
-                 start_timeout: float = 60.0, startup_grace: float | None = None, host: str = "127.0.0.1") -> None:
+                 start_timeout: float = 60.0, startup_grace: float | None = None, host: str = "127.0.0.1",
+                 state_dir: Path | None = None) -> None:
         self.host = host
         self.args = ["--bind", f"{host}:{port}", "--min_replicas", str(min_replicas),
                      "--join_timeout_ms", str(int(join_timeout * 1000)),
@@ -83,6 +84,8 @@ class LighthouseProcess:
                      "--http-bind", "127.0.0.1:0" if http else "off"]
         if startup_grace is not None:  # None: the lighthouse's default (its heartbeat timeout)
             self.args += ["--startup_grace_ms", str(int(startup_grace * 1000))]
+        if state_dir is not None:
+            self.args += ["--state-dir", str(state_dir)]
         self.log_path = log_path
         self.start_timeout = start_timeout
         self.address: str | None = None

@@ -248,3 +248,31 @@ def test_background_lighthouse_reports_a_failure_after_start(caplog):
         lighthouse.stop()
     assert "tick broke" in repr(info.value.__cause__)
     assert "lighthouse thread failed" in caplog.text
+
+
+def test_a_restarted_lighthouse_remembers_the_highest_step_with_a_state_dir(tmp_path):
+    """Otherwise replicas at step 0 could redo committed history while the holders are away."""
+    async def scenario():
+        config = LighthouseConfig(min_replicas=1, bind="127.0.0.1:0", http_bind=None, state_dir=tmp_path,
+                                  startup_grace=0.0, join_timeout=0.5)
+        first = LighthouseServer(config)
+        await first.start()
+        try:
+            async with client_for(first) as c:
+                await c.quorum("veteran", timeout=WAIT, step=40)
+        finally:
+            await first.stop()
+        second = LighthouseServer(config)
+        await second.start()
+        try:
+            async with client_for(second) as c:
+                fresh = asyncio.ensure_future(c.quorum("fresh", timeout=WAIT, step=0))
+                await wait_until(lambda: second.statistics().status == "behind_committed", "the guard to hold")
+                assert "no participant holds step 40" in second.statistics().reason and not fresh.done()
+                veteran = await c.quorum("veteran", timeout=WAIT, step=40)
+                assert [m.replica_id for m in veteran.participants] == ["fresh", "veteran"]
+                await fresh
+        finally:
+            await second.stop()
+
+    asyncio.run(scenario())
