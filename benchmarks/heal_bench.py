@@ -30,6 +30,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -242,8 +243,9 @@ class Child:
                    "--size-mb", str(args.size_mb), "--tensor-mb", str(args.tensor_mb)]
         env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         self.name = f"{case}:{side}"
-        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
-                                        cwd=ROOT, start_new_session=True)
+        self.log = tempfile.TemporaryFile()  # stderr (torchft's server logs every request there)
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+                                        text=True, env=env, cwd=ROOT, start_new_session=True)
 
     def send(self, **command: Any) -> None:
         self.process.stdin.write(json.dumps(command) + "\n")
@@ -254,13 +256,16 @@ class Child:
         line = self.process.stdout.readline() if ready else ""
         if not line:
             code = self.process.poll()
-            raise RuntimeError(f"{self.name} gave no answer within {timeout:.0f}s (exit code {code})")
+            self.log.seek(0)
+            tail = self.log.read().decode(errors="replace")[-3000:]
+            raise RuntimeError(f"{self.name} gave no answer within {timeout:.0f}s (exit code {code}); stderr:\n{tail}")
         return json.loads(line)
 
     def kill(self) -> None:
         if self.process.poll() is None:
             self.process.kill()
         self.process.wait()
+        self.log.close()
 
 
 def run_case(case: str, args: argparse.Namespace) -> dict:
@@ -339,7 +344,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def summary(results: dict, args: argparse.Namespace, skipped: list[str]) -> dict:
     gbps = {case: r["gbps"] for case, r in results.items()}
-    ours = max((g for c, g in gbps.items() if c.startswith("ours")), default=None)
+    # targets compare like with like: both sides allocate what they receive (in place is reported apart)
+    ours = max((g for c, g in gbps.items() if c.startswith("ours") and not c.endswith("inplace")), default=None)
+    in_place = max((g for c, g in gbps.items() if c.startswith("ours") and c.endswith("inplace")), default=None)
     theirs = max((g for c, g in gbps.items() if c.startswith("torchft")), default=None)
     loopback = gbps.get("tcp")
     receiver_x = max((r["receiver_peak_extra_x"] for c, r in results.items() if c.startswith("ours")), default=None)
@@ -349,7 +356,8 @@ def summary(results: dict, args: argparse.Namespace, skipped: list[str]) -> dict
         "receiver_peak_extra_le_1.1x": None if receiver_x is None else receiver_x <= 1.1,
     }
     return {"bench": "heal", "size_mb": args.size_mb, "tensor_mb": args.tensor_mb, "steps": args.steps,
-            "gbps": gbps, "best_ours_http_gbps": ours, "best_torchft_http_gbps": theirs,
+            "gbps": gbps, "best_ours_http_gbps": ours, "best_ours_http_in_place_gbps": in_place,
+            "best_torchft_http_gbps": theirs,
             "ours_vs_loopback": None if ours is None or not loopback else round(ours / loopback, 3),
             "ours_vs_torchft": None if ours is None or not theirs else round(ours / theirs, 3),
             "peak_extra_x": {c: {"server": r["server_peak_extra_x"], "receiver": r["receiver_peak_extra_x"]}
