@@ -4,7 +4,7 @@ aiohttp's client hands a body over as ``bytes`` objects, which the receiver
 would then copy into its tensors: two user-space copies of every byte. Here a
 ``BufferedProtocol`` gives the event loop a view of the destination itself
 (:class:`BodySink`), so a heal costs one copy (the kernel's) plus the crc32
-the reader runs on each piece as it lands.
+the reader computes over the received runs on its thread pool.
 
 Only what the checkpoint server answers is understood: a status line, headers
 with a ``Content-Length``, then exactly that many body bytes, one request per
@@ -14,13 +14,17 @@ connection (``Connection: close``).
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import urllib.parse
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
+from torchft_lite.checkpointing import _serialization as wire
 from torchft_lite.errors import CheckpointTransferError
 
-__all__ = ["BodySink", "HTTPStatusError", "get_into"]
+__all__ = ["BodySink", "DataSink", "EncodedSink", "HTTPStatusError", "get_into"]
+
+logger = logging.getLogger(__name__)
 
 MAX_HEAD_BYTES = 64 << 10
 MAX_ERROR_BYTES = 64 << 10
@@ -171,8 +175,8 @@ async def get_into(url: str, params: dict[str, str], headers: dict[str, str],
         if sock is not None:
             try:
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER_BYTES)
-            except OSError:
-                pass  # the kernel's default then; only throughput suffers
+            except OSError as exc:  # the kernel's default then; only throughput suffers
+                logger.debug("could not enlarge the receive buffer: %r", exc)
         authority = f"[{host}]" if ":" in host else host
         target = (parsed.path or "/") + ("?" + urllib.parse.urlencode(params) if params else "")
         lines = [f"GET {target} HTTP/1.1", f"Host: {authority}:{port}", "Connection: close",
@@ -184,3 +188,67 @@ async def get_into(url: str, params: dict[str, str], headers: dict[str, str],
             transport.close()
         else:
             transport.abort()
+
+
+class DataSink:
+    """Data bytes ``[start, end)`` of a response body, straight into the reader's tensors."""
+
+    def __init__(self, reader: wire.StateDictReader, start: int, end: int) -> None:
+        self._reader = reader
+        self._position = start
+        self._end = end
+
+    def buffer(self) -> memoryview:
+        return self._reader.buffer_at(self._position, self._end)
+
+    def filled(self, count: int) -> None:
+        self._reader.filled(self._position, count)
+        self._position += count
+
+
+class EncodedSink:
+    """Prefix, header and (unless ``header_only``) data of one state dict, as a response body of ``length``."""
+
+    def __init__(self, url: str, step: int, length: int, targets: dict[wire.Path, Any], *,
+                 header_only: bool) -> None:
+        if length < wire.PREFIX_SIZE:
+            raise CheckpointTransferError(f"checkpoint truncated: {url} sent a {length}-byte answer")
+        self._url, self._step, self._length, self._header_only = url, step, length, header_only
+        self._targets = targets
+        self._pending = memoryview(bytearray(wire.PREFIX_SIZE))
+        self._got = 0
+        self._crc: int | None = None
+        self._data: DataSink | None = None
+        self.reader: wire.StateDictReader | None = None
+
+    def buffer(self) -> memoryview:
+        if self._data is not None:
+            return self._data.buffer()
+        return self._pending[self._got:]
+
+    def filled(self, count: int) -> None:
+        if self._data is not None:
+            self._data.filled(count)
+            return
+        self._got += count
+        if self._got < len(self._pending):
+            return
+        if self._crc is None:
+            length, self._crc = wire.unpack_prefix(bytes(self._pending))
+            self._pending, self._got = memoryview(bytearray(length)), 0
+            if length:
+                return
+        header_end = wire.PREFIX_SIZE + len(self._pending)
+        header = wire.parse_header(bytes(self._pending), self._crc,
+                                   data_bytes=None if self._header_only else self._length - header_end)
+        if header.step != self._step:
+            raise CheckpointTransferError(f"{self._url} sent step {header.step}, expected step {self._step}")
+        self.reader = wire.StateDictReader(header, self._targets)
+        if header.data_bytes and not self._header_only:
+            self._data = DataSink(self.reader, 0, header.data_bytes)
+
+    def complete_reader(self) -> wire.StateDictReader:
+        """The reader, once the body has ended; the header must have been whole."""
+        if self.reader is None:
+            raise CheckpointTransferError(f"checkpoint truncated: {self._url} ended inside the header")
+        return self.reader

@@ -528,12 +528,12 @@ class HTTPTransport(CheckpointTransport[T]):
     async def _fetch_all(self, url: str, step: int, session_id: str, deadline: float, joined: list[bool],
                          targets: dict[wire.Path, Any]) -> wire.StateDictReader:
         """Prefix, header and data over one stream; the reader holds every data byte."""
-        sink: _EncodedSink | None = None
+        sink: _body.EncodedSink | None = None
 
-        def sink_for(length: int) -> _EncodedSink:
+        def sink_for(length: int) -> _body.EncodedSink:
             nonlocal sink
             joined.append(True)
-            sink = _EncodedSink(url, step, length, targets, header_only=False)
+            sink = _body.EncodedSink(url, step, length, targets, header_only=False)
             return sink
 
         await _body.get_into(url, self._params(session_id, deadline), self._auth_headers(), sink_for)
@@ -543,12 +543,12 @@ class HTTPTransport(CheckpointTransport[T]):
     async def _fetch_chunked(self, url: str, step: int, session_id: str, deadline: float, joined: list[bool],
                              targets: dict[wire.Path, Any]) -> wire.StateDictReader:
         """The header, then the data in ``num_chunks`` byte ranges fetched at once."""
-        sink: _EncodedSink | None = None
+        sink: _body.EncodedSink | None = None
 
-        def header_sink(length: int) -> _EncodedSink:
+        def header_sink(length: int) -> _body.EncodedSink:
             nonlocal sink
             joined.append(True)
-            sink = _EncodedSink(url, step, length, targets, header_only=True)
+            sink = _body.EncodedSink(url, step, length, targets, header_only=True)
             return sink
 
         await _body.get_into(f"{url}/header", self._params(session_id, deadline), self._auth_headers(), header_sink)
@@ -558,10 +558,10 @@ class HTTPTransport(CheckpointTransport[T]):
         bounds = [data_bytes * i // self._num_chunks for i in range(self._num_chunks + 1)]
 
         async def fetch(start: int, end: int) -> None:
-            def data_sink(length: int) -> _DataSink:
+            def data_sink(length: int) -> _body.DataSink:
                 if length != end - start:
                     raise CheckpointTransferError(f"{url}: range [{start}, {end}) came with {length} bytes")
-                return _DataSink(reader, start, end)
+                return _body.DataSink(reader, start, end)
 
             params = self._params(session_id, deadline, start=start, end=end)
             await _body.get_into(f"{url}/data", params, self._auth_headers(), data_sink)
@@ -585,70 +585,6 @@ class HTTPTransport(CheckpointTransport[T]):
                         logger.debug("%s/done answered HTTP %d", url, response.status)
         except (aiohttp.ClientError, ConnectionError, TimeoutError) as exc:
             logger.debug("could not tell %s that session %s finished: %r", url, session_id, exc)
-
-
-class _DataSink:
-    """Data bytes ``[start, end)`` of a response body, straight into the reader's tensors."""
-
-    def __init__(self, reader: wire.StateDictReader, start: int, end: int) -> None:
-        self._reader = reader
-        self._position = start
-        self._end = end
-
-    def buffer(self) -> memoryview:
-        return self._reader.buffer_at(self._position, self._end)
-
-    def filled(self, count: int) -> None:
-        self._reader.filled(self._position, count)
-        self._position += count
-
-
-class _EncodedSink:
-    """Prefix, header and (unless ``header_only``) data of one state dict, as a response body of ``length``."""
-
-    def __init__(self, url: str, step: int, length: int, targets: dict[wire.Path, Any], *,
-                 header_only: bool) -> None:
-        if length < wire.PREFIX_SIZE:
-            raise CheckpointTransferError(f"checkpoint truncated: {url} sent a {length}-byte answer")
-        self._url, self._step, self._length, self._header_only = url, step, length, header_only
-        self._targets = targets
-        self._pending = memoryview(bytearray(wire.PREFIX_SIZE))
-        self._got = 0
-        self._crc: int | None = None
-        self._data: _DataSink | None = None
-        self.reader: wire.StateDictReader | None = None
-
-    def buffer(self) -> memoryview:
-        if self._data is not None:
-            return self._data.buffer()
-        return self._pending[self._got:]
-
-    def filled(self, count: int) -> None:
-        if self._data is not None:
-            self._data.filled(count)
-            return
-        self._got += count
-        if self._got < len(self._pending):
-            return
-        if self._crc is None:
-            length, self._crc = wire.unpack_prefix(bytes(self._pending))
-            self._pending, self._got = memoryview(bytearray(length)), 0
-            if length:
-                return
-        header_end = wire.PREFIX_SIZE + len(self._pending)
-        header = wire.parse_header(bytes(self._pending), self._crc,
-                                   data_bytes=None if self._header_only else self._length - header_end)
-        if header.step != self._step:
-            raise CheckpointTransferError(f"{self._url} sent step {header.step}, expected step {self._step}")
-        self.reader = wire.StateDictReader(header, self._targets)
-        if header.data_bytes and not self._header_only:
-            self._data = _DataSink(self.reader, 0, header.data_bytes)
-
-    def complete_reader(self) -> wire.StateDictReader:
-        """The reader, once the body has ended; the header must have been whole."""
-        if self.reader is None:
-            raise CheckpointTransferError(f"checkpoint truncated: {self._url} ended inside the header")
-        return self.reader
 
 
 def _tune(transport: asyncio.BaseTransport | None) -> None:
