@@ -175,7 +175,8 @@ class Manager:
                 f"TCPStore at {s.store_address} within {s.connect_timeout:.0f}s"
             ) from exc
         self._client = ManagerClient(manager_addr)
-        defaults = WatchdogConfig(quorum=s.quorum_timeout + s.timeout + 60.0, heal=3 * s.timeout + 60.0)
+        defaults = WatchdogConfig(quorum=s.quorum_timeout + s.timeout + 60.0, heal=3 * s.timeout + 60.0,
+                                  step=s.quorum_timeout + 5 * s.timeout + 300.0)
         self.watchdog = Watchdog(watchdog or WatchdogConfig.from_env(os.environ, defaults),
                                  label=f"[{self._replica_id}/{s.group_rank}]")
         if self._server is not None:
@@ -455,7 +456,10 @@ class Manager:
         self.report_error(CollectiveError(f"replica {event.replica_id} left the quorum: {event.reason}"))
         abort = getattr(self._pg, "abort", None)
         if abort is not None:
-            abort()
+            # Never on this loop: an abort can wait on the process group's lock, and a
+            # blocked control plane stops heartbeats, the lease and every timeout (the
+            # 200-fault chaos run hung a group this way).
+            threading.Thread(target=abort, name="torchft-abort", daemon=True).start()
 
     # ------------------------------------------------------------ graceful leave
 

@@ -44,7 +44,8 @@ class WatchdogConfig:
     heal: float | None = None
     """Receiving and applying a peer's state dict."""
     step: float | None = None
-    """From ``start_quorum`` to the end of ``should_commit``."""
+    """From ``start_quorum`` to the end of ``should_commit`` (the Manager's default is
+    generous: quorum timeout + 5 x timeout + 300 s; raise it for steps that take longer)."""
     checkpoint: float | None = None
     """The user's durable-checkpoint callback (and ``manager.watchdog.section("checkpoint")``)."""
 
