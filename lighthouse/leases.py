@@ -15,9 +15,16 @@ from __future__ import annotations
 
 import asyncio
 
-__all__ = ["Lease", "LeaseTable"]
+__all__ = ["Lease", "LeaseTable", "push_dropping_oldest"]
 
 MAX_EVENT_BACKLOG = 1024
+
+
+def push_dropping_oldest(queue: asyncio.Queue, item) -> None:
+    """Queue ``item`` for a stream's reader; a stalled reader loses its oldest item, never blocks us."""
+    if queue.full():
+        queue.get_nowait()
+    queue.put_nowait(item)
 
 
 class Lease:
@@ -30,9 +37,7 @@ class Lease:
         self.events: asyncio.Queue[bytes] = asyncio.Queue(MAX_EVENT_BACKLOG)
 
     def push(self, event: bytes) -> None:
-        if self.events.full():
-            self.events.get_nowait()  # a stalled holder loses the oldest event, never blocks the lighthouse
-        self.events.put_nowait(event)
+        push_dropping_oldest(self.events, event)
 
 
 class LeaseTable:

@@ -25,7 +25,7 @@ from google.protobuf.message import DecodeError
 from lighthouse.config import LighthouseConfig, split_host_port
 from lighthouse.fencing import QuorumIdStore
 from lighthouse.h2grpc import GrpcServer
-from lighthouse.leases import LeaseTable
+from lighthouse.leases import LeaseTable, push_dropping_oldest
 from lighthouse.protocol import torchft_pb2 as pb
 from lighthouse.quorum import Decision, IssuedQuorum, Member, QuorumState, Status
 
@@ -376,9 +376,7 @@ class LighthouseServer:
         if self._failure_subscribers:
             note = pb.FailureNotification(replica_id=replica_id, error_message=reason).SerializeToString()
             for queue in self._failure_subscribers:
-                if queue.full():
-                    queue.get_nowait()  # a slow subscriber loses the oldest, never blocks us
-                queue.put_nowait(note)
+                push_dropping_oldest(queue, note)
 
     # ------------------------------------------------------------ decisions
 

@@ -32,6 +32,7 @@ from lighthouse.client import LighthouseClient
 from lighthouse.config import split_host_port
 from lighthouse.h2grpc import GrpcServer
 from lighthouse.h2grpc.server import RpcAbort
+from lighthouse.leases import push_dropping_oldest
 from lighthouse.protocol import torchft_pb2 as pb
 from torchft_lite._quorum_compute import QuorumMember, compute_quorum_result
 from torchft_lite.errors import QuorumError, QuorumTimeout
@@ -238,9 +239,7 @@ class ManagerServer:
                 logger.exception("[%s] event listener failed", self.config.replica_id)
         data = event.SerializeToString()
         for queue in self._event_streams:
-            if queue.full():
-                queue.get_nowait()
-            queue.put_nowait(data)
+            push_dropping_oldest(queue, data)
 
     async def _rpc_events(self, data: bytes, context):
         request = _parse(pb.ManagerEventsRequest, data)
