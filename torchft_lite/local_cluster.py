@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import signal
 import socket
 import subprocess
@@ -99,11 +100,14 @@ class LighthouseProcess:
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         # stdout carries the "listening on" line; logs go to stderr.
         self.proc = subprocess.Popen([sys.executable, "-m", "lighthouse", *self.args], stdout=subprocess.PIPE,
-                                     stderr=log, env=env, start_new_session=True)
+                                     stderr=log, env=env, start_new_session=True,
+                                     bufsize=0)  # unbuffered, so select() sees every byte not yet read
         deadline = time.monotonic() + self.start_timeout
         assert self.proc.stdout is not None
         while True:
-            line = self.proc.stdout.readline().decode()
+            # Bounded: a lighthouse that hangs before printing must not hang us.
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            line = self.proc.stdout.readline().decode() if ready else ""
             match = _LISTENING.search(line)
             if match:
                 self.address = match.group(1)
