@@ -525,35 +525,31 @@ class HTTPTransport(CheckpointTransport[T]):
         remaining = max(0.0, deadline - time.monotonic())
         return {"session": session_id, "timeout": f"{remaining:.3f}", **{k: str(v) for k, v in extra.items()}}
 
-    async def _fetch_all(self, url: str, step: int, session_id: str, deadline: float, joined: list[bool],
-                         targets: dict[wire.Path, Any]) -> wire.StateDictReader:
-        """Prefix, header and data over one stream; the reader holds every data byte."""
+    async def _get_encoded(self, url: str, path: str, step: int, session_id: str, deadline: float,
+                           joined: list[bool], targets: dict[wire.Path, Any], header_only: bool) -> wire.StateDictReader:
+        """GET ``url + path`` into an encoded-state-dict sink; returns its reader."""
         sink: _body.EncodedSink | None = None
 
         def sink_for(length: int) -> _body.EncodedSink:
             nonlocal sink
             joined.append(True)
-            sink = _body.EncodedSink(url, step, length, targets, header_only=False)
+            sink = _body.EncodedSink(url, step, length, targets, header_only=header_only)
             return sink
 
-        await _body.get_into(url, self._params(session_id, deadline), self._auth_headers(), sink_for)
+        await _body.get_into(url + path, self._params(session_id, deadline), self._auth_headers(), sink_for)
         assert sink is not None
         return sink.complete_reader()
+
+    async def _fetch_all(self, url: str, step: int, session_id: str, deadline: float, joined: list[bool],
+                         targets: dict[wire.Path, Any]) -> wire.StateDictReader:
+        """Prefix, header and data over one stream; the reader holds every data byte."""
+        return await self._get_encoded(url, "", step, session_id, deadline, joined, targets, header_only=False)
 
     async def _fetch_chunked(self, url: str, step: int, session_id: str, deadline: float, joined: list[bool],
                              targets: dict[wire.Path, Any]) -> wire.StateDictReader:
         """The header, then the data in ``num_chunks`` byte ranges fetched at once."""
-        sink: _body.EncodedSink | None = None
-
-        def header_sink(length: int) -> _body.EncodedSink:
-            nonlocal sink
-            joined.append(True)
-            sink = _body.EncodedSink(url, step, length, targets, header_only=True)
-            return sink
-
-        await _body.get_into(f"{url}/header", self._params(session_id, deadline), self._auth_headers(), header_sink)
-        assert sink is not None
-        reader = sink.complete_reader()
+        reader = await self._get_encoded(url, "/header", step, session_id, deadline, joined, targets,
+                                         header_only=True)
         data_bytes = reader.header.data_bytes
         bounds = [data_bytes * i // self._num_chunks for i in range(self._num_chunks + 1)]
 
