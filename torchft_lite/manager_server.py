@@ -12,8 +12,12 @@ It serves torchft's ``ManagerService`` to the ranks of its own group (and
 * ``ShouldCommit``: collects one vote per rank for a step; all get the AND.
 * ``CheckpointMetadata``: what each rank's checkpoint transport advertised.
 * ``Kill``: logs the reason and exits the process (``EXIT_CODE_KILLED``).
+* ``Events`` (torchft_lite): relays the lighthouse's membership events to the
+  group's ranks.
 
-It also heartbeats the lighthouse every ``heartbeat_interval``. It runs on the
+It also heartbeats the lighthouse every ``heartbeat_interval`` and holds a
+lease on it (a ``Lease`` stream, closed first on stop, so the lighthouse drops
+the group at once when this process dies or leaves). It runs on the
 control-plane event loop and uses the lighthouse package's h2c gRPC server.
 """
 
