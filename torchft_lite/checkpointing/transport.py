@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from datetime import timedelta
-from typing import Generic, TypeVar
+from typing import Generic, Sequence, TypeVar
 
 __all__ = ["CheckpointTransport"]
 
@@ -61,6 +61,20 @@ class CheckpointTransport(Generic[T], ABC):
         ``CheckpointTransferError`` when the transfer fails (including a step
         mismatch) and ``CheckpointTimeout`` when ``timeout`` passes.
         """
+
+    def recv_checkpoint_striped(self, sources: Sequence[tuple[int, str]], step: int, timeout: timedelta) -> T:
+        """Receive the state dict of ``step`` from several up-to-date replicas at once.
+
+        ``sources`` are ``(src_rank, metadata)`` pairs, the primary source
+        first; a transport that can stripe pulls disjoint parts from each.
+        Every source must have been told (through its ``dst_ranks``) to
+        expect this receiver. This default receives everything from the
+        first source, which keeps torchft's single-source behaviour.
+        """
+        if not sources:
+            raise ValueError("recv_checkpoint_striped needs at least one source")
+        src_rank, metadata = sources[0]
+        return self.recv_checkpoint(src_rank, metadata, step, timeout)
 
     def shutdown(self, wait: bool = True) -> None:
         """Release the transport's resources (servers, sockets); idempotent.
