@@ -157,9 +157,11 @@ class QuorumState:
         self._healthy_prev_participants = 0
         self._healthy_shrink_only = 0
         # The highest step any issued quorum reached, and how many healthy
-        # participants hold it: without one of them a quorum would redo steps.
+        # participants hold it (all, and previous members only, which is whom
+        # shrink_only admits): without one of them a quorum would redo steps.
         self._max_step = max_step  # restored from the state directory after a restart
         self._healthy_up_to_date = 0
+        self._healthy_prev_up_to_date = 0
         self.quorums_issued = 0
 
     # ------------------------------------------------------------ inputs
@@ -242,6 +244,7 @@ class QuorumState:
         prev = self._prev
         shrink_only = prev is not None and self._healthy_shrink_only > 0
         eligible = self._healthy_prev_participants if shrink_only else joined
+        up_to_date = self._healthy_prev_up_to_date if shrink_only else self._healthy_up_to_date
         shrink_note = " (shrink_only: previous members only)" if shrink_only else ""
 
         if prev is not None and prev.members and self._healthy_prev_participants == len(prev.members):
@@ -264,10 +267,10 @@ class QuorumState:
                 Status.BELOW_MIN_REPLICAS,
                 f"waiting: {_n(eligible, 'eligible participant')}{shrink_note}, need min_replicas={cfg.min_replicas}",
             )
-        if self._max_step > 0 and self._healthy_up_to_date == 0:
+        if self._max_step > 0 and up_to_date == 0:
             return Decision(
                 Status.BEHIND_COMMITTED,
-                f"waiting: no participant holds step {self._max_step}, the highest step a quorum reached; "
+                f"waiting: no participant{shrink_note} holds step {self._max_step}, the highest step a quorum reached; "
                 "a quorum without one would redo committed steps (fresh or behind replicas only)",
             )
         if eligible * 2 <= healthy:
@@ -368,12 +371,15 @@ class QuorumState:
 
     def _count(self, member: Member, sign: int) -> None:
         self._healthy_participants += sign
-        if member.replica_id in self._prev_ids:
+        in_prev = member.replica_id in self._prev_ids
+        if in_prev:
             self._healthy_prev_participants += sign
         if member.shrink_only:
             self._healthy_shrink_only += sign
         if member.step >= self._max_step:
             self._healthy_up_to_date += sign
+            if in_prev:
+                self._healthy_prev_up_to_date += sign
 
     def _first_joined(self) -> float:
         # Participants are kept in join order (see _issue for the re-queued ones).
@@ -403,7 +409,7 @@ class QuorumState:
         remaining = {rid: p for rid, p in self._participants.items() if rid not in ids}
         self._participants = remaining
         self._healthy_participants = self._healthy_prev_participants = self._healthy_shrink_only = 0
-        self._healthy_up_to_date = 0
+        self._healthy_up_to_date = self._healthy_prev_up_to_date = 0
         for rid, participant in remaining.items():
             participant.joined_at = now
             if rid in heartbeats:
