@@ -14,16 +14,25 @@ assignments:
   same weights);
 * the behind members are dealt round-robin over the up-to-date ones, offset by
   the group rank so different group ranks heal from different peers;
+* striping (ours): when every member advertises ``heal_sources`` K > 1 in its
+  ``QuorumMember.data``, behind member ``i`` heals from the K up-to-date
+  members following its single source (that one first) and each of them lists
+  it among its destinations. K is the minimum over the members (a member that
+  advertises nothing, such as torchft's, counts as 1), so every group computes
+  the same assignment; with K = 1 it is exactly torchft's;
 * group rank ``r`` of every replica rendezvous on the TCPStore of the
   up-to-date member ``r mod len(up to date)`` (the primary).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
-__all__ = ["QuorumMember", "QuorumResult", "compute_quorum_result"]
+__all__ = ["QuorumMember", "QuorumResult", "compute_quorum_result", "heal_sources_of", "member_data"]
+
+HEAL_SOURCES_KEY = "heal_sources"
 
 
 @dataclass(frozen=True)
@@ -36,6 +45,7 @@ class QuorumMember:
     step: int
     world_size: int = 1
     commit_failures: int = 0
+    heal_sources: int = 1  # how many sources it can heal from at once (see heal_sources_of)
 
 
 @dataclass(frozen=True)
@@ -55,6 +65,8 @@ class QuorumResult:
     recover_dst_replica_ranks: tuple[int, ...]
     commit_failures: int
     replica_ids: tuple[str, ...] = field(default=())
+    recover_src_replica_ranks: tuple[int, ...] = field(default=())  # every source, the primary first
+    recover_src_manager_addresses: tuple[str, ...] = field(default=())
 
 
 def compute_quorum_result(
@@ -92,14 +104,16 @@ def compute_quorum_result(
     behind_set = set(behind)
     up_to_date = [rank for rank in range(len(ordered)) if rank not in behind_set]
 
-    my_src: int | None = None
+    stripes = min(min(max(m.heal_sources, 1) for m in ordered), len(up_to_date))
+    my_srcs: list[int] = []
     my_dsts: list[int] = []
     for i, dst in enumerate(behind):
-        src = up_to_date[(i + group_rank) % len(up_to_date)]
-        if src == replica_rank:
+        srcs = [up_to_date[(i + group_rank + j) % len(up_to_date)] for j in range(stripes)]
+        if replica_rank in srcs:
             my_dsts.append(dst)
         if dst == replica_rank:
-            my_src = src
+            my_srcs = srcs
+    my_src = my_srcs[0] if my_srcs else None
 
     max_replica_rank = at_max.index(replica_rank) if replica_rank in at_max else None
     return QuorumResult(
@@ -116,4 +130,45 @@ def compute_quorum_result(
         recover_dst_replica_ranks=tuple(my_dsts),
         commit_failures=max(m.commit_failures for m in ordered),
         replica_ids=tuple(ids),
+        recover_src_replica_ranks=tuple(my_srcs),
+        recover_src_manager_addresses=tuple(ordered[src].address for src in my_srcs),
     )
+
+
+def heal_sources_of(data: str) -> int:
+    """The ``heal_sources`` a member advertises in its ``QuorumMember.data``; 1 when it says nothing.
+
+    ``data`` is opaque user data, JSON by convention: anything that is not a
+    JSON object with a positive integer under ``heal_sources`` (empty, another
+    program's text) counts as 1, torchft's single source.
+    """
+    parsed = _json_object(data)
+    value = None if parsed is None else parsed.get(HEAL_SOURCES_KEY)
+    if type(value) is not int or value < 1:
+        return 1
+    return value
+
+
+def member_data(heal_sources: int, data: str = "") -> str:
+    """``data`` with ``heal_sources`` merged in, to advertise in ``QuorumMember.data``.
+
+    1 is torchft's behaviour and adds nothing, so a default group's bytes on the
+    wire stay torchft's. Raises ``ValueError`` when ``data`` holds something
+    other than a JSON object (merging into it would destroy it).
+    """
+    if heal_sources < 1:
+        raise ValueError(f"heal_sources must be >= 1, got {heal_sources}")
+    if heal_sources == 1:
+        return data
+    parsed = {} if not data else _json_object(data)
+    if parsed is None:
+        raise ValueError(f"QuorumMember.data is not a JSON object, can't add {HEAL_SOURCES_KEY}: {data[:80]!r}")
+    return json.dumps({**parsed, HEAL_SOURCES_KEY: heal_sources}, separators=(",", ":"), sort_keys=True)
+
+
+def _json_object(data: str) -> dict[str, Any] | None:
+    try:
+        parsed = json.loads(data) if data else None
+    except (ValueError, RecursionError):  # not JSON, or nested absurdly deep: a peer's data is untrusted
+        return None
+    return parsed if isinstance(parsed, dict) else None

@@ -8,7 +8,9 @@ It serves torchft's ``ManagerService`` to the ranks of its own group (and
   ``quorum_retries`` times when the lighthouse is briefly gone), then answers
   each rank with :func:`~torchft_lite._quorum_compute.compute_quorum_result`
   for its group rank. When the call finally fails, every waiting rank gets the
-  error at once.
+  error at once. The group's ``heal_sources`` (how many peers a healing rank
+  can stripe over) travels in ``QuorumMember.data`` so every group computes
+  the same assignment.
 * ``ShouldCommit``: collects one vote per rank for a step; all get the AND.
 * ``CheckpointMetadata``: what each rank's checkpoint transport advertised.
 * ``Kill``: logs the reason and exits the process (``EXIT_CODE_KILLED``).
@@ -38,7 +40,7 @@ from lighthouse.h2grpc import GrpcServer
 from lighthouse.h2grpc.server import RpcAbort
 from lighthouse.leases import push_dropping_oldest
 from lighthouse.protocol import torchft_pb2 as pb
-from torchft_lite._quorum_compute import QuorumMember, compute_quorum_result
+from torchft_lite._quorum_compute import QuorumMember, compute_quorum_result, heal_sources_of, member_data
 from torchft_lite.errors import QuorumError, QuorumTimeout
 
 __all__ = ["ManagerServer", "ManagerServerConfig", "EXIT_CODE_KILLED"]
@@ -70,6 +72,9 @@ class ManagerServerConfig:
     """Lighthouse Quorum timeout used when a rank's request carries no deadline."""
     quorum_retries: int = 0
     """Extra lighthouse Quorum attempts after a failure before giving up."""
+    heal_sources: int = 1
+    """Sources this group's ranks can heal from at once, advertised in ``QuorumMember.data``
+    (see :mod:`torchft_lite._quorum_compute`); 1 advertises nothing, as torchft."""
 
     def __post_init__(self) -> None:
         if not self.replica_id:
@@ -80,6 +85,8 @@ class ManagerServerConfig:
             raise ValueError(f"heartbeat_interval must be > 0, got {self.heartbeat_interval}")
         if self.quorum_retries < 0:
             raise ValueError(f"quorum_retries must be >= 0, got {self.quorum_retries}")
+        if self.heal_sources < 1:
+            raise ValueError(f"heal_sources must be >= 1, got {self.heal_sources}")
 
 
 @dataclass
@@ -286,7 +293,8 @@ class ManagerServer:
         except _RoundFailed as exc:
             raise RpcAbort(exc.code, str(exc)) from None
         members = [
-            QuorumMember(p.replica_id, p.address, p.store_address, p.step, p.world_size, p.commit_failures)
+            QuorumMember(p.replica_id, p.address, p.store_address, p.step, p.world_size, p.commit_failures,
+                         heal_sources=heal_sources_of(p.data))
             for p in quorum.participants
         ]
         # Group rank r of every replica group forms one process group, so every
@@ -315,6 +323,8 @@ class ManagerServer:
             heal=result.heal,
             commit_failures=result.commit_failures,
             replica_ids=result.replica_ids,
+            recover_src_replica_ranks=result.recover_src_replica_ranks,
+            recover_src_manager_addresses=result.recover_src_manager_addresses,
         )
         if result.recover_src_replica_rank is not None:
             response.recover_src_replica_rank = result.recover_src_replica_rank
@@ -373,6 +383,7 @@ class ManagerServer:
                     step=step,
                     world_size=self.config.world_size,
                     shrink_only=any(r.shrink_only for r in requests),
+                    data=member_data(self.config.heal_sources),
                     commit_failures=max(r.commit_failures for r in requests),
                 )
             except Exception as exc:  # LighthouseError, or anything unexpected: the ranks must hear of it

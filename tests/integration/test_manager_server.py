@@ -162,3 +162,24 @@ def test_groups_of_different_sizes_are_refused_clearly():
                     assert "must all have the same number of ranks" in str(result)
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("late_heal_sources", [2, 1])
+def test_heal_sources_travel_in_member_data_and_stripe_only_when_all_advertise(late_heal_sources):
+    async def scenario():
+        async with running_lighthouse(min_replicas=3) as lh:
+            async with manager_server(lh.address(), "a", heal_sources=2) as (a, ca), \
+                       manager_server(lh.address(), "b", heal_sources=2) as (b, cb), \
+                       manager_server(lh.address(), "c", heal_sources=late_heal_sources) as (_, cc):
+                ra, rb, rc = await asyncio.gather(quorum(ca, 0, step=5), quorum(cb, 0, step=5), quorum(cc, 0, step=1))
+                assert rc.heal and rc.recover_src_replica_rank == 0 and rc.recover_src_manager_address == a.address()
+                if late_heal_sources == 2:
+                    assert list(rc.recover_src_replica_ranks) == [0, 1]
+                    assert list(rc.recover_src_manager_addresses) == [a.address(), b.address()]
+                    assert list(ra.recover_dst_replica_ranks) == [2] and list(rb.recover_dst_replica_ranks) == [2]
+                else:  # one member advertises nothing: torchft's single source for everyone
+                    assert list(rc.recover_src_replica_ranks) == [0]
+                    assert list(ra.recover_dst_replica_ranks) == [2] and list(rb.recover_dst_replica_ranks) == []
+                assert list(ra.recover_src_replica_ranks) == [] and not ra.HasField("recover_src_replica_rank")
+
+    asyncio.run(scenario())

@@ -1,8 +1,10 @@
 """The pure quorum computation: ranks, stores and heal assignments."""
 
+import json
+
 import pytest
 
-from torchft_lite._quorum_compute import QuorumMember, compute_quorum_result
+from torchft_lite._quorum_compute import QuorumMember, compute_quorum_result, heal_sources_of, member_data
 
 
 def members(*steps: int, failures: int = 0) -> list[QuorumMember]:
@@ -78,3 +80,98 @@ def test_not_a_member_is_a_clear_error():
         compute_quorum_result(4, members(1), "replica_9", 0)
     with pytest.raises(ValueError, match="no members"):
         compute_quorum_result(4, [], "replica_0", 0)
+
+
+# ---------------------------------------------------------------- striping over several sources
+
+
+def striped(steps, heal_sources, group_rank=0, **kw):
+    """Every member's result, with ``heal_sources`` an int (all alike) or one value per member."""
+    per_member = heal_sources if isinstance(heal_sources, (list, tuple)) else [heal_sources] * len(steps)
+    quorum = [
+        QuorumMember(f"replica_{i}", f"addr_{i}", f"store_{i}", step, heal_sources=k)
+        for i, (step, k) in enumerate(zip(steps, per_member))
+    ]
+    return [compute_quorum_result(1, quorum, f"replica_{i}", group_rank, **kw) for i in range(len(steps))]
+
+
+def assert_sources_and_destinations_agree(results) -> None:
+    """What each source serves is exactly who lists it as a source: the HTTP server waits for that many."""
+    for rank, result in enumerate(results):
+        pulling = tuple(dst for dst, r in enumerate(results) if rank in r.recover_src_replica_ranks)
+        assert result.recover_dst_replica_ranks == pulling
+        assert result.recover_src_replica_ranks[:1] == (
+            () if result.recover_src_replica_rank is None else (result.recover_src_replica_rank,))
+        assert result.recover_src_manager_addresses == tuple(f"addr_{s}" for s in result.recover_src_replica_ranks)
+
+
+@pytest.mark.parametrize("group_rank", [0, 1, 2])
+def test_one_source_is_torchfts_assignment_unchanged(group_rank):
+    steps = (9, 9, 0, 0, 4, 9)
+    plain = [compute_quorum_result(1, members(*steps), f"replica_{i}", group_rank) for i in range(len(steps))]
+    for one, default in zip(striped(steps, 1, group_rank), plain):
+        assert one == default
+        assert one.recover_src_replica_ranks == (() if not one.heal else (one.recover_src_replica_rank,))
+
+
+def test_two_sources_each_behind_replica_pulls_from_two_consecutive_up_to_date_peers():
+    results = striped((9, 9, 0, 0, 4, 9), 2)  # up to date: 0, 1, 5; behind: 2, 3, 4
+    assert [r.recover_src_replica_ranks for r in results] == [(), (), (0, 1), (1, 5), (5, 0), ()]
+    assert [r.recover_src_replica_rank for r in results[2:5]] == [0, 1, 5]  # the single-source choice, first
+    assert results[0].recover_dst_replica_ranks == (2, 4)
+    assert results[1].recover_dst_replica_ranks == (2, 3)
+    assert results[5].recover_dst_replica_ranks == (3, 4)
+    assert_sources_and_destinations_agree(results)
+
+
+@pytest.mark.parametrize("group_rank", [0, 1, 2, 3])
+def test_three_sources_agree_for_every_group_rank(group_rank):
+    results = striped((7, 3, 7, 7, 2, 7), 3, group_rank)  # up to date: 0, 2, 3, 5
+    assert_sources_and_destinations_agree(results)
+    for result in (results[1], results[4]):
+        assert result.heal and len(set(result.recover_src_replica_ranks)) == 3
+    assert results[1].recover_src_replica_ranks == tuple([0, 2, 3, 5][(group_rank + j) % 4] for j in range(3))
+
+
+def test_the_smallest_advertised_heal_sources_wins():
+    steps = (5, 5, 5, 1)
+    assert striped(steps, [3, 2, 3, 3])[3].recover_src_replica_ranks == (0, 1)
+    # a member advertising nothing (torchft's, or ours with the default) keeps everyone on one source
+    mixed = striped(steps, [3, 1, 3, 3])
+    assert mixed[3].recover_src_replica_ranks == (0,)
+    assert [r.recover_dst_replica_ranks for r in mixed[:3]] == [(3,), (), ()]
+    assert_sources_and_destinations_agree(mixed)
+
+
+def test_fewer_up_to_date_peers_than_heal_sources_uses_each_once():
+    results = striped((4, 4, 1, 1), 5)
+    assert [r.recover_src_replica_ranks for r in results[2:]] == [(0, 1), (1, 0)]
+    assert_sources_and_destinations_agree(results)
+    alone = striped((4, 1), 3)
+    assert alone[1].recover_src_replica_ranks == (0,) and alone[0].recover_dst_replica_ranks == (1,)
+
+
+def test_init_sync_at_step_zero_has_one_source_whatever_is_advertised():
+    results = striped((0, 0, 0), 2)  # only the primary is up to date at step 0
+    assert [r.recover_src_replica_ranks for r in results] == [(), (0,), (0,)]
+    assert_sources_and_destinations_agree(results)
+
+
+@pytest.mark.parametrize("data,expected", [
+    ("", 1), ('{"heal_sources": 2}', 2), ('{"heal_sources": 0}', 1), ('{"heal_sources": -3}', 1),
+    ('{"heal_sources": true}', 1), ('{"heal_sources": "2"}', 1), ('{"heal_sources": 2.0}', 1),
+    ("[2]", 1), ("not json", 1), ('{"other": 1}', 1), ("[" * 100_000, 1),
+])
+def test_heal_sources_of_member_data(data, expected):
+    assert heal_sources_of(data) == expected
+
+
+def test_member_data_merges_into_json_and_advertises_nothing_for_one():
+    assert member_data(1) == "" and member_data(1, "opaque") == "opaque"
+    assert heal_sources_of(member_data(3)) == 3
+    merged = member_data(2, '{"team": "a"}')
+    assert json.loads(merged) == {"team": "a", "heal_sources": 2}
+    with pytest.raises(ValueError, match="not a JSON object"):
+        member_data(2, "opaque")
+    with pytest.raises(ValueError, match=">= 1"):
+        member_data(0)
