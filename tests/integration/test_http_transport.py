@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from datetime import timedelta
@@ -117,16 +118,21 @@ def test_the_token_is_required_and_checked(make_transport):
 
 def test_bytes_corrupted_in_transit_fail_the_receive_and_are_reported(make_transport, monkeypatch, caplog):
     caplog.set_level(logging.INFO, logger="torchft_lite.checkpointing.http_transport")
-    honest = wire.EncodedStateDict.iter_data
+    honest = wire.EncodedStateDict.body
 
     def corrupting(self, *args, **kwargs):
-        for i, view in enumerate(honest(self, *args, **kwargs)):
-            data = bytearray(view)
-            if i == 0 and data:
-                data[0] ^= 0xFF
-            yield data
+        pieces, length = honest(self, *args, **kwargs)
 
-    monkeypatch.setattr(wire.EncodedStateDict, "iter_data", corrupting)
+        def damaged():
+            for i, view in enumerate(pieces):  # each block is checksummed before it is yielded
+                data = bytearray(view)
+                if i == 0 and data:
+                    data[0] ^= 0xFF
+                yield data
+
+        return damaged(), length
+
+    monkeypatch.setattr(wire.EncodedStateDict, "body", corrupting)
     server, client = make_transport(), make_transport()
     server.send_checkpoint([1], 5, state_dict(), LONG)
     with pytest.raises(CheckpointTransferError, match="checksum mismatch"):
@@ -310,7 +316,7 @@ def test_mutating_right_after_disallow_leaves_what_was_served_intact(make_transp
         received += chunk
     sock.close()
     body = bytes(received).split(b"\r\n\r\n", 1)[1]
-    step, state = wire.decode_bytes(body)  # checks every tensor's crc32 too
+    step, state = wire.decode_bytes(body)  # checks every block's checksum too
     assert hashlib.sha256(wire.encode_to_bytes(step, state)).hexdigest() == expected
 
 
@@ -416,3 +422,40 @@ def test_receive_in_place_fills_the_local_tensors(make_transport, num_chunks):
     assert torch.equal(big, sent["user"]["big"]) and torch.equal(weight, sent["user"]["model"]["weight"])
     assert received["user"]["half"] is not local["user"]["half"]
     assert digest(5, received) == digest(5, sent)
+
+
+def test_striping_pulls_disjoint_ranges_from_two_peers(make_transport):
+    first, second = make_transport(), make_transport()
+    sent = state_dict(big_elements=1_500_000)  # 6 MB: several 1 MiB checksum blocks to share out
+    for server in (first, second):
+        server.send_checkpoint([1], 5, sent, LONG)
+    client = make_transport()
+    received = client.recv_checkpoint_striped([(0, first.metadata()), (1, second.metadata())], 5, LONG)
+    assert digest(5, received) == digest(5, sent)
+    served = [server.statistics().bytes_served for server in (first, second)]
+    assert all(count > 1_000_000 for count in served), served  # both sent a share of the data
+    assert sum(served) < 1.2 * 6_000_000, served  # and not the whole of it each
+    for server in (first, second):  # the receiver told both it had finished
+        assert server.statistics().receivers_finished == 1
+        server.disallow_checkpoint()
+
+
+def test_striping_from_a_peer_that_serves_another_step_fails_clearly(make_transport):
+    first, second = make_transport(), make_transport()
+    sent = state_dict(big_elements=600_000)
+    first.send_checkpoint([1], 5, sent, LONG)
+    second.send_checkpoint([1], 6, sent, timedelta(seconds=1))  # its receiver never comes
+    with pytest.raises(CheckpointTransferError, match="HTTP 409.*serves step 6"):
+        make_transport().recv_checkpoint_striped([(0, first.metadata()), (1, second.metadata())], 5, LONG)
+    for server in (first, second):
+        server.disallow_checkpoint()
+
+
+def test_a_range_off_the_checksum_blocks_is_a_400(make_transport):
+    server = make_transport()
+    server.send_checkpoint([1], 5, state_dict(big_elements=600_000), LONG)
+    url = f"{server.metadata()}/5/data?session=s1&start=0&end=1000"
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(url, timeout=WAIT)
+    assert caught.value.code == 400 and b"block boundaries" in caught.value.read()
+    server.disallow_checkpoint()

@@ -3,8 +3,8 @@
 aiohttp's client hands a body over as ``bytes`` objects, which the receiver
 would then copy into its tensors: two user-space copies of every byte. Here a
 ``BufferedProtocol`` gives the event loop a view of the destination itself
-(:class:`BodySink`), so a heal costs one copy (the kernel's) plus the crc32
-the reader computes over the received runs on its thread pool.
+(:class:`BodySink`), so a heal costs one copy (the kernel's) plus one cached
+read of each block for its checksum.
 
 Only what the checkpoint server answers is understood: a status line, headers
 with a ``Content-Length``, then exactly that many body bytes, one request per
@@ -191,23 +191,38 @@ async def get_into(url: str, params: dict[str, str], headers: dict[str, str],
 
 
 class DataSink:
-    """Data bytes ``[start, end)`` of a response body, straight into the reader's tensors."""
+    """Data bytes ``[start, end)`` of a response body, straight into the reader's tensors, then their checksums."""
 
     def __init__(self, reader: wire.StateDictReader, start: int, end: int) -> None:
         self._reader = reader
+        self._start = start
         self._position = start
         self._end = end
+        self._trailer = memoryview(bytearray(reader.expected_trailer_bytes(start, end)))
+        self._got = 0
+
+    @property
+    def length(self) -> int:
+        """The body's length: the data range and its blocks' checksums."""
+        return self._end - self._start + len(self._trailer)
 
     def buffer(self) -> memoryview:
-        return self._reader.buffer_at(self._position, self._end)
+        if self._position < self._end:
+            return self._reader.buffer_at(self._position, self._end)
+        return self._trailer[self._got:]
 
     def filled(self, count: int) -> None:
-        self._reader.filled(self._position, count)
-        self._position += count
+        if self._position < self._end:
+            self._reader.filled(self._position, count)
+            self._position += count
+            return
+        self._got += count
+        if self._got == len(self._trailer):
+            self._reader.expect(self._start, self._end, self._trailer)
 
 
 class EncodedSink:
-    """Prefix, header and (unless ``header_only``) data of one state dict, as a response body of ``length``."""
+    """Prefix, header and (unless ``header_only``) data and checksums of one state dict, as a body of ``length``."""
 
     def __init__(self, url: str, step: int, length: int, targets: dict[wire.Path, Any], *,
                  header_only: bool) -> None:
@@ -239,8 +254,10 @@ class EncodedSink:
             if length:
                 return
         header_end = wire.PREFIX_SIZE + len(self._pending)
+        if self._header_only and self._length != header_end:
+            raise CheckpointTransferError(f"{self._url} sent {self._length - header_end} bytes after the header")
         header = wire.parse_header(bytes(self._pending), self._crc,
-                                   data_bytes=None if self._header_only else self._length - header_end)
+                                   following=None if self._header_only else self._length - header_end)
         if header.step != self._step:
             raise CheckpointTransferError(f"{self._url} sent step {header.step}, expected step {self._step}")
         self.reader = wire.StateDictReader(header, self._targets)

@@ -3,36 +3,30 @@
 A :class:`StateDictReader` owns the destination tensors. Bytes reach them two
 ways: :meth:`~StateDictReader.write` copies a received buffer in, or a
 network protocol asks for :meth:`~StateDictReader.buffer_at` (a writable view
-of the destination memory) and reports :meth:`~StateDictReader.filled` after
-the kernel has written into it, so nothing is copied in user space.
+of the destination memory, never past the end of a checksum block) and
+reports :meth:`~StateDictReader.filled` after the kernel has written into
+it, so nothing is copied in user space.
 
-Either way the new bytes extend a run of that tensor's received bytes; once
-a run reaches ``BATCH_BYTES`` (or the tensor's end) its crc32 is computed on
-the crc thread pool, on another core while the event loop keeps receiving.
-The runs' crcs (several per tensor when streams split it) are joined with
-``crc32_combine``: :meth:`~StateDictReader.finish` never reads the data a
-second time, it only waits for the last runs.
+Each block's sum64 is computed the moment its last byte lands, while the
+block is still in the cache. The sender's sums arrive after the data
+(:meth:`~StateDictReader.expect`); :meth:`~StateDictReader.finish` compares
+them and never reads the data a second time.
 """
 
 from __future__ import annotations
 
 import bisect
-import concurrent.futures
-import zlib
 from typing import Any, Mapping
 
 import torch
 
-from torchft_lite.checkpointing._crc import crc32_combine, executor
+from torchft_lite.checkpointing import _checksum
 from torchft_lite.checkpointing._serialization import (
     DTYPES, PREFIX_SIZE, Header, Path, TensorEntry, byte_view, format_path, parse_header, unpack_prefix,
 )
 from torchft_lite.errors import CheckpointTransferError
 
 __all__ = ["StateDictReader", "decode_bytes"]
-
-BATCH_BYTES = 4 << 20  # a run this long is checksummed on the pool; shorter ones wait for more bytes
-_INLINE_BYTES = 256 << 10  # a final run shorter than this is checksummed on the spot
 
 
 class StateDictReader:
@@ -55,11 +49,10 @@ class StateDictReader:
         except RuntimeError as exc:  # torch could not allocate what the header declared
             raise CheckpointTransferError(f"cannot allocate {header.data_bytes} bytes for the checkpoint") from exc
         self._views = [byte_view(tensor) for tensor in self._tensors]
-        self._starts = [entry.offset for entry in header.entries]
-        # per tensor: end of a run of received bytes not yet checksummed -> start of the run
-        self._open: list[dict[int, int]] = [{} for _ in header.entries]
-        # per tensor: (start, end, crc32 or its future) of each checksummed run
-        self._runs: list[list[tuple[int, int, Any]]] = [[] for _ in header.entries]
+        blocks = header.blocks
+        self._filled = [0] * len(blocks)  # bytes received into each block
+        self._sums: list[int | None] = [None] * len(blocks)  # computed when a block is complete
+        self._expected: list[int | None] = [None] * len(blocks)  # the sender's, from the trailers
         self.received_bytes = 0
 
     def _buffer_for(self, entry: TensorEntry, target: torch.Tensor | None) -> torch.Tensor:
@@ -72,12 +65,15 @@ class StateDictReader:
         self._copy_back.append((buffer, target))
         return buffer
 
-    def _index(self, offset: int) -> int:
-        """The tensor holding data byte ``offset`` (the first non-empty one starting there)."""
-        index = bisect.bisect_right(self._starts, offset) - 1
-        while self.header.entries[index].offset + self.header.entries[index].nbytes <= offset:
-            index += 1
-        return index
+    def _block_at(self, offset: int) -> int:
+        """The block holding data byte ``offset``."""
+        if not 0 <= offset < self.header.data_bytes:
+            raise CheckpointTransferError(f"data byte {offset} is outside [0, {self.header.data_bytes})")
+        return bisect.bisect_right(self.header.blocks.starts, offset) - 1
+
+    def _view(self, start: int, end: int, tensor: int) -> memoryview:
+        offset = self.header.entries[tensor].offset
+        return self._views[tensor][start - offset:end - offset]
 
     def _check_range(self, offset: int, end: int) -> None:
         if offset < 0 or end > self.header.data_bytes:
@@ -85,46 +81,38 @@ class StateDictReader:
                 f"received bytes [{offset}, {end}) outside the declared {self.header.data_bytes} data bytes")
 
     def buffer_at(self, offset: int, limit: int) -> memoryview:
-        """A writable view of the destination of data bytes ``[offset, min(limit, end of that tensor))``."""
+        """A writable view of the destination of data bytes ``[offset, min(limit, end of that block))``."""
         self._check_range(offset, limit)
         if offset >= limit:
             raise CheckpointTransferError(f"no room for data at byte {offset} (the range ends at {limit})")
-        index = self._index(offset)
-        entry = self.header.entries[index]
-        return self._views[index][offset - entry.offset:min(limit, entry.offset + entry.nbytes) - entry.offset]
+        _, end, tensor = self.header.blocks.spans[self._block_at(offset)]
+        return self._view(offset, min(limit, end), tensor)
 
     def data_tensor(self, start: int, end: int) -> torch.Tensor:
         """A flat uint8 tensor aliasing the destination of data bytes ``[start, end)`` (within one tensor)."""
         self._check_range(start, end)
-        index = self._index(start)
+        _, _, index = self.header.blocks.spans[self._block_at(start)]
         entry = self.header.entries[index]
         if end > entry.offset + entry.nbytes:
             raise CheckpointTransferError(f"bytes [{start}, {end}) span more than tensor {index}")
         return self._tensors[index].reshape(-1).view(torch.uint8)[start - entry.offset:end - entry.offset]
 
     def filled(self, offset: int, count: int) -> None:
-        """Account for ``count`` bytes written at ``offset`` through :meth:`buffer_at` (within one tensor)."""
+        """Account for ``count`` bytes written at ``offset`` (through :meth:`buffer_at` or :meth:`data_tensor`)."""
         self._check_range(offset, offset + count)
-        index = self._index(offset)
-        entry = self.header.entries[index]
-        first = offset - entry.offset
-        if first + count > entry.nbytes:
-            raise CheckpointTransferError(f"{count} bytes at {offset} overrun tensor {index}")
-        self._account(index, first, first + count)
-
-    def _account(self, index: int, first: int, stop: int) -> None:
-        open_runs = self._open[index]
-        start = open_runs.pop(first, first)
-        if stop - start >= BATCH_BYTES or stop == self.header.entries[index].nbytes:
-            self._checksum(index, start, stop)
-        else:
-            open_runs[stop] = start
-        self.received_bytes += stop - first
-
-    def _checksum(self, index: int, start: int, stop: int) -> None:
-        view = self._views[index][start:stop]
-        crc = zlib.crc32(view) if stop - start < _INLINE_BYTES else executor().submit(zlib.crc32, view)
-        self._runs[index].append((start, stop, crc))
+        spans = self.header.blocks.spans
+        position, end = offset, offset + count
+        while position < end:
+            block = self._block_at(position)
+            block_start, block_end, tensor = spans[block]
+            stop = min(end, block_end)
+            self._filled[block] += stop - position
+            if self._filled[block] > block_end - block_start:
+                raise CheckpointTransferError(f"bytes of block [{block_start}, {block_end}) were received twice")
+            if self._filled[block] == block_end - block_start:
+                self._sums[block] = _checksum.sum64(self._view(block_start, block_end, tensor))
+            position = stop
+        self.received_bytes += count
 
     def write(self, offset: int, data: bytes | memoryview) -> None:
         """Place ``data`` at ``offset`` of the data section."""
@@ -133,29 +121,43 @@ class StateDictReader:
         self._check_range(offset, end)
         position = offset
         while position < end:
-            index = self._index(position)
-            entry = self.header.entries[index]
-            stop = min(end, entry.offset + entry.nbytes)
-            self._views[index][position - entry.offset:stop - entry.offset] = data[position - offset:stop - offset]
-            self._account(index, position - entry.offset, stop - entry.offset)
-            position = stop
+            destination = self.buffer_at(position, end)
+            destination[:] = data[position - offset:position - offset + len(destination)]
+            self.filled(position, len(destination))
+            position += len(destination)
 
-    def _verify(self, index: int) -> None:
-        entry, path = self.header.entries[index], self.header.paths[index]
-        crc, position = 0, 0
-        for start, stop, run_crc in sorted(self._runs[index], key=lambda run: run[0]):
-            if isinstance(run_crc, concurrent.futures.Future):
-                run_crc = run_crc.result()
-            if start != position:
-                raise CheckpointTransferError(f"tensor {format_path(path)}: bytes [{min(start, position)}, "
-                                              f"{max(start, position)}) were received twice or not at all")
-            crc = crc32_combine(crc, run_crc, stop - start)
-            position = stop
-        if position != entry.nbytes:
-            raise CheckpointTransferError(f"checkpoint truncated: tensor {format_path(path)} got {position} of "
-                                          f"{entry.nbytes} bytes")
-        if crc != entry.crc32:
-            raise CheckpointTransferError(f"checksum mismatch in tensor {format_path(path)} (corrupted in transit)")
+    def expect(self, start: int, end: int, trailer: bytes | memoryview) -> None:
+        """The sender's checksums of the blocks making up data bytes ``[start, end)``."""
+        try:
+            covered = self.header.blocks.covering(start, end)
+            sums = _checksum.unpack(trailer)
+        except ValueError as exc:
+            raise CheckpointTransferError(f"bad checksums for data bytes [{start}, {end}): {exc}") from exc
+        if len(sums) != len(covered):
+            raise CheckpointTransferError(f"{len(sums)} checksums for the {len(covered)} blocks of [{start}, {end})")
+        for block, value in zip(covered, sums):
+            if self._expected[block] is not None:
+                raise CheckpointTransferError(f"the checksum of data block {block} arrived twice")
+            self._expected[block] = value
+
+    def expected_trailer_bytes(self, start: int, end: int) -> int:
+        """How many checksum bytes follow the data range ``[start, end)`` on the wire."""
+        try:
+            return self.header.blocks.trailer_bytes(start, end)
+        except ValueError as exc:
+            raise CheckpointTransferError(str(exc)) from exc
+
+    def _verify(self) -> None:
+        for block, (start, end, tensor) in enumerate(self.header.blocks.spans):
+            path = format_path(self.header.paths[tensor])
+            offset = self.header.entries[tensor].offset
+            where = f"tensor {path} bytes [{start - offset}, {end - offset})"
+            if self._filled[block] != end - start:
+                raise CheckpointTransferError(f"checkpoint truncated: {where} got {self._filled[block]} bytes")
+            if self._expected[block] is None:
+                raise CheckpointTransferError(f"checkpoint truncated: the checksum of {where} never arrived")
+            if self._sums[block] != self._expected[block]:
+                raise CheckpointTransferError(f"checksum mismatch in {where} (corrupted in transit)")
 
     def finish(self) -> Any:
         """Check that every byte arrived intact and return the state dict."""
@@ -163,12 +165,7 @@ class StateDictReader:
             what = "truncated" if self.received_bytes < self.header.data_bytes else "repeated bytes"
             raise CheckpointTransferError(
                 f"checkpoint {what}: {self.received_bytes} of {self.header.data_bytes} data bytes received")
-        for index, open_runs in enumerate(self._open):
-            for stop, start in open_runs.items():
-                self._checksum(index, start, stop)
-            open_runs.clear()
-        for index in range(len(self.header.entries)):
-            self._verify(index)
+        self._verify()
         results = {id(buffer): target for buffer, target in self._copy_back}
         with torch.no_grad():
             for buffer, target in self._copy_back:
@@ -183,7 +180,9 @@ def decode_bytes(blob: bytes | memoryview, targets: Mapping[Path, torch.Tensor] 
     if len(blob) < PREFIX_SIZE + length:
         raise CheckpointTransferError(f"checkpoint truncated inside the {length}-byte header")
     header = parse_header(bytes(blob[PREFIX_SIZE:PREFIX_SIZE + length]), crc,
-                          data_bytes=len(blob) - PREFIX_SIZE - length)
+                          following=len(blob) - PREFIX_SIZE - length)
     reader = StateDictReader(header, targets)
-    reader.write(0, blob[PREFIX_SIZE + length:])
+    data_start = PREFIX_SIZE + length
+    reader.write(0, blob[data_start:data_start + header.data_bytes])
+    reader.expect(0, header.data_bytes, blob[data_start + header.data_bytes:])
     return header.step, reader.finish()

@@ -1,17 +1,24 @@
-"""The wire format of a live checkpoint: a JSON header, then raw tensor bytes.
+"""The wire format of a live checkpoint: a JSON header, raw tensor bytes, then block checksums.
 
 One encoded state dict is::
 
-    prefix  20 bytes   b"TFTLSD01" | header length (uint64 LE) | crc32 of the header (uint32 LE)
-    header  UTF-8 JSON {"format": 1, "byteorder": "little", "step": N, "data_bytes": D,
-                        "tensors": [ENTRY, ...], "tree": NODE}
-    data    D bytes    every tensor's bytes (in "byteorder"), contiguous, in ENTRY order, no padding
+    prefix   20 bytes   b"TFTLSD02" | header length (uint64 LE) | crc32 of the header (uint32 LE)
+    header   UTF-8 JSON {"format": 2, "byteorder": "little", "step": N, "data_bytes": D,
+                         "checksum": {"algorithm": "sum64", "block_bytes": B},
+                         "tensors": [ENTRY, ...], "tree": NODE}
+    data     D bytes    every tensor's bytes (in "byteorder"), contiguous, in ENTRY order, no padding
+    trailer  8 bytes per block: each block's sum64 (uint64 LE), in data order
 
-    ENTRY = {"dtype": "bfloat16", "shape": [2, 3], "offset": 0, "nbytes": 12, "crc32": 305419896}
+    ENTRY = {"dtype": "bfloat16", "shape": [2, 3], "offset": 0, "nbytes": 12}
     NODE  = [tag, value], tag one of
             none bool int str bytes(base64) float(float.hex) dtype size timedelta([d, s, us])
             tensor(index into "tensors") list tuple dict([[KEY, NODE], ...])
     KEY   = a none/bool/int/float/str node, or a tuple of keys
+
+Blocks cut each tensor every ``B`` bytes (see ``_checksum``). The trailer
+comes last so the sender checksums each block as it goes out instead of
+reading the whole state dict once more before the first byte; a transfer of
+a block-aligned data range carries the sums of its own blocks after it.
 
 The receiver only ever builds these plain types: nothing is unpickled or
 evaluated, and every header field is validated before anything is allocated.
@@ -34,22 +41,24 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from torchft_lite.checkpointing._crc import checksums
+from torchft_lite.checkpointing import _checksum
 from torchft_lite.errors import CheckpointError, CheckpointTransferError
 
 __all__ = [
-    "DTYPES", "PREFIX_SIZE", "EncodedStateDict", "FlatStateDict", "Header", "StateDictReader", "TensorEntry",
+    "DTYPES", "PREFIX_SIZE", "Blocks", "EncodedStateDict", "FlatStateDict", "Header", "StateDictReader", "TensorEntry",
     "byte_view", "decode_bytes", "encode", "encode_to_bytes", "flatten", "format_path", "parse_header",
     "targets_of", "unpack_prefix",
 ]
 
-MAGIC = b"TFTLSD01"
-FORMAT_VERSION = 1
+MAGIC = b"TFTLSD02"
+FORMAT_VERSION = 2
 _PREFIX = struct.Struct("<8sQI")
 PREFIX_SIZE = _PREFIX.size
 MAX_HEADER_BYTES = 256 << 20
 MAX_DATA_BYTES = 1 << 50  # 1 PiB: a larger declaration is a corrupt or hostile header
 MAX_DEPTH = 64
+MIN_BLOCK_BYTES = 4096
+MAX_BLOCKS = 1 << 24  # a larger count is a hostile header (16 TiB at the default 1 MiB blocks)
 SLICE_BYTES = 8 << 20  # default size of the views iter_data yields
 
 _DTYPE_NAMES = (
@@ -197,11 +206,46 @@ class TensorEntry:
     shape: tuple[int, ...]
     offset: int
     nbytes: int
-    crc32: int
 
     def to_json(self) -> dict:
-        return {"dtype": self.dtype, "shape": list(self.shape), "offset": self.offset, "nbytes": self.nbytes,
-                "crc32": self.crc32}
+        return {"dtype": self.dtype, "shape": list(self.shape), "offset": self.offset, "nbytes": self.nbytes}
+
+
+class Blocks:
+    """The checksum blocks of a data section: each tensor cut every ``block_bytes``."""
+
+    def __init__(self, entries: Sequence[TensorEntry], block_bytes: int) -> None:
+        self.block_bytes = block_bytes
+        self.spans = _checksum.blocks([(entry.offset, entry.nbytes) for entry in entries], block_bytes)
+        """``(start, end, tensor index)`` of each block, in data order."""
+        self.starts = [start for start, _, _ in self.spans]
+        self.data_bytes = sum(entry.nbytes for entry in entries)
+
+    def __len__(self) -> int:
+        return len(self.spans)
+
+    def covering(self, start: int, end: int) -> range:
+        """The blocks that make up data bytes ``[start, end)``; both must fall on block boundaries."""
+        if not 0 <= start <= end <= self.data_bytes:
+            raise ValueError(f"data range [{start}, {end}) outside [0, {self.data_bytes})")
+        first = bisect.bisect_left(self.starts, start)
+        last = bisect.bisect_left(self.starts, end)
+        if (start < self.data_bytes and (first == len(self.starts) or self.starts[first] != start)) or \
+                (end < self.data_bytes and (last == len(self.starts) or self.starts[last] != end)):
+            raise ValueError(f"data range [{start}, {end}) does not fall on checksum block boundaries")
+        return range(first, last)
+
+    def split(self, parts: int) -> list[tuple[int, int]]:
+        """At most ``parts`` non-empty, block-aligned ranges of about equal size covering the data."""
+        bounds = {0, self.data_bytes}
+        for i in range(1, parts):
+            at = bisect.bisect_left(self.starts, self.data_bytes * i // parts)
+            bounds.add(self.starts[at] if at < len(self.starts) else self.data_bytes)
+        ordered = sorted(bounds)
+        return [(a, b) for a, b in zip(ordered, ordered[1:]) if b > a]
+
+    def trailer_bytes(self, start: int, end: int) -> int:
+        return len(self.covering(start, end)) * _checksum.SUM_BYTES
 
 
 class EncodedStateDict:
@@ -209,22 +253,25 @@ class EncodedStateDict:
 
     The views alias the CPU tensors (the caller's own, when already contiguous
     on CPU): they are valid only while the caller leaves the state dict alone.
+    Block checksums are computed as blocks are first read and kept.
     """
 
     def __init__(self, step: int, header: bytes, entries: Sequence[TensorEntry],
-                 buffers: Sequence[torch.Tensor]) -> None:
+                 buffers: Sequence[torch.Tensor], block_bytes: int) -> None:
         self.step = step
         self.header = header
         self.entries = tuple(entries)
         self.data_bytes = sum(entry.nbytes for entry in self.entries)
+        self.blocks = Blocks(self.entries, block_bytes)
+        self._sums: list[int | None] = [None] * len(self.blocks)
         self._buffers = list(buffers)
         self._views = [byte_view(buffer) for buffer in self._buffers]
         self._starts = [entry.offset for entry in self.entries]
 
     @property
     def total_bytes(self) -> int:
-        """Bytes of the whole encoding: prefix, header and data."""
-        return len(self.header) + self.data_bytes
+        """Bytes of the whole encoding: prefix, header, data and checksums."""
+        return len(self.header) + self.data_bytes + len(self.blocks) * _checksum.SUM_BYTES
 
     def _ranges(self, start: int, end: int | None) -> Iterator[tuple[int, int, int]]:
         """``(tensor index, first byte, end byte)`` within each tensor covering data bytes ``[start, end)``."""
@@ -256,6 +303,35 @@ class EncodedStateDict:
         return [self._buffers[index].reshape(-1).view(torch.uint8)[first:stop]
                 for index, first, stop in self._ranges(start, end)]
 
+    def _block(self, index: int) -> memoryview:
+        start, end, tensor = self.blocks.spans[index]
+        offset = self.entries[tensor].offset
+        return self._views[tensor][start - offset:end - offset]
+
+    def checksum(self, index: int) -> int:
+        """Block ``index``'s sum64 (computed on first use)."""
+        value = self._sums[index]
+        if value is None:
+            value = self._sums[index] = _checksum.sum64(self._block(index))
+        return value
+
+    def body(self, start: int = 0, end: int | None = None) -> tuple[Iterator[memoryview | bytes], int]:
+        """The block-aligned data range ``[start, end)`` then its blocks' checksums, and its length in bytes.
+
+        Each block is checksummed just before it is yielded (while its bytes
+        are still in the cache for the send); the checksums come last.
+        """
+        end = self.data_bytes if end is None else end
+        covered = self.blocks.covering(start, end)
+
+        def pieces() -> Iterator[memoryview | bytes]:
+            for index in covered:
+                self.checksum(index)
+                yield self._block(index)
+            yield _checksum.pack([self.checksum(index) for index in covered])
+
+        return pieces(), end - start + len(covered) * _checksum.SUM_BYTES
+
     def release(self) -> None:
         """Drop every reference to tensor memory."""
         self._views.clear()
@@ -266,29 +342,38 @@ def _prefix(header_json: bytes) -> bytes:
     return _PREFIX.pack(MAGIC, len(header_json), zlib.crc32(header_json))
 
 
-def encode(step: int, flat: FlatStateDict, *, should_stop: Callable[[], bool] | None = None) -> EncodedStateDict:
-    """Read every tensor of ``flat`` (to CPU, contiguous) and checksum it (slices in parallel).
+def encode(step: int, flat: FlatStateDict, *, should_stop: Callable[[], bool] | None = None,
+           block_bytes: int = _checksum.BLOCK_BYTES) -> EncodedStateDict:
+    """Read every tensor of ``flat`` to CPU (contiguous; CPU tensors that already are cost nothing).
 
-    ``should_stop`` is polled between slices; when it turns true the encoding
+    ``should_stop`` is polled between tensors; when it turns true the encoding
     is abandoned with ``CheckpointError``.
     """
-    buffers = [tensor.detach().resolve_conj().resolve_neg().to("cpu").contiguous() for tensor in flat.tensors]
+    if block_bytes % 8 or not MIN_BLOCK_BYTES <= block_bytes <= _checksum.MAX_BLOCK_BYTES:
+        raise ValueError(f"block_bytes must be a multiple of 8 in [{MIN_BLOCK_BYTES}, {_checksum.MAX_BLOCK_BYTES}]")
+    buffers = []
+    for tensor in flat.tensors:
+        if should_stop is not None and should_stop():
+            raise CheckpointError("encoding abandoned: the state dict was released")
+        buffers.append(tensor.detach().resolve_conj().resolve_neg().to("cpu").contiguous())
     entries: list[TensorEntry] = []
     offset = 0
-    for cpu, crc in zip(buffers, checksums([byte_view(cpu) for cpu in buffers], should_stop)):
+    for cpu in buffers:
         nbytes = cpu.numel() * cpu.element_size()
-        entries.append(TensorEntry(_DTYPE_NAME[cpu.dtype], tuple(cpu.shape), offset, nbytes, crc))
+        entries.append(TensorEntry(_DTYPE_NAME[cpu.dtype], tuple(cpu.shape), offset, nbytes))
         offset += nbytes
     header = {"format": FORMAT_VERSION, "byteorder": sys.byteorder, "step": step, "data_bytes": offset,
+              "checksum": {"algorithm": _checksum.ALGORITHM, "block_bytes": block_bytes},
               "tensors": [entry.to_json() for entry in entries], "tree": flat.tree}
     header_json = json.dumps(header, separators=(",", ":"), allow_nan=False).encode()
-    return EncodedStateDict(step, _prefix(header_json) + header_json, entries, buffers)
+    return EncodedStateDict(step, _prefix(header_json) + header_json, entries, buffers, block_bytes)
 
 
-def encode_to_bytes(step: int, state_dict: Any) -> bytes:
+def encode_to_bytes(step: int, state_dict: Any, *, block_bytes: int = _checksum.BLOCK_BYTES) -> bytes:
     """The whole encoding as one bytes object (for small state dicts and tests)."""
-    encoded = encode(step, flatten(state_dict))
-    return encoded.header + b"".join(bytes(view) for view in encoded.iter_data())
+    encoded = encode(step, flatten(state_dict), block_bytes=block_bytes)
+    pieces, _ = encoded.body()
+    return encoded.header + b"".join(bytes(piece) for piece in pieces)
 
 
 # ---------------------------------------------------------------- decoding
@@ -319,7 +404,7 @@ def _entry(raw: Any, index: int, offset: int) -> TensorEntry:
         raise _bad(f"tensor {index} declares {raw.get('nbytes')} bytes for shape {list(shape)} of {dtype}")
     if _int(raw.get("offset"), f"tensor {index} offset") != offset:
         raise _bad(f"tensor {index} starts at {raw.get('offset')}, expected {offset}")
-    return TensorEntry(dtype, shape, offset, nbytes, _int(raw.get("crc32"), f"tensor {index} crc32", 0, 2**32 - 1))
+    return TensorEntry(dtype, shape, offset, nbytes)
 
 
 @dataclass(frozen=True)
@@ -331,6 +416,12 @@ class Header:
     entries: tuple[TensorEntry, ...]
     paths: tuple[Path, ...]
     tree: Any
+    blocks: Blocks
+
+    @property
+    def trailer_bytes(self) -> int:
+        """Bytes of the checksums that follow the whole data section."""
+        return len(self.blocks) * _checksum.SUM_BYTES
 
     def build(self, tensors: Sequence[torch.Tensor]) -> Any:
         """The state dict, with ``tensors[i]`` in place of tensor ``i``."""
@@ -349,8 +440,8 @@ def unpack_prefix(prefix: bytes) -> tuple[int, int]:
     return length, crc
 
 
-def parse_header(header_json: bytes, crc: int, *, data_bytes: int | None = None) -> Header:
-    """Validate a header; ``data_bytes``, when known, is how many data bytes follow it."""
+def parse_header(header_json: bytes, crc: int, *, following: int | None = None) -> Header:
+    """Validate a header; ``following``, when known, is how many bytes follow it (data and checksums)."""
     if zlib.crc32(header_json) != crc:
         raise CheckpointTransferError("checkpoint header checksum mismatch (corrupted in transit)")
     try:
@@ -363,8 +454,7 @@ def parse_header(header_json: bytes, crc: int, *, data_bytes: int | None = None)
         raise _bad(f"tensor bytes are {str(raw.get('byteorder'))[:20]!r}-endian, this machine is {sys.byteorder}")
     step = _int(raw.get("step"), "step", -(2**63), 2**63 - 1)
     declared = _int(raw.get("data_bytes"), "data_bytes")
-    if data_bytes is not None and declared != data_bytes:
-        raise _bad(f"declares {declared} data bytes but {data_bytes} follow")
+    block_bytes = _block_bytes(raw.get("checksum"))
     raw_entries = raw.get("tensors")
     if not isinstance(raw_entries, list):
         raise _bad("'tensors' is not a list")
@@ -386,7 +476,23 @@ def parse_header(header_json: bytes, crc: int, *, data_bytes: int | None = None)
     _decode(tree, (), record)
     if None in paths:
         raise _bad(f"tensor {paths.index(None)} is not referenced by the tree")
-    return Header(step, declared, tuple(entries), tuple(paths), tree)  # type: ignore[arg-type]
+    count = sum(-(-entry.nbytes // block_bytes) for entry in entries)
+    if count > MAX_BLOCKS:
+        raise _bad(f"{count} checksum blocks of {block_bytes} bytes exceed {MAX_BLOCKS}")
+    if following is not None and following != declared + count * _checksum.SUM_BYTES:
+        raise _bad(f"declares {declared} data bytes and {count} checksums but {following} bytes follow")
+    return Header(step, declared, tuple(entries), tuple(paths), tree,  # type: ignore[arg-type]
+                  Blocks(entries, block_bytes))
+
+
+def _block_bytes(raw: Any) -> int:
+    if not isinstance(raw, dict) or raw.get("algorithm") != _checksum.ALGORITHM:
+        algorithm = raw.get("algorithm") if isinstance(raw, dict) else raw
+        raise _bad(f"unsupported checksum {str(algorithm)[:40]!r} (expected {_checksum.ALGORITHM!r})")
+    block_bytes = _int(raw.get("block_bytes"), "checksum block_bytes", MIN_BLOCK_BYTES, _checksum.MAX_BLOCK_BYTES)
+    if block_bytes % 8:
+        raise _bad(f"checksum block_bytes must be a multiple of 8, got {block_bytes}")
+    return block_bytes
 
 
 def _reject_constant(name: str) -> Any:

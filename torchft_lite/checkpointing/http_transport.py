@@ -34,7 +34,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Coroutine, Iterable, TypeVar
+from typing import Any, Callable, Coroutine, Iterable, Sequence, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -50,7 +50,6 @@ __all__ = ["HTTPTransport", "HTTPTransportStatistics"]
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
-_SLICE_BYTES = 8 << 20  # the largest view of tensor memory handed to the transport at once
 _SEND_BUFFER_BYTES = 8 << 20
 _QUEUE_BYTES = 16 << 20  # views of tensor memory the transport may queue before the stream waits
 _DONE_TIMEOUT = 5.0  # seconds a receiver spends telling the server it has finished
@@ -210,10 +209,22 @@ class HTTPTransport(CheckpointTransport[T]):
 
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> T:
         """Fetch, verify and decode (to CPU) the state dict of ``step`` from the URL ``metadata``."""
+        return self.recv_checkpoint_striped([(src_rank, metadata)], step, timeout)
+
+    def recv_checkpoint_striped(self, sources: Sequence[tuple[int, str]], step: int, timeout: timedelta) -> T:
+        """Fetch ``step`` from several replicas at once: the header from the first, data ranges from each.
+
+        The data is cut into ``max(num_chunks, len(sources))`` block-aligned
+        ranges, fetched at once, range ``i`` from source ``i % len(sources)``.
+        """
+        if not sources:
+            raise ValueError("recv_checkpoint_striped needs at least one source")
         seconds = timeout.total_seconds()
         targets = {} if self._state_dict is None else wire.targets_of(self._state_dict())
-        return self._call(self._receive(metadata.rstrip("/") + f"/{step}", step, seconds, targets),
-                          seconds + _DONE_TIMEOUT + _ABORT_GRACE, f"step {step} from replica {src_rank}")
+        urls = [metadata.rstrip("/") + f"/{step}" for _, metadata in sources]
+        ranks = ", ".join(str(rank) for rank, _ in sources)
+        return self._call(self._receive(urls, step, seconds, targets), seconds + _DONE_TIMEOUT + _ABORT_GRACE,
+                          f"step {step} from replica(s) {ranks}")
 
     def shutdown(self, wait: bool = True) -> None:
         if self._stopped:
@@ -411,7 +422,7 @@ class HTTPTransport(CheckpointTransport[T]):
             except (RuntimeError, MemoryError) as exc:  # torch could not copy a tensor to CPU
                 logger.error("step %d: encoding the state dict failed: %r", step, exc)
                 raise web.HTTPInternalServerError(text=f"step {step} could not be encoded: {exc}") from exc
-            pieces, length = self._pieces(request, encoded, part)
+            pieces, length, data_bytes = self._pieces(request, encoded, part)
             response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
             response.content_length = length
             await response.prepare(request)
@@ -426,8 +437,7 @@ class HTTPTransport(CheckpointTransport[T]):
             # only then may this session count as finished (and the trainer mutate the state dict).
             await _flushed(request.transport)
             await response.write_eof()
-            if part != "header":
-                session.data_sent += length - (len(encoded.header) if part == "all" else 0)
+            session.data_sent += data_bytes
             if session.data_sent >= encoded.data_bytes and (part != "header" or encoded.data_bytes == 0):
                 await self._finish(snapshot, session, ok=None)
             return response
@@ -444,18 +454,22 @@ class HTTPTransport(CheckpointTransport[T]):
             snapshot.streams.discard(task)
 
     def _pieces(self, request: web.Request, encoded: wire.EncodedStateDict,
-                part: str) -> tuple[Iterable[memoryview | bytes], int]:
+                part: str) -> tuple[Iterable[memoryview | bytes], int, int]:
+        """What to write for ``part``: the pieces, their total length, and how many data bytes they hold."""
         if part == "header":
-            return [encoded.header], len(encoded.header)
+            return [encoded.header], len(encoded.header), 0
         if part == "all":
-            return itertools.chain([encoded.header], encoded.iter_data(slice_bytes=_SLICE_BYTES)), encoded.total_bytes
+            body, length = encoded.body()
+            return itertools.chain([encoded.header], body), len(encoded.header) + length, encoded.data_bytes
         try:
             start, end = int(request.query["start"]), int(request.query["end"])
         except (KeyError, ValueError) as exc:
             raise web.HTTPBadRequest(text="start and end byte offsets are required") from exc
-        if not 0 <= start <= end <= encoded.data_bytes:
-            raise web.HTTPBadRequest(text=f"range [{start}, {end}) outside [0, {encoded.data_bytes})")
-        return encoded.iter_data(start, end, slice_bytes=_SLICE_BYTES), end - start
+        try:
+            body, length = encoded.body(start, end)
+        except ValueError as exc:  # outside the data, or not on checksum block boundaries
+            raise web.HTTPBadRequest(text=str(exc)) from exc
+        return body, length, end - start
 
     async def _finish(self, snapshot: _Snapshot, session: _Session, ok: bool | None) -> None:
         """Record that ``session`` has all its data (``ok`` None), reported ``ok``, or failed."""
@@ -484,55 +498,58 @@ class HTTPTransport(CheckpointTransport[T]):
     def _auth_headers(self) -> dict[str, str]:
         return {} if self._token is None else {"Authorization": f"Bearer {self._token}"}
 
-    async def _receive(self, url: str, step: int, timeout: float, targets: dict[wire.Path, Any]) -> Any:
+    async def _receive(self, urls: list[str], step: int, timeout: float, targets: dict[wire.Path, Any]) -> Any:
         if self._stopped:
             raise CheckpointError("the transport is shut down")
         if self._client is None:
             self._client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
         session_id = uuid.uuid4().hex
         started = time.monotonic()
-        joined: list[bool] = []  # set once the server has counted this session
+        joined: set[str] = set()  # the servers that have counted this session
         ok = False
+        where = " + ".join(urls)
         try:
             async with asyncio.timeout(timeout):
-                if self._num_chunks <= 1:
-                    reader = await self._fetch_all(url, step, session_id, started + timeout, joined, targets)
+                if len(urls) == 1 and self._num_chunks <= 1:
+                    reader = await self._get_encoded(urls[0], "", step, session_id, started + timeout, joined,
+                                                     targets, header_only=False)
                 else:
-                    reader = await self._fetch_chunked(url, step, session_id, started + timeout, joined, targets)
+                    reader = await self._fetch_ranges(urls, step, session_id, started + timeout, joined, targets)
                 state = await asyncio.to_thread(reader.finish)
             ok = True
-            logger.info("received step %d from %s in %.2fs", step, url, time.monotonic() - started)
+            seconds = time.monotonic() - started
+            logger.info("received step %d from %s in %.2fs (%.0f MB/s)", step, where, seconds,
+                        reader.header.data_bytes / max(seconds, 1e-9) / 1e6)
             return state
         except CheckpointError:
             raise
         except TimeoutError as exc:
-            raise CheckpointTimeout(f"timed out after {timeout:.1f}s receiving step {step} from {url}") from exc
+            raise CheckpointTimeout(f"timed out after {timeout:.1f}s receiving step {step} from {where}") from exc
         except _body.HTTPStatusError as exc:
             if exc.status == 504:
-                raise CheckpointTimeout(f"{url}: {exc.text}") from exc
+                raise CheckpointTimeout(f"{where}: {exc.text}") from exc
             if exc.status in (401, 403):
-                raise CheckpointTransferError(f"{url} refused the request (HTTP {exc.status}, check the token): "
+                raise CheckpointTransferError(f"{where} refused the request (HTTP {exc.status}, check the token): "
                                               f"{exc.text}") from exc
-            raise CheckpointTransferError(f"{url} answered HTTP {exc.status}: {exc.text}") from exc
+            raise CheckpointTransferError(f"{where} answered HTTP {exc.status}: {exc.text}") from exc
         except (OSError, asyncio.IncompleteReadError) as exc:  # refused, reset, unreachable
-            raise CheckpointTransferError(f"receiving step {step} from {url} failed: "
+            raise CheckpointTransferError(f"receiving step {step} from {where} failed: "
                                           f"{type(exc).__name__}: {exc}") from exc
         finally:
-            if joined:
-                await self._tell_done(url, session_id, ok)
+            await asyncio.gather(*(self._tell_done(url, session_id, ok) for url in joined))
 
     def _params(self, session_id: str, deadline: float, **extra: int) -> dict[str, str]:
         remaining = max(0.0, deadline - time.monotonic())
         return {"session": session_id, "timeout": f"{remaining:.3f}", **{k: str(v) for k, v in extra.items()}}
 
     async def _get_encoded(self, url: str, path: str, step: int, session_id: str, deadline: float,
-                           joined: list[bool], targets: dict[wire.Path, Any], header_only: bool) -> wire.StateDictReader:
+                           joined: set[str], targets: dict[wire.Path, Any], header_only: bool) -> wire.StateDictReader:
         """GET ``url + path`` into an encoded-state-dict sink; returns its reader."""
         sink: _body.EncodedSink | None = None
 
         def sink_for(length: int) -> _body.EncodedSink:
             nonlocal sink
-            joined.append(True)
+            joined.add(url)
             sink = _body.EncodedSink(url, step, length, targets, header_only=header_only)
             return sink
 
@@ -540,29 +557,26 @@ class HTTPTransport(CheckpointTransport[T]):
         assert sink is not None
         return sink.complete_reader()
 
-    async def _fetch_all(self, url: str, step: int, session_id: str, deadline: float, joined: list[bool],
-                         targets: dict[wire.Path, Any]) -> wire.StateDictReader:
-        """Prefix, header and data over one stream; the reader holds every data byte."""
-        return await self._get_encoded(url, "", step, session_id, deadline, joined, targets, header_only=False)
-
-    async def _fetch_chunked(self, url: str, step: int, session_id: str, deadline: float, joined: list[bool],
-                             targets: dict[wire.Path, Any]) -> wire.StateDictReader:
-        """The header, then the data in ``num_chunks`` byte ranges fetched at once."""
-        reader = await self._get_encoded(url, "/header", step, session_id, deadline, joined, targets,
+    async def _fetch_ranges(self, urls: list[str], step: int, session_id: str, deadline: float, joined: set[str],
+                            targets: dict[wire.Path, Any]) -> wire.StateDictReader:
+        """The header from the first URL, then the data in block-aligned ranges fetched at once from every URL."""
+        reader = await self._get_encoded(urls[0], "/header", step, session_id, deadline, joined, targets,
                                          header_only=True)
-        data_bytes = reader.header.data_bytes
-        bounds = [data_bytes * i // self._num_chunks for i in range(self._num_chunks + 1)]
 
-        async def fetch(start: int, end: int) -> None:
+        async def fetch(url: str, start: int, end: int) -> None:
             def data_sink(length: int) -> _body.DataSink:
-                if length != end - start:
-                    raise CheckpointTransferError(f"{url}: range [{start}, {end}) came with {length} bytes")
-                return _body.DataSink(reader, start, end)
+                sink = _body.DataSink(reader, start, end)
+                if length != sink.length:
+                    raise CheckpointTransferError(f"{url}: range [{start}, {end}) came with {length} bytes, "
+                                                  f"expected {sink.length}")
+                joined.add(url)
+                return sink
 
             params = self._params(session_id, deadline, start=start, end=end)
             await _body.get_into(f"{url}/data", params, self._auth_headers(), data_sink)
 
-        tasks = [asyncio.create_task(fetch(a, b)) for a, b in zip(bounds, bounds[1:]) if b > a]
+        ranges = reader.header.blocks.split(max(self._num_chunks, len(urls)))
+        tasks = [asyncio.create_task(fetch(urls[i % len(urls)], start, end)) for i, (start, end) in enumerate(ranges)]
         try:
             await asyncio.gather(*tasks)
         finally:

@@ -5,13 +5,14 @@ Per destination rank, in order (tags keep the messages apart from other traffic)
     tag 1   int64[3]  (_MAGIC, header bytes, bucket bytes)
     tag 2   uint8[n]  prefix + JSON header (see ``_serialization``)
     tag 3+i uint8[]   piece i: the data bytes of one tensor within one bucket
+    tag 3+n uint8[]   the block checksums (when the data section is not empty)
 
 Both sides cut the data section the same way, from the header: at every
 tensor boundary and every ``bucket bytes``, so a huge tensor travels as
 several pieces. Each piece is sent from the tensor's own memory and received
 straight into the destination tensor (on CPU): no staging copies. Nothing is
 pickled; the receiver validates the header and the step, and checks every
-tensor's checksum.
+block's checksum.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any, Callable, Protocol, Sequence, TypeVar
 
 import torch
 
+from torchft_lite.checkpointing import _checksum
 from torchft_lite.checkpointing import _serialization as wire
 from torchft_lite.checkpointing.transport import CheckpointTransport
 from torchft_lite.errors import CheckpointError, CheckpointTimeout, CheckpointTransferError, ConfigError
@@ -106,7 +108,11 @@ class PGTransport(CheckpointTransport[T]):
                 if index % _WINDOW == _WINDOW - 1 or index == len(pieces) - 1:  # a window in flight at once
                     _wait(works, deadline, f"piece {index} of step {step} to reach ranks {dst_ranks}")
                     works = []
-            _wait(works, deadline, f"the header of step {step} to reach ranks {dst_ranks}")
+            if pieces:
+                sums = _checksum.pack([encoded.checksum(block) for block in range(len(encoded.blocks))])
+                trailer = torch.frombuffer(bytearray(sums), dtype=torch.uint8).to(self._device)
+                works.extend(self._pg.send([trailer], dst, _TAG_DATA + len(pieces)) for dst in dst_ranks)
+            _wait(works, deadline, f"the header and checksums of step {step} to reach ranks {dst_ranks}")
         finally:
             encoded.release()
         logger.info("sent step %d (%d bytes) to ranks %s in %.2fs", step, encoded.total_bytes, dst_ranks,
@@ -130,7 +136,7 @@ class PGTransport(CheckpointTransport[T]):
         header = wire.parse_header(blob[wire.PREFIX_SIZE:], crc)
         pieces = _pieces(header.entries, bucket_bytes)
         if header.step != step:
-            self._drain(pieces, src_rank, deadline)  # keep the pair in step for the next transfer
+            self._drain(header, pieces, src_rank, deadline)  # keep the pair in step for the next transfer
             raise CheckpointTransferError(f"rank {src_rank} sent step {header.step}, expected step {step}")
         reader = wire.StateDictReader(header, self._targets())
         for first in range(0, len(pieces), _WINDOW):
@@ -145,6 +151,11 @@ class PGTransport(CheckpointTransport[T]):
                         torch.empty(end - start, dtype=torch.uint8), src_rank, _TAG_DATA + index, deadline, what))
             for _, (start, end) in window:
                 reader.filled(start, end - start)
+        if pieces:
+            what = f"the checksums of step {step} from rank {src_rank}"
+            trailer = self._recv(torch.empty(header.trailer_bytes, dtype=torch.uint8), src_rank,
+                                 _TAG_DATA + len(pieces), deadline, what)
+            reader.expect(0, header.data_bytes, bytes(wire.byte_view(trailer)))
         state = reader.finish()
         logger.info("received step %d (%d bytes) from rank %d in %.2fs", step, header.data_bytes, src_rank,
                     time.monotonic() - started)
@@ -162,11 +173,11 @@ class PGTransport(CheckpointTransport[T]):
         _wait([self._pg.recv([on_device], src_rank, tag)], deadline, what)
         return on_device.cpu()
 
-    def _drain(self, pieces: Sequence[tuple[int, int]], src_rank: int, deadline: float) -> None:
-        scratch = torch.empty(max((end - start for start, end in pieces), default=0), dtype=torch.uint8,
-                              device=self._device)
-        for index, (start, end) in enumerate(pieces):
-            _wait([self._pg.recv([scratch[:end - start]], src_rank, _TAG_DATA + index)], deadline,
+    def _drain(self, header: wire.Header, pieces: Sequence[tuple[int, int]], src_rank: int, deadline: float) -> None:
+        sizes = [end - start for start, end in pieces] + ([header.trailer_bytes] if pieces else [])
+        scratch = torch.empty(max(sizes, default=0), dtype=torch.uint8, device=self._device)
+        for index, size in enumerate(sizes):
+            _wait([self._pg.recv([scratch[:size]], src_rank, _TAG_DATA + index)], deadline,
                   f"piece {index} of an unwanted checkpoint from rank {src_rank}")
 
 

@@ -134,7 +134,7 @@ def sample_blob() -> bytes:
 
 def test_a_flipped_data_byte_fails_the_checksum_naming_the_tensor():
     blob = bytearray(sample_blob())
-    blob[-10] ^= 0x01  # inside b.0, the last tensor
+    blob[-2 * 8 - 10] ^= 0x01  # inside b.0, the last tensor (two 8-byte checksums follow the data)
     with pytest.raises(CheckpointTransferError, match=r"checksum mismatch in tensor b\.0"):
         ser.decode_bytes(bytes(blob))
 
@@ -158,7 +158,7 @@ def test_a_reader_missing_data_reports_truncation():
     length, crc = ser.unpack_prefix(blob[:ser.PREFIX_SIZE])
     header = ser.parse_header(blob[ser.PREFIX_SIZE:ser.PREFIX_SIZE + length], crc)
     reader = ser.StateDictReader(header)
-    reader.write(0, blob[ser.PREFIX_SIZE + length:-8])
+    reader.write(0, blob[ser.PREFIX_SIZE + length:-header.trailer_bytes - 8])
     with pytest.raises(CheckpointTransferError, match="truncated"):
         reader.finish()
     with pytest.raises(CheckpointTransferError, match="outside"):
@@ -169,26 +169,33 @@ def test_data_written_in_ranges_out_of_order_assembles():
     state = {"a": torch.randn(1000), "b": torch.arange(77, dtype=torch.int16), "c": torch.zeros(0)}
     encoded = ser.encode(9, ser.flatten(state))
     length, crc = ser.unpack_prefix(encoded.header[:ser.PREFIX_SIZE])
-    reader = ser.StateDictReader(ser.parse_header(encoded.header[ser.PREFIX_SIZE:], crc, data_bytes=encoded.data_bytes))
+    reader = ser.StateDictReader(ser.parse_header(encoded.header[ser.PREFIX_SIZE:], crc))
     bounds = [0, 1, 999, 3000, 4001, encoded.data_bytes]
     for start, end in reversed(list(zip(bounds, bounds[1:]))):
         reader.write(start, b"".join(bytes(v) for v in encoded.iter_data(start, end, slice_bytes=100)))
+    body, _ = encoded.body()
+    reader.expect(0, encoded.data_bytes, list(body)[-1])
     assert_same(reader.finish(), state)
 
 
 def hostile(header: dict, data: bytes = b"") -> bytes:
     raw = json.dumps(header).encode()
-    return struct.pack("<8sQI", b"TFTLSD01", len(raw), zlib.crc32(raw)) + raw + data
+    return struct.pack("<8sQI", b"TFTLSD02", len(raw), zlib.crc32(raw)) + raw + data
 
 
-GOOD_ENTRY = {"dtype": "float32", "shape": [2], "offset": 0, "nbytes": 8, "crc32": 0}
+GOOD_ENTRY = {"dtype": "float32", "shape": [2], "offset": 0, "nbytes": 8}
 GOOD_TREE = ["list", [["tensor", 0]]]
-GOOD_HEADER = {"format": 1, "byteorder": sys.byteorder, "step": 1, "data_bytes": 8, "tensors": [GOOD_ENTRY],
-               "tree": GOOD_TREE}
+GOOD_HEADER = {"format": 2, "byteorder": sys.byteorder, "step": 1, "data_bytes": 8, "tensors": [GOOD_ENTRY],
+               "checksum": {"algorithm": "sum64", "block_bytes": 1 << 20}, "tree": GOOD_TREE}
+GOOD_DATA = b"\0" * 16  # 8 data bytes, then their block's sum (0)
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"format": 2}, "unsupported format"),
+    ({"format": 1}, "unsupported format"),
+    ({"checksum": {"algorithm": "crc32", "block_bytes": 1 << 20}}, "unsupported checksum 'crc32'"),
+    ({"checksum": {"algorithm": "sum64", "block_bytes": 8}}, "block_bytes must be an integer in"),
+    ({"checksum": {"algorithm": "sum64", "block_bytes": 4100}}, "multiple of 8"),
+    ({"checksum": "sum64"}, "unsupported checksum"),
     ({"byteorder": "big" if sys.byteorder == "little" else "little"}, "-endian"),
     ({"step": "7"}, "step must be an integer"),
     ({"data_bytes": -1}, "data_bytes must be"),
@@ -207,7 +214,12 @@ def test_hostile_headers_are_rejected(changes, message):
     header = dict(GOOD_HEADER)
     header.update(changes)
     with pytest.raises(CheckpointTransferError, match=message):
-        ser.decode_bytes(hostile(header, b"\0" * 8))
+        ser.decode_bytes(hostile(header, GOOD_DATA))
+
+
+def test_the_good_hostile_header_is_good():
+    """The baseline the refusals above change one field of."""
+    assert ser.decode_bytes(hostile(GOOD_HEADER, GOOD_DATA))[1][0].tolist() == [0.0, 0.0]
 
 
 def test_huge_declared_sizes_are_rejected_before_allocating(monkeypatch):
@@ -215,15 +227,19 @@ def test_huge_declared_sizes_are_rejected_before_allocating(monkeypatch):
         raise AssertionError("allocated for a hostile header")
 
     monkeypatch.setattr(torch, "empty", no_allocation)
-    huge = {"dtype": "float64", "shape": [1 << 20, 1 << 20, 1 << 20], "offset": 0, "nbytes": 8 << 60, "crc32": 0}
+    huge = {"dtype": "float64", "shape": [1 << 20, 1 << 20, 1 << 20], "offset": 0, "nbytes": 8 << 60}
     blob = hostile(dict(GOOD_HEADER, data_bytes=8 << 60, tensors=[huge]))
     with pytest.raises(CheckpointTransferError, match="must be an integer|declares"):
         ser.decode_bytes(blob)
     # Consistent with itself but not with what actually follows.
-    big = {"dtype": "uint8", "shape": [1 << 40], "offset": 0, "nbytes": 1 << 40, "crc32": 0}
+    big = {"dtype": "uint8", "shape": [1 << 40], "offset": 0, "nbytes": 1 << 40}
     with pytest.raises(CheckpointTransferError, match="follow"):
         ser.decode_bytes(hostile(dict(GOOD_HEADER, data_bytes=1 << 40, tensors=[big])))
-    too_long = struct.pack("<8sQI", b"TFTLSD01", 1 << 62, 0)
+    # More checksum blocks than any real checkpoint has: refused before the block table is built.
+    many = dict(GOOD_HEADER, data_bytes=1 << 40, tensors=[big], checksum={"algorithm": "sum64", "block_bytes": 4096})
+    with pytest.raises(CheckpointTransferError, match="checksum blocks"):
+        ser.decode_bytes(hostile(many))
+    too_long = struct.pack("<8sQI", b"TFTLSD02", 1 << 62, 0)
     with pytest.raises(CheckpointTransferError, match="exceeds"):
         ser.decode_bytes(too_long)
 
@@ -238,7 +254,7 @@ def test_garbage_and_deep_nesting_are_rejected():
     for _ in range(ser.MAX_DEPTH + 2):
         deep = ["list", [deep]]
     with pytest.raises(CheckpointTransferError, match="deeper"):
-        ser.decode_bytes(hostile(dict(GOOD_HEADER, tree=deep), b"\0" * 8))
+        ser.decode_bytes(hostile(dict(GOOD_HEADER, tree=deep), GOOD_DATA))
 
 
 @pytest.mark.gpu

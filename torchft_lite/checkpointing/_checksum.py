@@ -1,0 +1,59 @@
+"""Block checksums of a checkpoint's data section, cheap enough to run inline.
+
+Every tensor's bytes are cut into blocks of ``block_bytes`` (the last block
+of a tensor may be shorter). A block's checksum ("sum64") is the sum, modulo
+2**64, of its bytes read as little-endian 64-bit words, the last word padded
+with zeros. torch computes it at memory speed (about 10 GB/s per core here,
+five times crc32's), so both sides compute it on bytes that are still in the
+cache: the sender just before a block goes out, the receiver as soon as the
+block's last byte has landed.
+
+What it catches: truncation, flipped or zeroed bits, garbage left in a
+buffer, and bytes placed at the wrong block (every block has its own sum).
+What it does not: words swapped within one block, or deliberate forgery:
+it is an integrity check against accidents, not a signature (use the
+transport's token on a trusted network for that).
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Sequence
+
+import torch
+
+__all__ = ["ALGORITHM", "BLOCK_BYTES", "blocks", "pack", "sum64", "unpack"]
+
+ALGORITHM = "sum64"
+BLOCK_BYTES = 1 << 20
+MAX_BLOCK_BYTES = 1 << 30
+SUM_BYTES = 8  # one little-endian uint64 per block on the wire
+_MASK = (1 << 64) - 1
+
+
+def sum64(view: memoryview) -> int:
+    """The block checksum of ``view``'s bytes."""
+    if view.readonly:  # torch only wraps writable memory without a warning; read-only inputs are small
+        view = memoryview(bytearray(view))
+    whole = len(view) - len(view) % 8
+    total = int(torch.frombuffer(view[:whole], dtype=torch.int64).sum()) if whole else 0
+    if whole != len(view):
+        total += int.from_bytes(view[whole:], "little")  # the zero-padded last word
+    return total & _MASK
+
+
+def blocks(extents: Sequence[tuple[int, int]], block_bytes: int) -> list[tuple[int, int, int]]:
+    """``(start, end, tensor index)`` of every block, from each tensor's ``(offset, nbytes)``."""
+    return [(start, min(start + block_bytes, offset + nbytes), index)
+            for index, (offset, nbytes) in enumerate(extents)
+            for start in range(offset, offset + nbytes, block_bytes)]
+
+
+def pack(sums: Sequence[int]) -> bytes:
+    return struct.pack(f"<{len(sums)}Q", *sums)
+
+
+def unpack(data: bytes | memoryview) -> list[int]:
+    if len(data) % SUM_BYTES:
+        raise ValueError(f"{len(data)} checksum bytes is not a whole number of {SUM_BYTES}-byte sums")
+    return list(struct.unpack(f"<{len(data) // SUM_BYTES}Q", data))
