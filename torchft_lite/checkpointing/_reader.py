@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 import torch
 
-from torchft_lite.checkpointing import _checksum
+from torchft_lite.checkpointing import _checksum, _cuda
 from torchft_lite.checkpointing._serialization import (
     DTYPES, PREFIX_SIZE, Header, Path, TensorEntry, byte_view, format_path, parse_header, unpack_prefix,
 )
@@ -34,8 +34,9 @@ class StateDictReader:
 
     ``targets`` maps a tensor's path to an existing tensor: when dtype and
     shape match, the bytes land in it (directly when it is a contiguous CPU
-    tensor, else through a CPU buffer copied in by :meth:`finish`), and the
-    result holds that very tensor. A failed transfer may leave such a target
+    tensor, else through a CPU buffer, pinned for a GPU target, that
+    :meth:`finish` copies in on the recovery stream), and the result holds
+    that very tensor. A failed transfer may leave such a target
     partly overwritten.
     """
 
@@ -61,7 +62,7 @@ class StateDictReader:
             return torch.empty(entry.shape, dtype=dtype)
         if target.device.type == "cpu" and target.is_contiguous():
             return target
-        buffer = torch.empty(entry.shape, dtype=dtype)
+        buffer = _cuda.host_buffer(target)  # pinned for a GPU target: finish() copies it on the recovery stream
         self._copy_back.append((buffer, target))
         return buffer
 
@@ -167,9 +168,7 @@ class StateDictReader:
                 f"checkpoint {what}: {self.received_bytes} of {self.header.data_bytes} data bytes received")
         self._verify()
         results = {id(buffer): target for buffer, target in self._copy_back}
-        with torch.no_grad():
-            for buffer, target in self._copy_back:
-                target.copy_(buffer)
+        _cuda.to_device(self._copy_back)
         return self.header.build([results.get(id(tensor), tensor) for tensor in self._tensors])
 
 

@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from torchft_lite.checkpointing import _checksum
+from torchft_lite.checkpointing import _checksum, _cuda
 from torchft_lite.errors import CheckpointError, CheckpointTransferError
 
 __all__ = [
@@ -346,16 +346,15 @@ def encode(step: int, flat: FlatStateDict, *, should_stop: Callable[[], bool] | 
            block_bytes: int = _checksum.BLOCK_BYTES) -> EncodedStateDict:
     """Read every tensor of ``flat`` to CPU (contiguous; CPU tensors that already are cost nothing).
 
-    ``should_stop`` is polled between tensors; when it turns true the encoding
-    is abandoned with ``CheckpointError``.
+    GPU tensors are copied on the recovery stream (see ``_cuda``). When
+    ``should_stop`` is already true the encoding is abandoned with
+    ``CheckpointError``.
     """
     if block_bytes % 8 or not MIN_BLOCK_BYTES <= block_bytes <= _checksum.MAX_BLOCK_BYTES:
         raise ValueError(f"block_bytes must be a multiple of 8 in [{MIN_BLOCK_BYTES}, {_checksum.MAX_BLOCK_BYTES}]")
-    buffers = []
-    for tensor in flat.tensors:
-        if should_stop is not None and should_stop():
-            raise CheckpointError("encoding abandoned: the state dict was released")
-        buffers.append(tensor.detach().resolve_conj().resolve_neg().to("cpu").contiguous())
+    if should_stop is not None and should_stop():
+        raise CheckpointError("encoding abandoned: the state dict was released")
+    buffers = _cuda.to_host(flat.tensors)
     entries: list[TensorEntry] = []
     offset = 0
     for cpu in buffers:
