@@ -12,7 +12,7 @@ TORCH_SPEC ?= torch==2.13.0
 # replace torch; a failure to get it only skips those comparisons.
 TORCHFT_SPEC ?= torchft-nightly==2026.10.26
 
-.PHONY: all venv test test-fast demo proto bench bench-ddp bench-recovery browser clean help
+.PHONY: all venv test test-fast demo proto bench bench-ddp bench-recovery bench-heal browser clean help
 
 all: test
 
@@ -23,6 +23,7 @@ help:
 	@echo "make bench   run benchmarks/lighthouse_bench.py (ours and torchft's)"
 	@echo "make bench-ddp  run benchmarks/ddp_overhead_bench.py (Manager step overhead vs plain gloo DDP)"
 	@echo "make bench-recovery  run benchmarks/recovery_bench.py (stall and rejoin after a SIGKILL, ours vs torchft)"
+	@echo "make bench-heal  run benchmarks/heal_bench.py (state-dict transfer GB/s: ours, torchft's, loopback ceiling)"
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -68,6 +69,10 @@ bench-recovery: $(STAMP)
 # Per-step cost of fault tolerance: two replica groups vs a plain gloo DDP loop.
 bench-ddp: $(STAMP)
 	$(BIN)/python benchmarks/ddp_overhead_bench.py
+
+# Heal bandwidth between two processes: our transports, torchft's HTTPTransport, the loopback ceiling.
+bench-heal: $(STAMP)
+	$(BIN)/python -m benchmarks.heal_bench
 
 clean:
 	rm -rf $(VENV) build *.egg-info
