@@ -8,6 +8,7 @@ Precedence follows torchft: explicit arguments win, except the timeouts and
 quorum retries, where ``TORCHFT_TIMEOUT_SEC``, ``TORCHFT_QUORUM_TIMEOUT_SEC``,
 ``TORCHFT_CONNECT_TIMEOUT_SEC`` and ``TORCHFT_QUORUM_RETRIES`` take precedence
 (torchft documents it so operators can retune a job without editing it).
+Our own settings (``TORCHFT_LITE_*``) only fill in arguments left as ``None``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ QUORUM_RETRIES_ENV = "TORCHFT_QUORUM_RETRIES"
 MANAGER_PORT_ENV = "TORCHFT_MANAGER_PORT"
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 HOSTNAME_ENV = "TORCHFT_LITE_HOSTNAME"  # ours: the address this group advertises
+HEAL_SOURCES_ENV = "TORCHFT_LITE_HEAL_SOURCES"  # ours: peers a heal may stripe over
+HEAL_IN_PLACE_ENV = "TORCHFT_LITE_HEAL_IN_PLACE"  # ours: receive a heal into the live tensors
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,11 @@ class ManagerSettings:
     max_retries: int | None
     restart_count: int
     """torchrun's ``TORCHELASTIC_RESTART_COUNT``: keys this incarnation's store entries."""
+    heal_sources: int = 1
+    """Up-to-date peers a heal may pull disjoint parts from at once (``TORCHFT_LITE_HEAL_SOURCES``);
+    used only when every quorum member advertises as many, else torchft's single source."""
+    heal_in_place: bool = True
+    """Receive a heal straight into the matching live tensors (``TORCHFT_LITE_HEAL_IN_PLACE``)."""
 
     @classmethod
     def resolve(
@@ -81,6 +90,8 @@ class ManagerSettings:
         heartbeat_interval: timedelta,
         max_retries: int | None,
         quorum_retries: int,
+        heal_sources: int | None = None,
+        heal_in_place: bool | None = None,
         env: Mapping[str, str] | None = None,
     ) -> "ManagerSettings":
         env = os.environ if env is None else env
@@ -109,6 +120,9 @@ class ManagerSettings:
             min_replica_size=min_replica_size,
             max_retries=max_retries,
             restart_count=int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+            heal_sources=heal_sources if heal_sources is not None else (
+                _env_int(env, HEAL_SOURCES_ENV, "heal_sources") if env.get(HEAL_SOURCES_ENV) else 1),
+            heal_in_place=heal_in_place if heal_in_place is not None else _env_bool(env, HEAL_IN_PLACE_ENV, True),
         )
         settings.validate()
         return settings
@@ -131,6 +145,8 @@ class ManagerSettings:
             raise ConfigError(f"quorum_retries must be >= 0, got {self.quorum_retries}")
         if self.max_retries is not None and self.max_retries < 0:
             raise ConfigError(f"max_retries must be >= 0 or None, got {self.max_retries}")
+        if self.heal_sources < 1:
+            raise ConfigError(f"heal_sources ({HEAL_SOURCES_ENV}) must be >= 1, got {self.heal_sources}")
 
     @property
     def store_address(self) -> str:
@@ -153,6 +169,17 @@ def _env_int(env: Mapping[str, str], name: str, argument: str) -> int:
         return int(value)
     except ValueError:
         raise ConfigError(f"${name} must be an integer, got {value!r}") from None
+
+
+def _env_bool(env: Mapping[str, str], name: str, default: bool) -> bool:
+    value = env.get(name)
+    if value is None or value == "":
+        return default
+    if value.strip().lower() in _TRUE:
+        return True
+    if value.strip().lower() in _FALSE:
+        return False
+    raise ConfigError(f"${name} must be 1 or 0 (true/false, yes/no, on/off), got {value!r}")
 
 
 def _env_seconds(env: Mapping[str, str], name: str, default: timedelta) -> float:

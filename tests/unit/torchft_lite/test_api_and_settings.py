@@ -78,3 +78,28 @@ def test_invalid_settings_are_clear_errors(env, message):
 
 def test_ipv6_store_host_is_bracketed():
     assert resolve(dict(TORCHRUN, MASTER_ADDR="::1")).store_address == "[::1]:29500"
+
+
+def test_heal_settings_default_to_one_source_in_place():
+    s = resolve(TORCHRUN)
+    assert (s.heal_sources, s.heal_in_place) == (1, True)
+
+
+def test_heal_settings_come_from_the_environment_unless_given():
+    env = dict(TORCHRUN, TORCHFT_LITE_HEAL_SOURCES="3", TORCHFT_LITE_HEAL_IN_PLACE="0")
+    assert (resolve(env).heal_sources, resolve(env).heal_in_place) == (3, False)
+    s = resolve(env, heal_sources=2, heal_in_place=True)
+    assert (s.heal_sources, s.heal_in_place) == (2, True)
+    assert resolve(dict(TORCHRUN, TORCHFT_LITE_HEAL_IN_PLACE="Off")).heal_in_place is False
+    assert resolve(dict(TORCHRUN, TORCHFT_LITE_HEAL_IN_PLACE="yes")).heal_in_place is True
+
+
+@pytest.mark.parametrize("env,overrides,message", [
+    (dict(TORCHRUN, TORCHFT_LITE_HEAL_SOURCES="0"), {}, r"heal_sources \(TORCHFT_LITE_HEAL_SOURCES\) must be >= 1"),
+    (TORCHRUN, dict(heal_sources=-1), "heal_sources .* must be >= 1, got -1"),
+    (dict(TORCHRUN, TORCHFT_LITE_HEAL_SOURCES="two"), {}, r"\$TORCHFT_LITE_HEAL_SOURCES must be an integer"),
+    (dict(TORCHRUN, TORCHFT_LITE_HEAL_IN_PLACE="maybe"), {}, r"\$TORCHFT_LITE_HEAL_IN_PLACE must be 1 or 0"),
+])
+def test_invalid_heal_settings_are_clear_errors(env, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        resolve(env, **overrides)
