@@ -93,14 +93,25 @@ class Manager:
         preemption_signals: Sequence[int] = (signal.SIGTERM,),
         on_preemption: Callable[[], None] | None = None,
         watchdog: WatchdogConfig | None = None,
+        heal_sources: int | None = None,
+        heal_in_place: bool | None = None,
     ) -> None:
+        """torchft's arguments, plus (keyword-only, ours):
+
+        preemption_signals, on_preemption: see "Preemption" in the README.
+        watchdog: per-section step timeouts (default: from the environment).
+        heal_sources: up-to-date peers a heal may pull disjoint parts from at once
+            (default 1, torchft's single source, or ``$TORCHFT_LITE_HEAL_SOURCES``).
+            Used only when every quorum member advertises at least as many and the
+            checkpoint transport stripes (``recv_checkpoint_striped`` of its own).
+        """
         # Everything is validated before anything starts.
         s = self._settings = ManagerSettings.resolve(
             min_replica_size=min_replica_size, timeout=timeout, quorum_timeout=quorum_timeout,
             connect_timeout=connect_timeout, rank=rank, world_size=world_size, store_addr=store_addr,
             store_port=store_port, lighthouse_addr=lighthouse_addr, replica_id=replica_id, port=port,
             hostname=hostname, heartbeat_interval=heartbeat_interval, max_retries=max_retries,
-            quorum_retries=quorum_retries,
+            quorum_retries=quorum_retries, heal_sources=heal_sources, heal_in_place=heal_in_place,
         )
         self._pg = pg
         self._on_preemption = on_preemption
@@ -131,13 +142,14 @@ class Manager:
         self._pending_state_dict: dict[str, Any] | None = None
         self._pending_send: tuple[list[int], int] | None = None
         self._published = False
+        self._served_before: int | None = None  # the transport's bytes_served when we published
         self._pending_work: list[ManagedWork] = []
         self._quorum_future = None  # the whole quorum step, heal included (should_commit waits for it)
         self._ready_future: concurrent.futures.Future | None = None  # quorum + process group (allreduce waits)
         self._participating_rank: int | None = None
         self._participating_world_size = 0
         self._training_thread: int | None = None
-        self._heal_stats: tuple[float, int] | None = None
+        self._heal_stats: tuple[float, int, list[int]] | None = None  # seconds, bytes, source replica ranks
         self._pre_heal_state: dict[str, int] | None = None
         self._collectives_ready = False  # the process group is configured for this step's quorum
 
@@ -148,6 +160,12 @@ class Manager:
 
             checkpoint_transport = HTTPTransport(timeout=timedelta(seconds=s.timeout), num_chunks=0, hostname=s.hostname)
         self._checkpoint_transport = checkpoint_transport
+        # Advertised to the quorum: a source waits for every receiver it is told
+        # of, so a group must not offer to stripe unless its transport does.
+        advertised_sources = s.heal_sources if _stripes(checkpoint_transport) else 1
+        if advertised_sources < s.heal_sources:
+            logger.warning("heal_sources=%d, but the checkpoint transport %s does not stripe: healing from one source",
+                           s.heal_sources, type(checkpoint_transport).__name__)
 
         self._store = TCPStore(
             s.store_host, s.store_port, is_master=False, wait_for_workers=False,
@@ -161,7 +179,7 @@ class Manager:
                 replica_id=incarnation_id, lighthouse_addr=s.lighthouse_addr or "", hostname=s.hostname,
                 store_address=s.store_address, world_size=s.group_world_size, bind=f"[::]:{s.port}",
                 heartbeat_interval=s.heartbeat_interval, connect_timeout=s.connect_timeout,
-                quorum_timeout=s.quorum_timeout, quorum_retries=s.quorum_retries,
+                quorum_timeout=s.quorum_timeout, quorum_retries=s.quorum_retries, heal_sources=advertised_sources,
             ))
             self._control.run(self._server.start(), s.connect_timeout, "the ManagerServer to start")
             self._store.set(prefix + MANAGER_ADDR_KEY, self._server.address())
@@ -313,26 +331,59 @@ class Manager:
         ready.set_result(None)
 
         if allow_heal and response.heal:
-            self.watchdog.begin("heal", f"the state dict of step {response.max_step} from "
-                                        f"{response.recover_src_manager_address}")
-            src_rank = response.recover_src_replica_rank
-            self._log(logging.INFO, "healing from replica %d (%s) to step %d",
-                      src_rank, response.recover_src_manager_address, response.max_step)
-            peer = ManagerClient(response.recover_src_manager_address)
+            await self._heal(response)
+
+    async def _heal(self, response: pb.ManagerQuorumResponse) -> None:
+        """Receive the state dict of the max step from this rank's source(s); leaves it pending."""
+        sources = list(zip(response.recover_src_replica_ranks, response.recover_src_manager_addresses))
+        if not sources:  # a ManagerServer that predates striping: its single source
+            sources = [(response.recover_src_replica_rank, response.recover_src_manager_address)]
+        self.watchdog.begin("heal", f"the state dict of step {response.max_step} from "
+                                    f"{', '.join(address for _, address in sources)}")
+        self._log(logging.INFO, "healing to step %d from %s", response.max_step, _describe(sources))
+        answered = await self._checkpoint_metadata_of(sources)
+        transport = self._checkpoint_transport
+        striped = getattr(transport, "recv_checkpoint_striped", None)  # torchft's transports have none
+        timeout = timedelta(seconds=self._timeout)
+        if striped is None or len(answered) == 1:
+            answered = answered[:1]
+        started = time.monotonic()
+        if len(answered) > 1:
+            state = await asyncio.to_thread(striped, sources=[(rank, metadata) for rank, _, metadata in answered],
+                                            step=response.max_step, timeout=timeout)
+        else:
+            rank, _, metadata = answered[0]
+            state = await asyncio.to_thread(transport.recv_checkpoint, src_rank=rank, metadata=metadata,
+                                            step=response.max_step, timeout=timeout)
+        got = state.get("torchft", {}).get("step") if isinstance(state, dict) else None
+        if got != response.max_step:
+            raise CheckpointError(f"healing expected a checkpoint of step {response.max_step}, got step {got}")
+        self._heal_stats = (time.monotonic() - started, _tensor_bytes(state), [rank for rank, _, _ in answered])
+        self._pending_state_dict = state
+
+    async def _checkpoint_metadata_of(self, sources: list[tuple[int, str]]) -> list[tuple[int, str, str]]:
+        """``(rank, address, metadata)`` of the sources that answered, asked at once; the first is required."""
+        async def ask(address: str) -> str:
+            peer = ManagerClient(address)
             try:
-                metadata = await peer.checkpoint_metadata(self._group_rank, timeout=self._timeout)
+                return await peer.checkpoint_metadata(self._group_rank, timeout=self._timeout)
             finally:
                 await peer.close()
-            started = time.monotonic()
-            state = await asyncio.to_thread(
-                self._checkpoint_transport.recv_checkpoint, src_rank=src_rank, metadata=metadata,
-                step=response.max_step, timeout=timedelta(seconds=self._timeout),
-            )
-            got = state.get("torchft", {}).get("step") if isinstance(state, dict) else None
-            if got != response.max_step:
-                raise CheckpointError(f"healing expected a checkpoint of step {response.max_step}, got step {got}")
-            self._heal_stats = (time.monotonic() - started, _tensor_bytes(state))
-            self._pending_state_dict = state
+
+        answers = await asyncio.gather(*(ask(address) for _, address in sources), return_exceptions=True)
+        for answer in answers:
+            if isinstance(answer, BaseException) and not isinstance(answer, Exception):
+                raise answer  # cancelled: the step is being abandoned
+        if isinstance(answers[0], Exception):
+            raise answers[0]
+        answered = []
+        for (rank, address), answer in zip(sources, answers):
+            if isinstance(answer, Exception):
+                self._log(logging.WARNING, "healing without replica %d (%s): no checkpoint metadata: %s",
+                          rank, address, answer)
+            else:
+                answered.append((rank, address, answer))
+        return answered
 
     def _apply_pending_state_dict(self) -> None:
         """Load a received state dict; runs on the training thread only."""
@@ -351,10 +402,10 @@ class Manager:
         except Exception as exc:
             self.report_error(exc)
             return
-        seconds, nbytes = self._heal_stats or (0.0, 0)
+        seconds, nbytes, sources = self._heal_stats or (0.0, 0, [])
         self.watchdog.end("heal")
-        self._log(logging.INFO, "healed: %.3f MB in %.2fs (%.1f MB/s)", nbytes / 1e6, seconds,
-                  nbytes / 1e6 / seconds if seconds > 0 else 0.0)
+        self._log(logging.INFO, "healed: %.3f MB in %.2fs (%.1f MB/s) from replica(s) %s", nbytes / 1e6, seconds,
+                  nbytes / 1e6 / seconds if seconds > 0 else 0.0, ", ".join(map(str, sources)))
 
     def _maybe_publish_checkpoint(self) -> None:
         """Serve our state to the replicas healing from us; training thread only."""
@@ -364,6 +415,7 @@ class Manager:
             return
         self._published = True
         dst_ranks, step = self._pending_send
+        self._served_before = _bytes_served(self._checkpoint_transport)
         try:
             if step != self._step:
                 raise CheckpointError(f"asked to serve step {step} but this replica is at step {self._step}")
@@ -559,6 +611,11 @@ class Manager:
             raise ManagerError(f"group rank {self._group_rank}: the commit vote for step {self._step} failed; "
                                f"this rank can't know whether its group committed") from exc
         self._checkpoint_transport.disallow_checkpoint()
+        if self._published and self._pending_send is not None:
+            served = _bytes_served(self._checkpoint_transport)
+            if served is not None and self._served_before is not None:
+                self._log(logging.INFO, "served step %d to replica(s) %s: %.3f MB", self._pending_send[1],
+                          ", ".join(map(str, self._pending_send[0])), (served - self._served_before) / 1e6)
         self._published = False
         if decision:
             self._step += 1
@@ -637,6 +694,24 @@ class Manager:
             replica = getattr(self, "_replica_id", self._settings.replica_id)
             logger.log(level, "[%s/%d step=%d quorum=%d] " + msg, replica, self._group_rank,
                        self._step, self._quorum_id, *args, exc_info=exc_info)
+
+
+def _stripes(transport: Any) -> bool:
+    """Whether ``transport`` has a ``recv_checkpoint_striped`` of its own (the base one takes one source)."""
+    from torchft_lite.checkpointing.transport import CheckpointTransport
+
+    method = getattr(type(transport), "recv_checkpoint_striped", None)
+    return method is not None and method is not CheckpointTransport.recv_checkpoint_striped
+
+
+def _bytes_served(transport: Any) -> int | None:
+    """The transport's ``statistics().bytes_served`` (HTTPTransport's), else None."""
+    statistics = getattr(transport, "statistics", None)
+    return getattr(statistics(), "bytes_served", None) if statistics is not None else None
+
+
+def _describe(sources: Sequence[tuple[int, str]]) -> str:
+    return ", ".join(f"replica {rank} ({address})" for rank, address in sources)
 
 
 def _tensor_bytes(obj: Any) -> int:

@@ -18,6 +18,7 @@ from torch.distributed import TCPStore
 from lighthouse.thread import BackgroundLighthouse
 from tests.conftest import lighthouse_config
 from torchft_lite.checkpointing import CheckpointTransport
+from torchft_lite.errors import ManagerTimeout
 from torchft_lite.manager import Manager
 
 pytestmark = pytest.mark.integration
@@ -82,14 +83,14 @@ def lighthouse():
         yield lh
 
 
-def make_manager(lighthouse, pg, transport, replica_id, state=None, **kw) -> Manager:
+def make_manager(lighthouse, pg, transport, replica_id, state=None, timeout=20.0, **kw) -> Manager:
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     weights = state if state is not None else {"w": torch.zeros(3)}
     manager = Manager(
         pg=pg, load_state_dict=lambda sd: weights.update(w=sd["w"].clone()), state_dict=lambda: {"w": weights["w"]},
         min_replica_size=1, rank=0, world_size=1, store_addr="127.0.0.1", store_port=store.port,
         lighthouse_addr=lighthouse.server.address(), replica_id=replica_id, hostname="127.0.0.1",
-        checkpoint_transport=transport, timeout=timedelta(seconds=20), quorum_timeout=timedelta(seconds=30),
+        checkpoint_transport=transport, timeout=timedelta(seconds=timeout), quorum_timeout=timedelta(seconds=30),
         preemption_signals=(), **kw,
     )
     manager._test_store = store  # keep the store alive as long as the manager
@@ -194,5 +195,106 @@ def test_an_errored_participant_aborts_the_collective_instead_of_skewing_it(ligh
         manager.allreduce(torch.full((3,), 5.0)).wait()
         assert pg.aborts == 1 and pg.allreduced == []
         assert manager.should_commit() is False
+    finally:
+        manager.shutdown()
+
+
+# ---------------------------------------------------------------- several sources, in-place heals
+
+
+class StripingTransport(InMemoryTransport):
+    """Stripes for real over the shelf: the user state from the last source, the rest from the first."""
+
+    def __init__(self, shelf: dict, name: str) -> None:
+        super().__init__(shelf, name)
+        self.sent_to: list[list[int]] = []
+        self.striped_from: list[list[tuple[int, str]]] = []
+
+    def send_checkpoint(self, dst_ranks, step, state_dict, timeout) -> None:
+        self.sent_to.append(list(dst_ranks))
+        super().send_checkpoint(dst_ranks, step, state_dict, timeout)
+
+    def recv_checkpoint_striped(self, sources, step, timeout):
+        self.striped_from.append(list(sources))
+        parts = [self.recv_checkpoint(rank, metadata, step, timeout) for rank, metadata in sources]
+        return {"user": parts[-1]["user"], "torchft": parts[0]["torchft"]}
+
+
+def run_steps(managers: dict[str, Manager], steps: int, before_step=None) -> dict[str, list]:
+    """Each manager trains ``steps`` steps on its own thread; returns its should_commit results."""
+    results: dict[str, list] = {name: [] for name in managers}
+    errors: dict[str, BaseException] = {}
+
+    def train(name: str) -> None:
+        try:
+            for step in range(steps):
+                if before_step is not None:
+                    before_step(name, step)
+                manager = managers[name]
+                manager.start_quorum()
+                manager.allreduce(torch.ones(3)).wait()
+                results[name].append(manager.should_commit())
+        except BaseException as exc:  # surfaced below, with the manager's name
+            errors[name] = exc
+
+    threads = [threading.Thread(target=train, args=(name,)) for name in managers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(120)
+    assert not any(thread.is_alive() for thread in threads), "a training thread hung"
+    if errors:
+        name, exc = next(iter(errors.items()))
+        raise AssertionError(f"{name} raised {exc!r}") from exc
+    return results
+
+
+@pytest.mark.parametrize("b_heal_sources", [2, 1])
+def test_a_late_replica_heals_from_two_sources_when_every_member_can_stripe(b_heal_sources):
+    shelf: dict = {}
+    states = {"a": {"w": torch.full((3,), 1.0)}, "b": {"w": torch.full((3,), 1.0)}, "c": {"w": torch.full((3,), 7.0)}}
+    with BackgroundLighthouse(lighthouse_config(min_replicas=3, join_timeout=30.0)) as lighthouse:
+        managers = {
+            name: make_manager(lighthouse, FakeProcessGroup(), StripingTransport(shelf, name), name, state=states[name],
+                               heal_sources=b_heal_sources if name == "b" else 2)
+            for name in ("a", "b", "c")
+        }
+        try:
+            for name in ("a", "b"):
+                managers[name].load_state_dict({"step": 5, "batches_committed": 10})
+            results = run_steps(managers, 1)
+            assert results == {"a": [True], "b": [True], "c": [True]}
+            transports = {name: managers[name]._checkpoint_transport for name in managers}
+            if b_heal_sources == 2:
+                assert transports["c"].striped_from == [[(0, "a"), (1, "b")]]
+                assert transports["a"].sent_to == [[2]] and transports["b"].sent_to == [[2]]
+            else:  # b advertises one source: torchft's assignment for everyone
+                assert transports["c"].striped_from == []
+                assert transports["a"].sent_to == [[2]] and transports["b"].sent_to == []
+            assert torch.equal(states["c"]["w"], torch.full((3,), 1.0))
+            assert [managers[name].current_step() for name in ("a", "b", "c")] == [6, 6, 6]
+        finally:
+            for manager in managers.values():
+                manager.shutdown()
+
+
+def test_heal_sources_above_one_is_not_advertised_by_a_transport_that_cannot_stripe(lighthouse):
+    manager = make_manager(lighthouse, FakeProcessGroup(), InMemoryTransport({}, "a"), "plain", heal_sources=3)
+    try:
+        assert manager._server.config.heal_sources == 1
+    finally:
+        manager.shutdown()
+
+
+def test_a_secondary_source_without_metadata_is_left_out_but_the_primary_is_required(lighthouse):
+    manager = make_manager(lighthouse, FakeProcessGroup(), InMemoryTransport({}, "meta-a"), "a", timeout=2.0)
+    try:
+        run_steps({"a": manager}, 1)  # its ManagerServer now holds rank 0's checkpoint metadata
+        alive, dead = manager._server.address(), "http://127.0.0.1:1"  # nothing listens on port 1
+        # submit, not run: run() reports any TimeoutError as its own, and ManagerTimeout is one
+        answered = manager._control.submit(manager._checkpoint_metadata_of([(0, alive), (1, dead)])).result(30)
+        assert answered == [(0, alive, "meta-a")]
+        with pytest.raises(ManagerTimeout, match="127.0.0.1:1"):
+            manager._control.submit(manager._checkpoint_metadata_of([(1, dead), (0, alive)])).result(30)
     finally:
         manager.shutdown()
