@@ -104,6 +104,9 @@ class Manager:
             (default 1, torchft's single source, or ``$TORCHFT_LITE_HEAL_SOURCES``).
             Used only when every quorum member advertises at least as many and the
             checkpoint transport stripes (``recv_checkpoint_striped`` of its own).
+        heal_in_place: the default ``HTTPTransport`` receives a heal straight into
+            the matching live tensors (default True, or ``$TORCHFT_LITE_HEAL_IN_PLACE``);
+            see :meth:`_in_place_targets` for why that is safe.
         """
         # Everything is validated before anything starts.
         s = self._settings = ManagerSettings.resolve(
@@ -151,14 +154,22 @@ class Manager:
         self._training_thread: int | None = None
         self._heal_stats: tuple[float, int, list[int]] | None = None  # seconds, bytes, source replica ranks
         self._pre_heal_state: dict[str, int] | None = None
+        # The registered state may mix two steps: an in-place receive or a load
+        # failed part-way. Cleared only by a heal applied in full.
+        self._state_torn = False
+        self._torn_at_max_step = False  # ... and this quorum makes it up to date: fail stop
         self._collectives_ready = False  # the process group is configured for this step's quorum
 
         self._control = control_plane()
         self._server: ManagerServer | None = None
+        self._heal_in_place = checkpoint_transport is None and s.heal_in_place
         if checkpoint_transport is None:
             from torchft_lite.checkpointing import HTTPTransport
 
-            checkpoint_transport = HTTPTransport(timeout=timedelta(seconds=s.timeout), num_chunks=0, hostname=s.hostname)
+            checkpoint_transport = HTTPTransport(
+                timeout=timedelta(seconds=s.timeout), num_chunks=0, hostname=s.hostname,
+                state_dict=self._in_place_targets if self._heal_in_place else None,
+            )
         self._checkpoint_transport = checkpoint_transport
         # Advertised to the quorum: a source waits for every receiver it is told
         # of, so a group must not offer to stripe unless its transport does.
@@ -225,6 +236,52 @@ class Manager:
     def _manager_state_dict(self) -> dict[str, Any]:
         return {"user": {key: fn() for key, fn in self._user_state_dict_fns.items()}, "torchft": self.state_dict()}
 
+    def _in_place_targets(self) -> Any:
+        """Where a heal may land: the tensors of the state dict a source sends, same paths.
+
+        The default ``HTTPTransport`` calls this on the heal thread when a
+        receive starts and writes each received tensor whose path, dtype and
+        shape match straight into the live one. Safe, because:
+
+        * Only a replica behind the max step heals, and the training thread
+          only reads the parameters between ``start_quorum`` and
+          ``should_commit`` (forward, backward); the optimizer, which writes
+          them, steps after ``should_commit``, which first waits for the heal.
+          Optimizer state is likewise untouched until then.
+        * While healing, ``is_participating()`` is False: its gradients from
+          half-received weights are zeroed before the allreduce, and it steps
+          with the peers' average, as an allocating heal would.
+        * The received state is applied on the training thread in
+          ``should_commit``, before the vote (``load`` copies each tensor onto
+          itself).
+        * The tensors returned are ``.data`` aliases: they share the storage
+          but not autograd's version counter, so a ``copy_`` into them (GPU or
+          non-contiguous targets) cannot fail the backward pass already
+          recorded on the training thread with "modified by an inplace
+          operation".
+        * A receive that fails part-way leaves the tensors torn. The step does
+          not commit (the error is recorded) and the replica stays at its old
+          step, so the next quorum heals it again; ``_state_torn`` makes it
+          fail stop rather than train on or serve that state should a quorum
+          make it up to date (no peer ahead of it left).
+
+        Not covered: state the training thread itself writes during the step,
+        such as BatchNorm running statistics in a train-mode forward. A write
+        racing the receive can fail the heal's checksum (retried at the next
+        quorum) or blend one local batch into those statistics, which replicas
+        already keep apart (they are never averaged). ``heal_in_place=False``
+        receives into fresh tensors instead.
+
+        The user's ``state_dict`` functions run on the heal thread here, as
+        they do on torchft's quorum thread; if they fail, this heal allocates.
+        """
+        try:
+            return _alias_tensors(self._manager_state_dict())
+        except Exception as exc:
+            self._log(logging.WARNING, "receiving this heal into fresh tensors: the state dict functions failed: "
+                      "%s: %s", type(exc).__name__, exc)
+            return {}
+
     # ------------------------------------------------------------ quorum
 
     def start_quorum(self, allow_heal: bool = True, shrink_only: bool = False, timeout: timedelta | None = None) -> None:
@@ -242,6 +299,7 @@ class Manager:
         self._pending_work = []
         self._heal_stats = None
         self._pre_heal_state = None
+        self._torn_at_max_step = False
         self._collectives_ready = False
         self._training_thread = threading.get_ident()
         self._in_step = True
@@ -322,6 +380,12 @@ class Manager:
                       response.quorum_id, response.replica_rank, response.replica_world_size,
                       response.max_world_size, response.max_step, time.monotonic() - started)
         self._collectives_ready = True
+        if self._state_torn and not (allow_heal and response.heal):
+            self._torn_at_max_step = True
+            raise CheckpointError(
+                f"this rank's state was left partly overwritten by a failed heal and quorum {response.quorum_id} "
+                f"has no peer ahead of it to heal from (step {response.max_step}): it must not train on or serve it"
+            )
         if allow_heal:
             # Both before collectives may start: a healing replica contributes
             # zeros, and a source may publish from its first allreduce.
@@ -345,6 +409,8 @@ class Manager:
         transport = self._checkpoint_transport
         striped = getattr(transport, "recv_checkpoint_striped", None)  # torchft's transports have none
         timeout = timedelta(seconds=self._timeout)
+        if self._heal_in_place:
+            self._state_torn = True  # bytes may land in the live tensors from here on
         if striped is None or len(answered) == 1:
             answered = answered[:1]
         started = time.monotonic()
@@ -396,9 +462,11 @@ class Manager:
             missing = set(self._load_state_dict_fns) - set(user)
             if missing:
                 raise CheckpointError(f"received checkpoint lacks registered state {sorted(missing)}")
+            self._state_torn = True  # until every piece is loaded
             for key, load in self._load_state_dict_fns.items():
                 load(user[key])
             self.load_state_dict(state["torchft"])
+            self._state_torn = False
         except Exception as exc:
             self.report_error(exc)
             return
@@ -636,6 +704,11 @@ class Manager:
         self._in_step = False
         self.watchdog.end("step")
         self.watchdog.end("heal")
+        if self._torn_at_max_step:
+            # Nobody can heal it and its state mixes two steps: stop (the group is
+            # restarted from a durable checkpoint, or healed once a peer is ahead).
+            raise ManagerError(f"group rank {self._group_rank}: the state left by a failed heal can't be repaired "
+                               f"(no peer ahead of step {self._step}): {self._errored}")
         self._maybe_leave()
         return decision
 
@@ -708,6 +781,17 @@ def _bytes_served(transport: Any) -> int | None:
     """The transport's ``statistics().bytes_served`` (HTTPTransport's), else None."""
     statistics = getattr(transport, "statistics", None)
     return getattr(statistics(), "bytes_served", None) if statistics is not None else None
+
+
+def _alias_tensors(obj: Any) -> Any:
+    """``obj``'s containers with each tensor as a ``.data`` alias (own version counter) and other leaves None."""
+    if isinstance(obj, torch.Tensor):
+        return obj.data
+    if isinstance(obj, dict):
+        return {key: _alias_tensors(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_alias_tensors(value) for value in obj]
+    return None
 
 
 def _describe(sources: Sequence[tuple[int, str]]) -> str:

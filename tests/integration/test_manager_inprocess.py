@@ -18,7 +18,7 @@ from torch.distributed import TCPStore
 from lighthouse.thread import BackgroundLighthouse
 from tests.conftest import lighthouse_config
 from torchft_lite.checkpointing import CheckpointTransport
-from torchft_lite.errors import ManagerTimeout
+from torchft_lite.errors import CheckpointTransferError, ManagerTimeout
 from torchft_lite.manager import Manager
 
 pytestmark = pytest.mark.integration
@@ -298,3 +298,86 @@ def test_a_secondary_source_without_metadata_is_left_out_but_the_primary_is_requ
             manager._control.submit(manager._checkpoint_metadata_of([(1, dead), (0, alive)])).result(30)
     finally:
         manager.shutdown()
+
+
+def test_default_transport_receives_in_place_into_data_aliases(lighthouse):
+    manager = make_manager(lighthouse, FakeProcessGroup(), None, "inplace")
+    off = make_manager(lighthouse, FakeProcessGroup(), None, "allocating", heal_in_place=False)
+    try:
+        assert manager._checkpoint_transport._state_dict is not None
+        assert off._checkpoint_transport._state_dict is None
+        model = torch.nn.Linear(3, 3)
+        manager.register_state_dict_fn("model", model.load_state_dict, model.state_dict)
+        targets = manager._in_place_targets()
+        assert targets["user"]["model"]["weight"].data_ptr() == model.weight.data_ptr()
+        assert set(targets) == set(manager._manager_state_dict()) == {"user", "torchft"}  # the paths a source sends
+        # A receive lands while the training thread's backward is still to run (copy_ is what a
+        # GPU or non-contiguous target gets): state_dict()'s own tensors share the parameters'
+        # version counter and would fail that backward; the aliases don't.
+        loss = model(torch.ones(1, 3)).pow(2).sum()
+        targets["user"]["model"]["weight"].copy_(torch.zeros(3, 3))
+        loss.backward()
+        assert torch.equal(model.weight.detach(), torch.zeros(3, 3))
+    finally:
+        manager.shutdown()
+        off.shutdown()
+
+
+def fail_first_receive(manager: Manager, calls: list) -> None:
+    """The next receive writes part of a tensor in place, then fails, as a connection lost mid-heal would."""
+    real = manager._checkpoint_transport.recv_checkpoint
+
+    def recv_checkpoint(**kw):
+        calls.append(kw["src_rank"])
+        if len(calls) > 1:
+            return real(**kw)
+        manager._in_place_targets()["user"]["default"]["w"][:1] = 99.0
+        raise CheckpointTransferError("injected: the connection closed after 4 bytes")
+
+    manager._checkpoint_transport.recv_checkpoint = recv_checkpoint
+
+
+def test_a_heal_that_fails_part_way_in_place_stays_behind_and_heals_at_the_next_quorum():
+    states = {"a": {"w": torch.full((3,), 1.0)}, "b": {"w": torch.full((3,), 2.0)}}
+    with BackgroundLighthouse(lighthouse_config(min_replicas=2, join_timeout=30.0)) as lighthouse:
+        managers = {name: make_manager(lighthouse, FakeProcessGroup(), None, name, state=states[name], timeout=3.0)
+                    for name in states}
+        try:
+            calls: list = []
+            fail_first_receive(managers["b"], calls)
+            assert run_steps(managers, 1) == {"a": [True], "b": [False]}
+            assert managers["b"].current_step() == 0 and "injected" in str(managers["b"].errored())
+            assert states["b"]["w"].tolist() == [99.0, 2.0, 2.0]  # torn, and not committed
+            assert run_steps(managers, 2) == {"a": [True, True], "b": [True, True]}
+            assert calls == [0, 0]
+            assert torch.equal(states["a"]["w"], states["b"]["w"])
+            assert managers["a"].current_step() == managers["b"].current_step() == 3
+        finally:
+            for manager in managers.values():
+                manager.shutdown()
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_a_torn_replica_that_a_quorum_makes_up_to_date_fails_stop(in_place):
+    """Its source left after a heal failed part-way: nobody can repair it, so it must not train on."""
+    states = {"a": {"w": torch.full((3,), 1.0)}, "b": {"w": torch.full((3,), 2.0)}}
+    # Both heartbeat before either joins, so the first quorum waits (join timeout) for both.
+    with BackgroundLighthouse(lighthouse_config(min_replicas=1, join_timeout=3.0)) as lighthouse:
+        managers = {name: make_manager(lighthouse, FakeProcessGroup(), None, name, state=states[name], timeout=3.0,
+                                       heal_in_place=in_place)
+                    for name in states}
+        try:
+            fail_first_receive(managers["b"], [])
+            assert run_steps(managers, 1) == {"a": [True], "b": [False]}  # step 0: b heals from a, and fails
+            managers["a"].shutdown()
+            alone = {"b": managers["b"]}
+            # Two steps: the first may also fail on the lighthouse's late "a is gone" event.
+            if in_place:
+                with pytest.raises(AssertionError, match="ManagerError.*failed heal"):
+                    run_steps(alone, 2)
+                assert managers["b"]._checkpoint_transport.statistics().published_step is None  # served nothing
+            else:  # an allocating receive never touched the live tensors: b trains on from its own
+                assert True in run_steps(alone, 2)["b"]
+        finally:
+            for manager in managers.values():
+                manager.shutdown()
