@@ -92,8 +92,13 @@ class ManagerServerConfig:
 @dataclass
 class _QuorumRound:
     requests: dict[int, pb.ManagerQuorumRequest] = field(default_factory=dict)
-    deadline: float | None = None  # loop time: the earliest deadline among the ranks' requests
+    deadlines: dict[int, float] = field(default_factory=dict)  # loop time, per rank: of its latest request
     result: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+    @property
+    def deadline(self) -> float | None:
+        """The earliest deadline among the ranks' current requests."""
+        return min(self.deadlines.values(), default=None)
 
 
 @dataclass
@@ -280,11 +285,12 @@ class ManagerServer:
         round_ = self._quorum_round
         if round_ is None:
             round_ = self._quorum_round = _QuorumRound()
-        round_.requests[rank] = request  # a rank that retries replaces its request
+        round_.requests[rank] = request  # a rank that retries replaces its request, and its deadline
         if timeout is not None:
             # Absolute: a rank that asked early also gives up early.
-            deadline = asyncio.get_running_loop().time() + timeout
-            round_.deadline = deadline if round_.deadline is None else min(round_.deadline, deadline)
+            round_.deadlines[rank] = asyncio.get_running_loop().time() + timeout
+        else:
+            round_.deadlines.pop(rank, None)
         if len(round_.requests) == self.config.world_size:
             self._quorum_round = None  # later requests start the next round
             self._start_lighthouse_quorum(round_)
