@@ -311,6 +311,9 @@ class Manager:
         self._quorum_future = self._control.submit(self._async_quorum(allow_heal, shrink_only, quorum_timeout, ready))
         if not self._use_async_quorum:
             self.wait_quorum()
+            # torchft: a synchronous quorum returns with the heal applied (the
+            # forward pass then never overlaps the receive).
+            self._await(self._quorum_future, "the quorum and heal")
             if self._healing:
                 self._apply_pending_state_dict()
 

@@ -381,3 +381,26 @@ def test_a_torn_replica_that_a_quorum_makes_up_to_date_fails_stop(in_place):
         finally:
             for manager in managers.values():
                 manager.shutdown()
+
+
+def test_a_synchronous_quorum_returns_with_the_heal_applied():
+    shelf: dict = {}
+    states = {"a": {"w": torch.full((3,), 1.0)}, "b": {"w": torch.full((3,), 2.0)}}
+    seen_after_start: dict[str, list[float]] = {}
+    with BackgroundLighthouse(lighthouse_config(min_replicas=2, join_timeout=30.0)) as lighthouse:
+        managers = {name: make_manager(lighthouse, FakeProcessGroup(), InMemoryTransport(shelf, name), name,
+                                       state=states[name], use_async_quorum=False) for name in states}
+        original = managers["b"].start_quorum
+
+        def start_quorum(*args, **kw):
+            original(*args, **kw)
+            seen_after_start["b"] = states["b"]["w"].tolist()
+
+        managers["b"].start_quorum = start_quorum
+        try:
+            # a publishes only at its first allreduce, after its own synchronous start_quorum
+            assert run_steps(managers, 1) == {"a": [True], "b": [True]}
+            assert seen_after_start["b"] == [1.0, 1.0, 1.0]
+        finally:
+            for manager in managers.values():
+                manager.shutdown()
