@@ -407,7 +407,7 @@ class Manager:
             sources = [(response.recover_src_replica_rank, response.recover_src_manager_address)]
         self.watchdog.begin("heal", f"the state dict of step {response.max_step} from "
                                     f"{', '.join(address for _, address in sources)}")
-        self._log(logging.INFO, "healing to step %d from %s", response.max_step, _describe(sources))
+        self._log(logging.INFO, "healing from %s to step %d", _describe(sources), response.max_step)
         answered = await self._checkpoint_metadata_of(sources)
         transport = self._checkpoint_transport
         striped = getattr(transport, "recv_checkpoint_striped", None)  # torchft's transports have none
