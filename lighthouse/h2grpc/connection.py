@@ -32,13 +32,14 @@ MAX_HEADER_LIST = 16 * 1024
 
 
 class Stream:
-    __slots__ = ("id", "headers", "body", "recv_window", "send_window", "pending", "trailers", "task",
+    __slots__ = ("id", "headers", "body", "received", "recv_window", "send_window", "pending", "trailers", "task",
                  "request_done", "response_started")
 
     def __init__(self, stream_id: int, send_window: int) -> None:
         self.id = stream_id
         self.headers: dict[bytes, bytes] = {}
         self.body = bytearray()
+        self.received = 0  # request body bytes, counted in the connection's in-flight total until the stream ends
         self.recv_window = STREAM_RECV_WINDOW
         self.send_window = send_window
         self.pending: deque[memoryview] = deque()  # DATA payload not yet sent
@@ -62,6 +63,10 @@ class H2Connection(asyncio.Protocol):
         self._last_stream_id = 0
         self._recv_window = CONN_RECV_WINDOW
         self._recv_unacked = 0
+        # Request bytes of the streams still open (receiving, or answered later): the connection
+        # window is reopened as data arrives, so without this bound one peer could make us hold
+        # max_concurrent_streams * max_request_bytes (16 GiB).
+        self._in_flight = 0
         self._send_window = wire.DEFAULT_WINDOW
         self._peer_initial_window = wire.DEFAULT_WINDOW
         self._peer_max_frame = wire.DEFAULT_MAX_FRAME
@@ -271,7 +276,13 @@ class H2Connection(asyncio.Protocol):
         if stream.recv_window < 0 or len(stream.body) + len(data) > self.server.max_request_bytes + 5:
             self.server.reject_oversized(self, stream)
             return
+        if self._in_flight + len(data) > self.server.max_connection_request_bytes:
+            self.server.reject_oversized(self, stream, f"this connection's calls in flight hold more than "
+                                                       f"{self.server.max_connection_request_bytes} request bytes")
+            return
         stream.body += data
+        stream.received += len(data)
+        self._in_flight += len(data)
         if flags & wire.END_STREAM:
             self._request_complete(stream)
 
@@ -408,7 +419,8 @@ class H2Connection(asyncio.Protocol):
             self._flush(stream)
 
     def _finish(self, stream: Stream) -> None:
-        self._streams.pop(stream.id, None)
+        if self._streams.pop(stream.id, None) is stream:
+            self._in_flight -= stream.received
         self._blocked.pop(stream.id, None)
         if self._going_away and not self._streams and self.transport is not None:
             self._close()
@@ -424,6 +436,8 @@ class H2Connection(asyncio.Protocol):
     def _close_stream(self, stream_id: int, cancel: bool) -> None:
         stream = self._streams.pop(stream_id, None)
         self._blocked.pop(stream_id, None)
+        if stream is not None:
+            self._in_flight -= stream.received
         if stream is not None and cancel and stream.task is not None:
             stream.task.cancel()
 

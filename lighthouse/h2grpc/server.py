@@ -84,11 +84,14 @@ class GrpcServer:
         *,
         max_concurrent_streams: int = 4096,
         max_request_bytes: int = 4 * 1024 * 1024,
+        max_connection_request_bytes: int = 32 * 1024 * 1024,
         handshake_timeout: float = 10.0,
     ) -> None:
         self.max_concurrent_streams = max_concurrent_streams
         self.handshake_timeout = handshake_timeout  # seconds a new connection has to send the HTTP/2 preface
         self.max_request_bytes = max_request_bytes
+        # Request bytes one connection's open calls may hold together (received or still being answered).
+        self.max_connection_request_bytes = max_connection_request_bytes
         self.connections: set[H2Connection] = set()
         self.protocol_errors = 0
         self._methods: dict[str, _Method] = {}
@@ -161,9 +164,9 @@ class GrpcServer:
         self._calls.add(task)
         task.add_done_callback(self._calls.discard)
 
-    def reject_oversized(self, connection: H2Connection, stream: Stream) -> None:
+    def reject_oversized(self, connection: H2Connection, stream: Stream, details: str | None = None) -> None:
         connection.trailers_only(stream, _status_block(
-            grpc.StatusCode.RESOURCE_EXHAUSTED, f"request larger than {self.max_request_bytes} bytes", True))
+            grpc.StatusCode.RESOURCE_EXHAUSTED, details or f"request larger than {self.max_request_bytes} bytes", True))
         connection.reset(stream, wire.NO_ERROR)
 
     async def _call(self, connection: H2Connection, stream: Stream, method: _Method, context: RpcContext) -> None:
