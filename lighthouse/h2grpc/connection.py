@@ -35,12 +35,12 @@ class Stream:
     __slots__ = ("id", "headers", "body", "received", "recv_window", "send_window", "pending", "trailers", "task",
                  "request_done", "response_started")
 
-    def __init__(self, stream_id: int, send_window: int) -> None:
+    def __init__(self, stream_id: int, send_window: int, recv_window: int = STREAM_RECV_WINDOW) -> None:
         self.id = stream_id
         self.headers: dict[bytes, bytes] = {}
         self.body = bytearray()
         self.received = 0  # request body bytes, counted in the connection's in-flight total until the stream ends
-        self.recv_window = STREAM_RECV_WINDOW
+        self.recv_window = recv_window
         self.send_window = send_window
         self.pending: deque[memoryview] = deque()  # DATA payload not yet sent
         self.trailers: bytes | None = None  # HEADERS frame to send once pending is empty
@@ -63,6 +63,10 @@ class H2Connection(asyncio.Protocol):
         self._last_stream_id = 0
         self._recv_window = CONN_RECV_WINDOW
         self._recv_unacked = 0
+        # Stream windows are never reopened: each must take one byte past the largest request body
+        # (a message and its 5-byte prefix) so that a larger one reaches the size check and is refused;
+        # with less, its sender stalled on a closed window until its deadline, or forever.
+        self._stream_window = max(STREAM_RECV_WINDOW, server.max_request_bytes + 6)
         # Request bytes of the streams still open (receiving, or answered later): the connection
         # window is reopened as data arrives, so without this bound one peer could make us hold
         # max_concurrent_streams * max_request_bytes (16 GiB).
@@ -90,7 +94,7 @@ class H2Connection(asyncio.Protocol):
         self._write(
             wire.settings_frame({
                 wire.SETTINGS_MAX_CONCURRENT_STREAMS: self.server.max_concurrent_streams,
-                wire.SETTINGS_INITIAL_WINDOW_SIZE: STREAM_RECV_WINDOW,
+                wire.SETTINGS_INITIAL_WINDOW_SIZE: self._stream_window,
                 wire.SETTINGS_MAX_HEADER_LIST_SIZE: MAX_HEADER_LIST,
                 wire.SETTINGS_ENABLE_PUSH: 0,
             })
@@ -246,7 +250,7 @@ class H2Connection(asyncio.Protocol):
         if self._going_away or len(self._streams) >= self.server.max_concurrent_streams:
             self._write(wire.rst_stream(stream_id, wire.REFUSED_STREAM))
             return
-        stream = Stream(stream_id, self._peer_initial_window)
+        stream = Stream(stream_id, self._peer_initial_window, self._stream_window)
         stream.headers = dict(headers)
         self._streams[stream_id] = stream
         if flags & wire.END_STREAM:
