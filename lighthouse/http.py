@@ -66,7 +66,8 @@ class _Handlers:
         if scheme.lower() != "bearer" or not given.strip():
             return _error(401, "missing 'Authorization: Bearer <admin token>' header",
                           **{"WWW-Authenticate": 'Bearer realm="lighthouse"'})
-        if not hmac.compare_digest(given.strip().encode(), token.encode()):
+        # Header bytes that are not UTF-8 arrive as surrogate escapes: compare them as the bytes they were.
+        if not hmac.compare_digest(given.strip().encode("utf-8", "surrogateescape"), token.encode()):
             return _error(403, "wrong admin token")
         return None
 
@@ -81,7 +82,7 @@ class _Handlers:
                 return _error(413, f"body larger than {MAX_KILL_BODY} bytes")
             try:
                 body = json.loads(await request.content.read(MAX_KILL_BODY + 1) or b"{}")
-            except ValueError:
+            except (ValueError, RecursionError):  # not JSON, or nested past the recursion limit
                 return _error(400, "body must be JSON, e.g. {\"msg\": \"reason\"}")
             if not isinstance(body, dict) or not isinstance(body.get("msg", ""), str):
                 return _error(400, "body must be a JSON object with an optional string 'msg'")
