@@ -357,7 +357,8 @@ class HTTPTransport(CheckpointTransport[T]):
         if given is None:
             raise web.HTTPUnauthorized(text="this checkpoint server needs a bearer token",
                                        headers={"WWW-Authenticate": "Bearer"})
-        if not hmac.compare_digest(given.encode(), f"Bearer {self._token}".encode()):
+        # Header bytes that are not UTF-8 arrive as surrogate escapes: compare them as the bytes they were.
+        if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), f"Bearer {self._token}".encode()):
             raise web.HTTPForbidden(text="wrong bearer token for this checkpoint server")
 
     def _request_args(self, request: web.Request) -> tuple[int, str]:
