@@ -387,6 +387,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     chaos = Chaos(args)
     print(f"chaos: seed {args.seed}, {args.faults} faults of {args.kinds}; logs in {chaos.workdir}", flush=True)
+    # A SIGTERM (a CI timeout, a killed terminal) must still stop the groups and remove the namespaces.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         outcome = chaos.run()
     finally:
