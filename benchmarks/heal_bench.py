@@ -38,7 +38,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 ALL_CASES = ("tcp", "ours-0", "ours-4", "ours-0-inplace", "ours-4-inplace", "torchft-0", "torchft-4", "pg-ours",
-             "pg-gloo")
+             "pg-ours-inplace", "pg-gloo")
 TIMEOUT = timedelta(seconds=300)
 
 
@@ -133,10 +133,11 @@ class Role:
 
             rank = 0 if self.side == "server" else 1
             self.pg = dist.ProcessGroupGloo(self.store, rank, 2, TIMEOUT)
-            if self.case == "pg-ours":
+            if self.case.startswith("pg-ours"):
                 from torchft_lite.checkpointing.pg_transport import PGTransport
 
-                self.transport = PGTransport(self.pg, TIMEOUT)
+                local = (lambda: self.state) if self.in_place and self.side == "receiver" else None
+                self.transport = PGTransport(self.pg, TIMEOUT, state_dict=local)
         self.peer_url = peer.get("url", "<n/a>")
 
     def _http_transport(self):
@@ -168,7 +169,7 @@ class Role:
                     if n == 0:
                         raise ConnectionError("the raw TCP server closed early")
                     got += n
-        elif self.kind in ("ours", "torchft") or self.case == "pg-ours":
+        elif self.kind in ("ours", "torchft") or self.case.startswith("pg-ours"):
             if self.side == "server":
                 self.state["torchft"]["step"] = step
                 self.transport.send_checkpoint([1], step, self.state, TIMEOUT)
@@ -341,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     result = summary(results, args, skipped)
     print(f"ours vs loopback {result['ours_vs_loopback']}, vs torchft {result['ours_vs_torchft']} "
           f"(best: in place, as the Manager heals); allocating: {result['ours_allocating_vs_loopback']} / "
-          f"{result['ours_allocating_vs_torchft']}")
+          f"{result['ours_allocating_vs_torchft']}; PG vs plain gloo {result['pg_ours_vs_gloo']}")
     print(json.dumps(result))
     return 0
 
@@ -377,6 +378,7 @@ def summary(results: dict, args: argparse.Namespace, skipped: list[str]) -> dict
             "ours_vs_loopback": vs_loopback, "ours_vs_torchft": vs_torchft,
             "ours_allocating_vs_loopback": _ratio(allocating, loopback),
             "ours_allocating_vs_torchft": _ratio(allocating, theirs),
+            "pg_ours_vs_gloo": _ratio(_best(gbps, lambda c: c.startswith("pg-ours")), gbps.get("pg-gloo")),
             "peak_extra_x": {c: {"server": r["server_peak_extra_x"], "receiver": r["receiver_peak_extra_x"]}
                              for c, r in results.items()},
             "skipped": skipped, "targets_met": targets}
