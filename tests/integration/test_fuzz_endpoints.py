@@ -166,6 +166,14 @@ def call(channel: grpc.Channel, path: str, payload: bytes, streaming: bool, time
     return grpc.StatusCode.OK, ""
 
 
+def call_and_check(channel: grpc.Channel, service: str, rpcs: dict, rpc_data: tuple[str, bytes]) -> None:
+    """Send fuzzed bytes to one RPC of ``service`` (``rpcs``: name -> (streaming, may wait)) and judge the answer."""
+    rpc, data = rpc_data
+    streaming, may_wait = rpcs[rpc]
+    code, details = call(channel, service + rpc, data, streaming, SHORT if may_wait else WAIT)
+    check_answer(service + rpc, code, details, may_wait)
+
+
 def check_answer(path: str, code: grpc.StatusCode, details: str, may_wait: bool) -> None:
     if code in ALLOWED:
         return
@@ -309,10 +317,7 @@ def test_lighthouse_rpcs_answer_malformed_bytes_clearly():
         @example(rpc_data=("Heartbeat", b"\x0a\xff"))  # a length running past the end
         @example(rpc_data=("Lease", b"\x0a\x02\xc3\x28"))  # invalid UTF-8 in a string field
         def fuzz(rpc_data):
-            rpc, data = rpc_data
-            streaming, may_wait = LIGHTHOUSE_RPCS[rpc]
-            code, details = call(channel, LIGHTHOUSE + rpc, data, streaming, SHORT if may_wait else WAIT)
-            check_answer(LIGHTHOUSE + rpc, code, details, may_wait)
+            call_and_check(channel, LIGHTHOUSE, LIGHTHOUSE_RPCS, rpc_data)
 
         fuzz()
         assert lighthouse.statistics().invalid_requests > invalid_before
@@ -362,10 +367,7 @@ def test_manager_server_rpcs_answer_fuzzed_requests_clearly():
         @given(rpc_data=st.one_of(mangled(manager_messages),
                                   manager_messages.map(lambda m: (m[0], m[1].SerializeToString()))))
         def fuzz(rpc_data):
-            rpc, data = rpc_data
-            streaming, may_wait = MANAGER_RPCS[rpc]
-            code, details = call(channel, MANAGER + rpc, data, streaming, SHORT if may_wait else WAIT)
-            check_answer(MANAGER + rpc, code, details, may_wait)
+            call_and_check(channel, MANAGER, MANAGER_RPCS, rpc_data)
 
         fuzz()
         assert manager.kills, "no Kill request got through"
