@@ -121,6 +121,7 @@ class Manager:
         self._leave_signal: int | None = None
         self._in_step = False
         self._quorum_members: frozenset[str] = frozenset()
+        self._member_gone: str | None = None  # a member of this step's quorum left (a lighthouse event)
         self._closed = False
         self._events_future: concurrent.futures.Future | None = None
         self._previous_handlers: dict[int, Any] = {}
@@ -300,6 +301,7 @@ class Manager:
         self._heal_stats = None
         self._pre_heal_state = None
         self._torn_at_max_step = False
+        self._member_gone = None
         self._collectives_ready = False
         self._training_thread = threading.get_ident()
         self._in_step = True
@@ -510,6 +512,9 @@ class Manager:
             # No process group for this quorum: peers can't be in step with us.
             return DoneWork(tensor)
         participants = self.num_participants()
+        if self._member_gone is not None:  # its contribution will never come: don't wait for it
+            self.report_error(CollectiveError(self._member_gone))
+            return DoneWork(tensor)
         if self._errored is not None and self.is_participating():
             # Our contribution would be wrong and zeros would mis-scale the
             # average: fail the peers' collective now rather than at its timeout.
@@ -543,6 +548,8 @@ class Manager:
         guarded = guard_future(fut, default, self.report_error, seconds, "a collective",
                                schedule_timeout=self._schedule_timeout)
         self._pending_work.append(ManagedWork(guarded))
+        if self._member_gone is not None and not guarded.done():  # the event came while this one started
+            self._abort_collectives(CollectiveError(self._member_gone))
         return guarded
 
     # ------------------------------------------------------------ failures pushed by the lighthouse
@@ -567,16 +574,28 @@ class Manager:
     def _on_lighthouse_event(self, event: pb.LeaseEvent) -> None:
         """A quorum member is gone: abort this step's collectives now instead of at their timeout.
 
-        Runs on the control-plane loop. The step is not committed (the error is
-        recorded); the next quorum, formed without the member, reconfigures.
+        Runs on the control-plane loop. With collectives in flight the step is
+        not committed (the error is recorded); the next quorum, formed without
+        the member, reconfigures. When every collective of the step has
+        finished the member contributed to all of them: the step may still
+        commit (a member that committed its last step and left must not fail
+        ours), and a collective started later in the step fails at once.
         """
         if event.kind != pb.LeaseEvent.MEMBER_GONE or not self._in_step:
             return
         if event.replica_id not in self._quorum_members or event.replica_id == self._replica_id:
             return
+        self._member_gone = f"replica {event.replica_id} left the quorum: {event.reason}"
+        if all(work.is_completed() for work in list(self._pending_work)):
+            self._log(logging.INFO, "%s left the quorum (%s) after this step's collectives finished",
+                      event.replica_id, event.reason)
+            return
         self._log(logging.INFO, "%s left the quorum (%s): aborting this step's collectives",
                   event.replica_id, event.reason)
-        self.report_error(CollectiveError(f"replica {event.replica_id} left the quorum: {event.reason}"))
+        self._abort_collectives(CollectiveError(self._member_gone))
+
+    def _abort_collectives(self, error: CollectiveError) -> None:
+        self.report_error(error)
         abort = getattr(self._pg, "abort", None)
         if abort is not None:
             # Never on this loop: an abort can wait on the process group's lock, and a

@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch.distributed import TCPStore
 
+from lighthouse.protocol import torchft_pb2 as pb
 from lighthouse.thread import BackgroundLighthouse
 from tests.conftest import lighthouse_config
 from torchft_lite.checkpointing import CheckpointTransport
@@ -32,9 +33,14 @@ class FakeProcessGroup:
         self.allreduced: list[torch.Tensor] = []
         self.aborts = 0
         self.fail_next = False
+        self.hold_next = False  # the next allreduce stays in flight until abort()
+        self.held: list[torch.futures.Future] = []
 
     def abort(self) -> None:
         self.aborts += 1
+        for fut in self.held:
+            fut.set_exception(RuntimeError("aborted"))
+        self.held = []
 
     def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int) -> None:
         self.configures.append((store_addr, rank, world_size))
@@ -45,6 +51,9 @@ class FakeProcessGroup:
         if self.fail_next:
             self.fail_next = False
             fut.set_exception(RuntimeError("injected allreduce failure"))
+        elif self.hold_next:
+            self.hold_next = False
+            self.held.append(fut)
         else:
             fut.set_result(tensors)
         return SimpleNamespace(get_future=lambda: fut)
@@ -404,3 +413,47 @@ def test_a_synchronous_quorum_returns_with_the_heal_applied():
         finally:
             for manager in managers.values():
                 manager.shutdown()
+
+
+def member_gone(manager: Manager, replica_id: str = "peer") -> None:
+    """The lighthouse says ``replica_id``, a member of this step's quorum, has gone."""
+    manager._quorum_members = manager._quorum_members | {replica_id}
+    manager._on_lighthouse_event(pb.LeaseEvent(kind=pb.LeaseEvent.MEMBER_GONE, replica_id=replica_id,
+                                               reason="lease ended"))
+
+
+def test_a_member_leaving_after_the_steps_collectives_does_not_fail_the_step(lighthouse):
+    """It contributed to every collective (say it committed its last step and exited): ours commits."""
+    pg = FakeProcessGroup()
+    manager = make_manager(lighthouse, pg, InMemoryTransport({}, "a"), "stays")
+    try:
+        manager.start_quorum()
+        manager.allreduce(torch.ones(3)).wait()
+        member_gone(manager)
+        assert manager.errored() is None and pg.aborts == 0
+        assert manager.should_commit()
+
+        manager.start_quorum()  # a collective started after the event fails at once, without waiting for it
+        manager.allreduce(torch.ones(3)).wait()
+        member_gone(manager)
+        allreduced = len(pg.allreduced)
+        manager.allreduce(torch.ones(3)).wait()
+        assert len(pg.allreduced) == allreduced and "left the quorum" in str(manager.errored())
+        assert manager.should_commit() is False
+    finally:
+        manager.shutdown()
+
+
+def test_a_member_leaving_during_a_collective_aborts_it(lighthouse):
+    pg = FakeProcessGroup()
+    manager = make_manager(lighthouse, pg, InMemoryTransport({}, "a"), "aborts")
+    try:
+        manager.start_quorum()
+        pg.hold_next = True
+        work = manager.allreduce(torch.ones(3))
+        member_gone(manager)
+        work.wait()  # the abort (on its own thread) fails the held collective
+        assert pg.aborts == 1 and "left the quorum" in str(manager.errored())
+        assert manager.should_commit() is False
+    finally:
+        manager.shutdown()
