@@ -49,6 +49,9 @@ T = TypeVar("T")
 logger = logging.getLogger(__name__)
 MANAGER_ADDR_KEY = "manager_addr"
 REPLICA_ID_KEY = "replica_id"
+# A member that committed the step and exited can be reported gone while our end of
+# the last collective is still completing (a busy CPU): give it this long to finish.
+MEMBER_GONE_GRACE = 0.25
 
 
 class WorldSizeMode(Enum):
@@ -574,25 +577,30 @@ class Manager:
     def _on_lighthouse_event(self, event: pb.LeaseEvent) -> None:
         """A quorum member is gone: abort this step's collectives now instead of at their timeout.
 
-        Runs on the control-plane loop. With collectives in flight the step is
-        not committed (the error is recorded); the next quorum, formed without
-        the member, reconfigures. When every collective of the step has
-        finished the member contributed to all of them: the step may still
-        commit (a member that committed its last step and left must not fail
-        ours), and a collective started later in the step fails at once.
+        Runs on the control-plane loop. Collectives still in flight
+        ``MEMBER_GONE_GRACE`` seconds later are aborted and the step is not
+        committed (the error is recorded); the next quorum, formed without the
+        member, reconfigures. When every collective of the step finishes, the
+        member contributed to all of them and the step may commit (a member
+        that committed its last step and left must not fail ours); a
+        collective started after the event fails at once.
         """
         if event.kind != pb.LeaseEvent.MEMBER_GONE or not self._in_step:
             return
         if event.replica_id not in self._quorum_members or event.replica_id == self._replica_id:
             return
         self._member_gone = f"replica {event.replica_id} left the quorum: {event.reason}"
-        if all(work.is_completed() for work in list(self._pending_work)):
+        in_flight = [work for work in list(self._pending_work) if not work.is_completed()]
+        asyncio.get_running_loop().call_later(MEMBER_GONE_GRACE, self._abort_unfinished, in_flight, event)
+
+    def _abort_unfinished(self, in_flight: list[ManagedWork], event: pb.LeaseEvent) -> None:
+        if all(work.is_completed() for work in in_flight):
             self._log(logging.INFO, "%s left the quorum (%s) after this step's collectives finished",
                       event.replica_id, event.reason)
             return
         self._log(logging.INFO, "%s left the quorum (%s): aborting this step's collectives",
                   event.replica_id, event.reason)
-        self._abort_collectives(CollectiveError(self._member_gone))
+        self._abort_collectives(CollectiveError(f"replica {event.replica_id} left the quorum: {event.reason}"))
 
     def _abort_collectives(self, error: CollectiveError) -> None:
         self.report_error(error)

@@ -8,6 +8,7 @@ exactly where wanted.
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 from types import SimpleNamespace
 
@@ -20,7 +21,7 @@ from lighthouse.thread import BackgroundLighthouse
 from tests.conftest import lighthouse_config
 from torchft_lite.checkpointing import CheckpointTransport
 from torchft_lite.errors import CheckpointTransferError, ManagerTimeout
-from torchft_lite.manager import Manager
+from torchft_lite.manager import MEMBER_GONE_GRACE, Manager
 
 pytestmark = pytest.mark.integration
 
@@ -416,10 +417,14 @@ def test_a_synchronous_quorum_returns_with_the_heal_applied():
 
 
 def member_gone(manager: Manager, replica_id: str = "peer") -> None:
-    """The lighthouse says ``replica_id``, a member of this step's quorum, has gone."""
+    """The lighthouse says ``replica_id``, a member of this step's quorum, has gone (handled on the loop)."""
     manager._quorum_members = manager._quorum_members | {replica_id}
-    manager._on_lighthouse_event(pb.LeaseEvent(kind=pb.LeaseEvent.MEMBER_GONE, replica_id=replica_id,
-                                               reason="lease ended"))
+    event = pb.LeaseEvent(kind=pb.LeaseEvent.MEMBER_GONE, replica_id=replica_id, reason="lease ended")
+
+    async def deliver() -> None:
+        manager._on_lighthouse_event(event)
+
+    manager._control.run(deliver(), 10, "the event")
 
 
 def test_a_member_leaving_after_the_steps_collectives_does_not_fail_the_step(lighthouse):
@@ -440,6 +445,23 @@ def test_a_member_leaving_after_the_steps_collectives_does_not_fail_the_step(lig
         manager.allreduce(torch.ones(3)).wait()
         assert len(pg.allreduced) == allreduced and "left the quorum" in str(manager.errored())
         assert manager.should_commit() is False
+    finally:
+        manager.shutdown()
+
+
+def test_a_collective_that_finishes_within_the_grace_after_a_member_left_commits(lighthouse):
+    pg = FakeProcessGroup()
+    manager = make_manager(lighthouse, pg, InMemoryTransport({}, "a"), "late-completion")
+    try:
+        manager.start_quorum()
+        pg.hold_next = True
+        work = manager.allreduce(torch.ones(3))
+        member_gone(manager)
+        pg.held.pop().set_result([torch.ones(3)])  # our end completes just after the event
+        work.wait()
+        time.sleep(MEMBER_GONE_GRACE * 2)
+        assert pg.aborts == 0 and manager.errored() is None
+        assert manager.should_commit()
     finally:
         manager.shutdown()
 
