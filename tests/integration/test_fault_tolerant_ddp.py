@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import signal
 import time
 from collections import defaultdict
@@ -74,11 +75,12 @@ def cluster(tmp_path: Path, **lighthouse_kw):
     lighthouse = LighthouseProcess(log_path=tmp_path / "lighthouse.log", **lighthouse_kw).start()
     groups: list[ReplicaGroup] = []
 
-    def add(group_id: int, num_groups: int, steps: int, world_size: int = 1, sleep: float = 0.0) -> ReplicaGroup:
+    def add(group_id: int, num_groups: int, steps: int, world_size: int = 1, sleep: float = 0.0,
+            env: dict[str, str] | None = None) -> ReplicaGroup:
         group = ReplicaGroup(group_id, num_groups, lighthouse.address, SCRIPT,
                              ["--steps", str(steps), "--report", str(tmp_path / "report.jsonl"),
                               "--step-sleep", str(sleep), "--timeout", "15"],
-                             world_size=world_size, log_dir=tmp_path)
+                             world_size=world_size, log_dir=tmp_path, env=env)
         groups.append(group)
         return group.start()
 
@@ -167,3 +169,27 @@ def test_lighthouse_restart_mid_run_is_survived(tmp_path):
         wait_for(lambda: min(max(steps_of(read_reports(report), g)) for g in (0, 1)) >= before + 10,
                  "10 more steps after the lighthouse restart", groups=groups)
         assert assert_identical_per_step(read_reports(report)) > 0
+
+
+def test_late_group_heals_from_two_up_to_date_groups_at_once(tmp_path):
+    striping = {"TORCHFT_LITE_HEAL_SOURCES": "2"}
+    with cluster(tmp_path, min_replicas=1, join_timeout=2.0) as (_, add, report):
+        early = [add(g, 3, steps=100000, sleep=0.05, env=striping) for g in (0, 1)]
+        wait_for(lambda: min(len(steps_of(read_reports(report), g)) for g in (0, 1)) >= 10,
+                 "both early groups' 10th step", groups=early)
+        late = add(2, 3, steps=100000, sleep=0.05, env=striping)
+        wait_for(lambda: len(steps_of(read_reports(report), 2)) >= 5, "the late group's 5th step",
+                 groups=[*early, late])
+        for group in (*early, late):
+            group.kill(signal.SIGKILL)
+        rows = read_reports(report)
+        assert steps_of(rows, 2)[0] > 10, "the late group did not start from the healed step"
+        assert assert_identical_per_step(rows) >= 5
+
+        def log(group: int) -> str:
+            return "".join(p.read_text(errors="replace") for p in tmp_path.glob(f"group{group}.1.*.log"))
+
+        assert re.search(r"healed: .* from replica\(s\) 0, 1\n", log(2)), "the late group did not stripe"
+        for group in (0, 1):  # each source served part of it (replica 2 is the late group)
+            served = [float(mb) for mb in re.findall(r"served step \d+ to replica\(s\) 2: ([\d.]+) MB", log(group))]
+            assert served and max(served) > 0, f"group {group} served nothing to the late group"
