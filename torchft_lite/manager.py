@@ -391,8 +391,9 @@ class Manager:
         if self._state_torn and not (allow_heal and response.heal):
             self._torn_at_max_step = True
             raise CheckpointError(
-                f"this rank's state was left partly overwritten by a failed heal and quorum {response.quorum_id} "
-                f"has no peer ahead of it to heal from (step {response.max_step}): it must not train on or serve it"
+                f"this rank's state was left partly overwritten by a failed heal and quorum {response.quorum_id} does "
+                f"not heal it (no peer ahead of step {response.max_step}, or allow_heal=False): it must not train on "
+                f"or serve that state"
             )
         if allow_heal:
             # Both before collectives may start: a healing replica contributes
@@ -737,8 +738,8 @@ class Manager:
         if self._torn_at_max_step:
             # Nobody can heal it and its state mixes two steps: stop (the group is
             # restarted from a durable checkpoint, or healed once a peer is ahead).
-            raise ManagerError(f"group rank {self._group_rank}: the state left by a failed heal can't be repaired "
-                               f"(no peer ahead of step {self._step}): {self._errored}")
+            raise ManagerError(f"group rank {self._group_rank}: the state left by a failed heal was not repaired "
+                               f"at step {self._step}: {self._errored}")
         self._maybe_leave()
         return decision
 
