@@ -459,3 +459,16 @@ def test_a_range_off_the_checksum_blocks_is_a_400(make_transport):
         urllib.request.urlopen(url, timeout=WAIT)
     assert caught.value.code == 400 and b"block boundaries" in caught.value.read()
     server.disallow_checkpoint()
+
+
+@pytest.mark.parametrize("state", [{"small": torch.ones(10)}, {"nothing": 1}], ids=["one-block", "no-data"])
+def test_striping_a_state_dict_with_fewer_blocks_than_sources_releases_every_source(make_transport, state):
+    """Each source waits for the receiver in disallow_checkpoint: the one that served nothing must be told too."""
+    first, second = make_transport(), make_transport()
+    for server in (first, second):
+        server.send_checkpoint([1], 5, state, LONG)
+    received = make_transport().recv_checkpoint_striped([(0, first.metadata()), (1, second.metadata())], 5, LONG)
+    assert digest(5, received) == digest(5, state)
+    for server in (first, second):
+        assert server.statistics().receivers_finished == 1  # so disallow_checkpoint returns at once
+        server.disallow_checkpoint()

@@ -488,9 +488,11 @@ class HTTPTransport(CheckpointTransport[T]):
     async def _done(self, request: web.Request) -> web.Response:
         step, session_id = self._request_args(request)
         snapshot = self._snapshot
-        session = None if snapshot is None or snapshot.step != step else snapshot.sessions.get(session_id)
-        if snapshot is None or session is None:
+        if snapshot is None or snapshot.step != step:
             raise web.HTTPConflict(text=f"no receiver session {session_id} for step {step}")
+        # A striping receiver that needed no range from this replica (a small state dict has fewer blocks than
+        # sources) still reports, so this replica stops waiting for it.
+        session = snapshot.sessions.setdefault(session_id, _Session(peer=request.remote or "?"))
         await self._finish(snapshot, session, ok=request.query.get("ok") == "1")
         return web.Response(text="ok")
 
@@ -537,7 +539,9 @@ class HTTPTransport(CheckpointTransport[T]):
             raise CheckpointTransferError(f"receiving step {step} from {where} failed: "
                                           f"{type(exc).__name__}: {exc}") from exc
         finally:
-            await asyncio.gather(*(self._tell_done(url, session_id, ok) for url in joined))
+            # Every source of a striped heal waits for this receiver, whether or not it got a range to serve.
+            told = joined if len(urls) == 1 else set(urls)
+            await asyncio.gather(*(self._tell_done(url, session_id, ok) for url in told))
 
     def _params(self, session_id: str, deadline: float, **extra: int) -> dict[str, str]:
         remaining = max(0.0, deadline - time.monotonic())
