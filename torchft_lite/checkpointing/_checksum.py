@@ -4,9 +4,10 @@ Every tensor's bytes are cut into blocks of ``block_bytes`` (the last block
 of a tensor may be shorter). A block's checksum ("sum64") is the sum, modulo
 2**64, of its bytes read as little-endian 64-bit words, the last word padded
 with zeros. torch computes it at memory speed (about 10 GB/s per core here,
-five times crc32's), so both sides compute it on bytes that are still in the
-cache: the sender just before a block goes out, the receiver as soon as the
-block's last byte has landed.
+five times crc32's). The sender computes it just before a block goes out, so
+the send copies bytes the sum has just brought into the cache; the receiver
+hands each block, once its last byte has landed, to a thread of its own
+(:func:`executor`), so the event loop goes on reading the socket.
 
 What it catches: truncation, flipped or zeroed bits, garbage left in a
 buffer, and bytes placed at the wrong block (every block has its own sum).
@@ -17,12 +18,14 @@ transport's token on a trusted network for that).
 
 from __future__ import annotations
 
+import concurrent.futures
 import struct
+import threading
 from typing import Sequence
 
 import torch
 
-__all__ = ["ALGORITHM", "BLOCK_BYTES", "blocks", "pack", "sum64", "unpack"]
+__all__ = ["ALGORITHM", "BLOCK_BYTES", "blocks", "executor", "pack", "sum64", "unpack"]
 
 ALGORITHM = "sum64"
 BLOCK_BYTES = 1 << 20
@@ -46,6 +49,19 @@ def sum64(view: memoryview) -> int:
     if whole != len(view):
         total += int.from_bytes(view[whole:], "little")  # the zero-padded last word
     return total & _MASK
+
+
+_executor: concurrent.futures.ThreadPoolExecutor | None = None
+_lock = threading.Lock()
+
+
+def executor() -> concurrent.futures.ThreadPoolExecutor:
+    """The thread a receiver checksums finished blocks on while its event loop keeps reading the socket."""
+    global _executor
+    with _lock:
+        if _executor is None:
+            _executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="torchft-sum64")
+        return _executor
 
 
 def blocks(extents: Sequence[tuple[int, int]], block_bytes: int) -> list[tuple[int, int, int]]:

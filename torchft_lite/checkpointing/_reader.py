@@ -7,15 +7,16 @@ of the destination memory, never past the end of a checksum block) and
 reports :meth:`~StateDictReader.filled` after the kernel has written into
 it, so nothing is copied in user space.
 
-Each block's sum64 is computed the moment its last byte lands, while the
-block is still in the cache. The sender's sums arrive after the data
-(:meth:`~StateDictReader.expect`); :meth:`~StateDictReader.finish` compares
-them and never reads the data a second time.
+Each block's sum64 is computed on the checksum thread as soon as its last
+byte has landed, while the event loop reads on. The sender's sums arrive
+after the data (:meth:`~StateDictReader.expect`); :meth:`~StateDictReader.finish`
+waits for the last sums and compares.
 """
 
 from __future__ import annotations
 
 import bisect
+import concurrent.futures
 from typing import Any, Mapping
 
 import torch
@@ -52,7 +53,8 @@ class StateDictReader:
         self._views = [byte_view(tensor) for tensor in self._tensors]
         blocks = header.blocks
         self._filled = [0] * len(blocks)  # bytes received into each block
-        self._sums: list[int | None] = [None] * len(blocks)  # computed when a block is complete
+        # each block's sum, computed on the checksum thread once the block is complete
+        self._sums: list[concurrent.futures.Future[int] | None] = [None] * len(blocks)
         self._expected: list[int | None] = [None] * len(blocks)  # the sender's, from the trailers
         self.received_bytes = 0
 
@@ -111,7 +113,8 @@ class StateDictReader:
             if self._filled[block] > block_end - block_start:
                 raise CheckpointTransferError(f"bytes of block [{block_start}, {block_end}) were received twice")
             if self._filled[block] == block_end - block_start:
-                self._sums[block] = _checksum.sum64(self._view(block_start, block_end, tensor))
+                self._sums[block] = _checksum.executor().submit(_checksum.sum64,
+                                                                self._view(block_start, block_end, tensor))
             position = stop
         self.received_bytes += count
 
@@ -157,7 +160,8 @@ class StateDictReader:
                 raise CheckpointTransferError(f"checkpoint truncated: {where} got {self._filled[block]} bytes")
             if self._expected[block] is None:
                 raise CheckpointTransferError(f"checkpoint truncated: the checksum of {where} never arrived")
-            if self._sums[block] != self._expected[block]:
+            computed = self._sums[block]
+            if computed is None or computed.result() != self._expected[block]:
                 raise CheckpointTransferError(f"checksum mismatch in {where} (corrupted in transit)")
 
     def finish(self) -> Any:
