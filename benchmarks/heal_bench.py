@@ -9,9 +9,11 @@ memory: the RSS high-water mark minus the RSS at the start of the transfers
 (the peak is reset with ``/proc/self/clear_refs``), as a multiple of the state
 dict's tensor bytes.
 
-Cases: a raw loopback TCP stream of the same bytes (the ceiling for HTTP), our
-HTTPTransport over one stream and over several byte-range chunks, torchft's
-HTTPTransport when ``torchft`` imports, our PGTransport over gloo, and a plain
+Cases: a raw loopback TCP stream of the same bytes (the ceiling for HTTP); the
+same stream with our block checksum computed on both sides (what a checked
+transfer can reach on this machine); our HTTPTransport over one stream and over
+several byte-range chunks, receiving into fresh tensors or in place; torchft's
+HTTPTransport when ``torchft`` imports; our PGTransport over gloo; and a plain
 gloo send/recv of the same tensors (the ceiling for PG). Prints a table, then
 one JSON line last.
 
@@ -37,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-ALL_CASES = ("tcp", "ours-0", "ours-4", "ours-0-inplace", "ours-4-inplace", "torchft-0", "torchft-4", "pg-ours",
+ALL_CASES = ("tcp", "tcp-sum64", "ours-0", "ours-4", "ours-0-inplace", "ours-4-inplace", "torchft-0", "torchft-4", "pg-ours",
              "pg-ours-inplace", "pg-gloo")
 TIMEOUT = timedelta(seconds=300)
 
@@ -159,15 +161,21 @@ class Role:
         self.received = None
         started = time.perf_counter()
         if self.kind == "tcp":
+            checked = self.case == "tcp-sum64"  # the same stream with our block checksum on both sides
             if self.side == "server":
                 for tensor in tensors_of(self.state):
-                    self.sock.sendall(_bytes_of(tensor))
+                    view = _bytes_of(tensor)
+                    for start in range(0, len(view), 1 << 20) if checked else ():
+                        _sum64(view[start:start + (1 << 20)])
+                    self.sock.sendall(view)
             else:
                 view, got = self.buffer, 0
                 while got < len(view):
                     n = self.sock.recv_into(view[got:], min(len(view) - got, 8 << 20))
                     if n == 0:
                         raise ConnectionError("the raw TCP server closed early")
+                    if checked:
+                        _sum64(view[got:got + n])
                     got += n
         elif self.kind in ("ours", "torchft") or self.case.startswith("pg-ours"):
             if self.side == "server":
@@ -206,6 +214,12 @@ def _bytes_of(tensor) -> memoryview:
     from torchft_lite.checkpointing._serialization import byte_view
 
     return byte_view(tensor)
+
+
+def _sum64(view: memoryview) -> int:
+    from torchft_lite.checkpointing._checksum import sum64
+
+    return sum64(view)
 
 
 def child_main(case: str, side: str, args: argparse.Namespace) -> None:
@@ -340,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['case']:<12}{r['gbps']:>8.3f}{r['server_peak_extra_x']:>16.3f}{r['receiver_peak_extra_x']:>18.3f}"
               f"   {r['seconds']}")
     result = summary(results, args, skipped)
-    print(f"ours vs loopback {result['ours_vs_loopback']}, vs torchft {result['ours_vs_torchft']} "
+    print(f"ours vs loopback {result['ours_vs_loopback']} (checked: {result['ours_vs_checked_loopback']}), "
+          f"vs torchft {result['ours_vs_torchft']} "
           f"(best: in place, as the Manager heals); allocating: {result['ours_allocating_vs_loopback']} / "
           f"{result['ours_allocating_vs_torchft']}; PG vs plain gloo {result['pg_ours_vs_gloo']}")
     print(json.dumps(result))
@@ -376,6 +391,7 @@ def summary(results: dict, args: argparse.Namespace, skipped: list[str]) -> dict
             "gbps": gbps, "best_ours_http_gbps": ours, "best_ours_http_in_place_gbps": in_place,
             "best_ours_http_allocating_gbps": allocating, "best_torchft_http_gbps": theirs,
             "ours_vs_loopback": vs_loopback, "ours_vs_torchft": vs_torchft,
+            "ours_vs_checked_loopback": _ratio(ours, gbps.get("tcp-sum64")),
             "ours_allocating_vs_loopback": _ratio(allocating, loopback),
             "ours_allocating_vs_torchft": _ratio(allocating, theirs),
             "pg_ours_vs_gloo": _ratio(_best(gbps, lambda c: c.startswith("pg-ours")), gbps.get("pg-gloo")),
