@@ -17,7 +17,7 @@ HTTPTransport when ``torchft`` imports; our PGTransport over gloo; and a plain
 gloo send/recv of the same tensors (the ceiling for PG). Prints a table, then
 one JSON line last.
 
-    python -m benchmarks.heal_bench                 # 1 GiB, 3 steps per case
+    python -m benchmarks.heal_bench                 # 1 GiB, 5 steps per case
     python -m benchmarks.heal_bench --size-mb 64 --steps 2 --cases ours-0,tcp
 """
 
@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--size-mb", type=int, default=1024, help="MiB of float32 tensors in the state dict")
     parser.add_argument("--tensor-mb", type=int, default=4, help="MiB per tensor (the last one takes the rest)")
-    parser.add_argument("--steps", type=int, default=3, help="transfers per case; the median is reported")
+    parser.add_argument("--steps", type=int, default=5, help="transfers per case; the median is reported")
     parser.add_argument("--cases", default=",".join(ALL_CASES),
                         help="comma-separated subset of " + ",".join(ALL_CASES))
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for any one answer")
