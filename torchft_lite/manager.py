@@ -125,6 +125,7 @@ class Manager:
         self._in_step = False
         self._quorum_members: frozenset[str] = frozenset()
         self._member_gone: str | None = None  # a member of this step's quorum left (a lighthouse event)
+        self._gone_this_step: dict[str, str] = {}  # replica id -> why, every member-gone event since start_quorum
         self._closed = False
         self._events_future: concurrent.futures.Future | None = None
         self._previous_handlers: dict[int, Any] = {}
@@ -305,6 +306,8 @@ class Manager:
         self._pre_heal_state = None
         self._torn_at_max_step = False
         self._member_gone = None
+        self._gone_this_step = {}
+        self._quorum_members = frozenset()  # this step's quorum is not known yet
         self._collectives_ready = False
         self._training_thread = threading.get_ident()
         self._in_step = True
@@ -375,6 +378,11 @@ class Manager:
             self._participating_world_size = response.max_world_size
 
         self._quorum_members = frozenset(response.replica_ids)
+        # An event that came before this answer counts only if the replica is in this quorum: one the
+        # lighthouse already left out (the usual case) must not fail a step it has no part in.
+        gone = [why for replica_id, why in self._gone_this_step.items() if replica_id in self._quorum_members]
+        if gone:
+            self._member_gone = gone[0]
         if response.quorum_id != self._quorum_id:
             store = f"{response.store_address}/torchft/{response.quorum_id}/{self._group_rank}"
             # Set first: a store prefix is never rendezvoused on twice, even if this
@@ -584,13 +592,17 @@ class Manager:
         member, reconfigures. When every collective of the step finishes, the
         member contributed to all of them and the step may commit (a member
         that committed its last step and left must not fail ours); a
-        collective started after the event fails at once.
+        collective started after the event fails at once. An event that comes
+        before this step's quorum is known counts only if that quorum has the
+        member (usually the lighthouse has already left it out).
         """
-        if event.kind != pb.LeaseEvent.MEMBER_GONE or not self._in_step:
+        if event.kind != pb.LeaseEvent.MEMBER_GONE or not self._in_step or event.replica_id == self._replica_id:
             return
-        if event.replica_id not in self._quorum_members or event.replica_id == self._replica_id:
+        why = f"replica {event.replica_id} left the quorum: {event.reason}"
+        self._gone_this_step[event.replica_id] = why  # judged against this step's quorum once it is known
+        if event.replica_id not in self._quorum_members:
             return
-        self._member_gone = f"replica {event.replica_id} left the quorum: {event.reason}"
+        self._member_gone = why
         in_flight = [work for work in list(self._pending_work) if not work.is_completed()]
         asyncio.get_running_loop().call_later(MEMBER_GONE_GRACE, self._abort_unfinished, in_flight, event)
 

@@ -7,6 +7,7 @@ exactly where wanted.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from datetime import timedelta
@@ -416,9 +417,10 @@ def test_a_synchronous_quorum_returns_with_the_heal_applied():
                 manager.shutdown()
 
 
-def member_gone(manager: Manager, replica_id: str = "peer") -> None:
-    """The lighthouse says ``replica_id``, a member of this step's quorum, has gone (handled on the loop)."""
-    manager._quorum_members = manager._quorum_members | {replica_id}
+def member_gone(manager: Manager, replica_id: str = "peer", member: bool = True) -> None:
+    """The lighthouse says ``replica_id`` (a member of this step's quorum, if ``member``) has gone (on the loop)."""
+    if member:
+        manager._quorum_members = manager._quorum_members | {replica_id}
     event = pb.LeaseEvent(kind=pb.LeaseEvent.MEMBER_GONE, replica_id=replica_id, reason="lease ended")
 
     async def deliver() -> None:
@@ -478,4 +480,31 @@ def test_a_member_leaving_during_a_collective_aborts_it(lighthouse):
         assert pg.aborts == 1 and "left the quorum" in str(manager.errored())
         assert manager.should_commit() is False
     finally:
+        manager.shutdown()
+
+
+def test_an_event_before_the_quorum_answer_about_a_replica_left_out_of_it_does_not_fail_the_step(lighthouse):
+    """The usual order after a kill: the lighthouse forms the next quorum without the dead replica, and the
+    survivors' "member gone" event can reach a rank after its start_quorum but before its quorum answer. Counting
+    it then failed that rank's collectives at once while its peers waited for them (a 10 s stall in the demo)."""
+    pg = FakeProcessGroup()
+    manager = make_manager(lighthouse, pg, InMemoryTransport({}, "a"), "early-event")
+    gate = threading.Event()
+    original = manager._server.local_quorum
+
+    async def held_quorum(*args, **kwargs):
+        await asyncio.to_thread(gate.wait, 30)
+        return await original(*args, **kwargs)
+
+    manager._server.local_quorum = held_quorum
+    try:
+        manager._quorum_members = frozenset({"early-event", "killed"})  # the previous step's quorum had it
+        manager.start_quorum()
+        member_gone(manager, "killed", member=False)
+        gate.set()
+        manager.allreduce(torch.ones(3)).wait()
+        assert manager.errored() is None and pg.aborts == 0
+        assert manager.should_commit()
+    finally:
+        gate.set()
         manager.shutdown()
