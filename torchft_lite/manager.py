@@ -124,7 +124,6 @@ class Manager:
         self._leave_signal: int | None = None
         self._in_step = False
         self._quorum_members: frozenset[str] = frozenset()
-        self._member_gone: str | None = None  # a member of this step's quorum left (a lighthouse event)
         self._gone_this_step: dict[str, str] = {}  # replica id -> why, every member-gone event since start_quorum
         self._closed = False
         self._events_future: concurrent.futures.Future | None = None
@@ -305,7 +304,6 @@ class Manager:
         self._heal_stats = None
         self._pre_heal_state = None
         self._torn_at_max_step = False
-        self._member_gone = None
         self._gone_this_step = {}
         self._quorum_members = frozenset()  # this step's quorum is not known yet
         self._collectives_ready = False
@@ -377,12 +375,9 @@ class Manager:
             self._participating_rank = response.max_replica_rank if response.HasField("max_replica_rank") else None
             self._participating_world_size = response.max_world_size
 
-        self._quorum_members = frozenset(response.replica_ids)
-        # An event that came before this answer counts only if the replica is in this quorum: one the
+        # From here, member-gone events (earlier ones too) count only for replicas of this quorum: one the
         # lighthouse already left out (the usual case) must not fail a step it has no part in.
-        gone = [why for replica_id, why in self._gone_this_step.items() if replica_id in self._quorum_members]
-        if gone:
-            self._member_gone = gone[0]
+        self._quorum_members = frozenset(response.replica_ids)
         if response.quorum_id != self._quorum_id:
             store = f"{response.store_address}/torchft/{response.quorum_id}/{self._group_rank}"
             # Set first: a store prefix is never rendezvoused on twice, even if this
@@ -524,8 +519,9 @@ class Manager:
             # No process group for this quorum: peers can't be in step with us.
             return DoneWork(tensor)
         participants = self.num_participants()
-        if self._member_gone is not None:  # its contribution will never come: don't wait for it
-            self.report_error(CollectiveError(self._member_gone))
+        gone = self._member_gone()
+        if gone is not None:  # its contribution will never come: don't wait for it
+            self.report_error(CollectiveError(gone))
             return DoneWork(tensor)
         if self._errored is not None and self.is_participating():
             # Our contribution would be wrong and zeros would mis-scale the
@@ -560,8 +556,9 @@ class Manager:
         guarded = guard_future(fut, default, self.report_error, seconds, "a collective",
                                schedule_timeout=self._schedule_timeout)
         self._pending_work.append(ManagedWork(guarded))
-        if self._member_gone is not None and not guarded.done():  # the event came while this one started
-            self._abort_collectives(CollectiveError(self._member_gone))
+        gone = self._member_gone()
+        if gone is not None and not guarded.done():  # the event came while this one started
+            self._abort_collectives(CollectiveError(gone))
         return guarded
 
     # ------------------------------------------------------------ failures pushed by the lighthouse
@@ -602,9 +599,13 @@ class Manager:
         self._gone_this_step[event.replica_id] = why  # judged against this step's quorum once it is known
         if event.replica_id not in self._quorum_members:
             return
-        self._member_gone = why
         in_flight = [work for work in list(self._pending_work) if not work.is_completed()]
         asyncio.get_running_loop().call_later(MEMBER_GONE_GRACE, self._abort_unfinished, in_flight, event)
+
+    def _member_gone(self) -> str | None:
+        """Why a member of this step's quorum left, if one did (an event recorded this step)."""
+        members = self._quorum_members
+        return next((why for replica_id, why in list(self._gone_this_step.items()) if replica_id in members), None)
 
     def _abort_unfinished(self, in_flight: list[ManagedWork], event: pb.LeaseEvent) -> None:
         if all(work.is_completed() for work in in_flight):
