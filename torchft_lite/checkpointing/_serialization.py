@@ -59,7 +59,6 @@ MAX_DATA_BYTES = 1 << 50  # 1 PiB: a larger declaration is a corrupt or hostile 
 MAX_DEPTH = 64
 MIN_BLOCK_BYTES = 4096
 MAX_BLOCKS = 1 << 24  # a larger count is a hostile header (16 TiB at the default 1 MiB blocks)
-SLICE_BYTES = 8 << 20  # default size of the views iter_data yields
 
 _DTYPE_NAMES = (
     "float64", "float32", "float16", "bfloat16", "complex128", "complex64", "int64", "int32", "int16", "int8",
@@ -287,16 +286,6 @@ class EncodedStateDict:
                 yield index, position - entry.offset, stop - entry.offset
                 position = stop
             index += 1
-
-    def iter_data(self, start: int = 0, end: int | None = None,
-                  slice_bytes: int = SLICE_BYTES) -> Iterator[memoryview]:
-        """Views of the data section's bytes ``[start, end)``, at most ``slice_bytes`` each.
-
-        The views alias tensor memory; copy what must outlive the snapshot.
-        """
-        for index, first, stop in self._ranges(start, end):
-            for position in range(first, stop, slice_bytes):
-                yield self._views[index][position:min(stop, position + slice_bytes)]
 
     def data_tensors(self, start: int = 0, end: int | None = None) -> list[torch.Tensor]:
         """Flat uint8 tensors aliasing the data section's bytes ``[start, end)``, one per tensor touched."""

@@ -172,7 +172,7 @@ def test_data_written_in_ranges_out_of_order_assembles():
     reader = ser.StateDictReader(ser.parse_header(encoded.header[ser.PREFIX_SIZE:], crc))
     bounds = [0, 1, 999, 3000, 4001, encoded.data_bytes]
     for start, end in reversed(list(zip(bounds, bounds[1:]))):
-        reader.write(start, b"".join(bytes(v) for v in encoded.iter_data(start, end, slice_bytes=100)))
+        reader.write(start, b"".join(bytes(ser.byte_view(t)) for t in encoded.data_tensors(start, end)))
     body, _ = encoded.body()
     reader.expect(0, encoded.data_bytes, list(body)[-1])
     assert_same(reader.finish(), state)
