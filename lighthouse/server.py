@@ -25,7 +25,7 @@ from google.protobuf.message import DecodeError
 from lighthouse.config import LighthouseConfig, split_host_port
 from lighthouse.fencing import QuorumIdStore
 from lighthouse.h2grpc import GrpcServer
-from lighthouse.leases import LeaseTable, push_dropping_oldest
+from lighthouse.leases import Broadcast, LeaseTable
 from lighthouse.protocol import torchft_pb2 as pb
 from lighthouse.quorum import Decision, IssuedQuorum, Member, QuorumState, Status
 
@@ -101,7 +101,7 @@ class LighthouseServer:
         # Last Quorum request of each replica still worth showing (heartbeating,
         # participating or in the last quorum); pruned with them.
         self._known: dict[str, pb.QuorumMember] = {}
-        self._failure_subscribers: set[asyncio.Queue[bytes]] = set()
+        self._failure_subscribers = Broadcast(MAX_FAILURE_BACKLOG)
         self._leases = LeaseTable()
         self._stopping = False
         self._last_decision = Decision(Status.NO_PARTICIPANTS, "no participants yet")
@@ -331,13 +331,8 @@ class LighthouseServer:
 
     async def _rpc_subscribe_failures(self, data: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         await self._parse(pb.SubscribeFailuresRequest, data, context)
-        queue: asyncio.Queue[bytes] = asyncio.Queue(MAX_FAILURE_BACKLOG)
-        self._failure_subscribers.add(queue)
-        try:
-            while True:
-                yield await queue.get()
-        finally:
-            self._failure_subscribers.discard(queue)
+        async for note in self._failure_subscribers.subscribe():
+            yield note
 
     async def _rpc_lease(self, data: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         request = await self._parse(pb.LeaseRequest, data, context)
@@ -374,9 +369,8 @@ class LighthouseServer:
             kind=pb.LeaseEvent.MEMBER_GONE, replica_id=replica_id, quorum_id=self._state.quorum_id, reason=reason,
         ).SerializeToString(), exclude=replica_id)
         if self._failure_subscribers:
-            note = pb.FailureNotification(replica_id=replica_id, error_message=reason).SerializeToString()
-            for queue in self._failure_subscribers:
-                push_dropping_oldest(queue, note)
+            self._failure_subscribers.publish(
+                pb.FailureNotification(replica_id=replica_id, error_message=reason).SerializeToString())
 
     # ------------------------------------------------------------ decisions
 

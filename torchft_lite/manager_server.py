@@ -38,7 +38,7 @@ from lighthouse.client import LighthouseClient
 from lighthouse.config import split_host_port
 from lighthouse.h2grpc import GrpcServer
 from lighthouse.h2grpc.server import RpcAbort
-from lighthouse.leases import push_dropping_oldest
+from lighthouse.leases import Broadcast
 from lighthouse.protocol import torchft_pb2 as pb
 from torchft_lite._quorum_compute import QuorumMember, compute_quorum_result, heal_sources_of, member_data
 from torchft_lite.errors import QuorumError, QuorumTimeout
@@ -146,7 +146,7 @@ class ManagerServer:
         self._heartbeat_task: asyncio.Task | None = None
         self._lease_task: asyncio.Task | None = None
         self._event_listeners: list[Callable[[pb.LeaseEvent], None]] = []
-        self._event_streams: set[asyncio.Queue[bytes]] = set()
+        self._event_streams = Broadcast(256)
         self.lease_held = False
         self._quorums = 0
         self._quorum_failures = 0
@@ -253,20 +253,13 @@ class ManagerServer:
                 listener(event)
             except Exception:  # one listener's bug must not stop the others
                 logger.exception("[%s] event listener failed", self.config.replica_id)
-        data = event.SerializeToString()
-        for queue in self._event_streams:
-            push_dropping_oldest(queue, data)
+        self._event_streams.publish(event.SerializeToString())
 
     async def _rpc_events(self, data: bytes, context):
         request = _parse(pb.ManagerEventsRequest, data)
         self._check_rank(request.group_rank, "ManagerEventsRequest.group_rank")
-        queue: asyncio.Queue[bytes] = asyncio.Queue(256)
-        self._event_streams.add(queue)
-        try:
-            while True:
-                yield await queue.get()
-        finally:
-            self._event_streams.discard(queue)
+        async for event in self._event_streams.subscribe():
+            yield event
 
     # ------------------------------------------------------------ Quorum
 
