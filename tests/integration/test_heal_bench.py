@@ -25,7 +25,20 @@ def test_a_tiny_heal_bench_prints_a_table_and_json():
     assert set(result["targets_met"]) == {"http_vs_loopback_ge_0.75", "http_vs_torchft_ge_1.5",
                                           "receiver_peak_extra_le_1.1x"}
     assert result["peak_extra_x"]["ours-4-inplace"]["receiver"] < 1.0  # received in place: no second copy
+    # every case is paired with the raw TCP step run right after each of its steps
+    assert result["vs_tcp"]["tcp"] == 1.0 and all(value > 0 for value in result["vs_tcp"].values())
+    assert result["ours_case"] == "ours-4-inplace" and result["ours_vs_loopback"] == result["vs_tcp"]["ours-4-inplace"]
+    assert all(cpu["receiver"] > 0 for cpu in result["cpu_s_per_gib"].values())
     assert any(line.startswith("ours-0") for line in lines[:-1])
+
+
+def test_the_ceiling_runs_even_when_not_asked_for():
+    run = subprocess.run([sys.executable, "-W", "ignore", "-m", "benchmarks.heal_bench", "--size-mb", "8",
+                          "--steps", "1", "--cases", "ours-0-inplace", "--timeout", "120"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-4000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert set(result["gbps"]) == {"tcp", "ours-0-inplace"}
 
 
 def test_help_explains_the_flags():
