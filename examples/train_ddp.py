@@ -44,6 +44,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--report", help="append a JSON line per committed step to this file")
     parser.add_argument("--impl", choices=["torchft_lite", "torchft"], default="torchft_lite",
                         help="which library to import as `torchft` (torchft: PyTorch's, for comparisons)")
+    parser.add_argument("--pg", choices=["gloo", "baby-gloo"], default="gloo",
+                        help="the replica process group: gloo in this process, or gloo in a child process whose "
+                             "abort is a kill (ProcessGroupBabyGloo) (default gloo)")
     parser.add_argument("--log-level", default="INFO")
     return parser.parse_args()
 
@@ -85,7 +88,8 @@ def main() -> None:
                                          group_rank=rank, num_replicas=world, shuffle=True)
     loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
 
-    pg = torchft.ProcessGroupGloo(timeout=timedelta(seconds=args.timeout))
+    pg_class = torchft.ProcessGroupBabyGloo if args.pg == "baby-gloo" else torchft.ProcessGroupGloo
+    pg = pg_class(timeout=timedelta(seconds=args.timeout))
     manager = torchft.Manager(pg=pg, min_replica_size=args.min_replicas, load_state_dict=load_state_dict,
                               state_dict=state_dict, replica_id=f"train_ddp_{replica_group}",
                               timeout=timedelta(seconds=args.timeout))

@@ -76,10 +76,10 @@ def cluster(tmp_path: Path, **lighthouse_kw):
     groups: list[ReplicaGroup] = []
 
     def add(group_id: int, num_groups: int, steps: int, world_size: int = 1, sleep: float = 0.0,
-            env: dict[str, str] | None = None) -> ReplicaGroup:
+            env: dict[str, str] | None = None, pg: str = "gloo") -> ReplicaGroup:
         group = ReplicaGroup(group_id, num_groups, lighthouse.address, SCRIPT,
                              ["--steps", str(steps), "--report", str(tmp_path / "report.jsonl"),
-                              "--step-sleep", str(sleep), "--timeout", "15"],
+                              "--step-sleep", str(sleep), "--timeout", "15", "--pg", pg],
                              world_size=world_size, log_dir=tmp_path, env=env)
         groups.append(group)
         return group.start()
@@ -116,10 +116,11 @@ def test_two_groups_of_two_ranks_train_to_identical_parameters(tmp_path):
         assert assert_identical_per_step(rows) == 20  # 10 steps x 2 ranks
 
 
-def test_killed_group_leaves_survivors_committing_and_is_healed_on_restart(tmp_path):
+@pytest.mark.parametrize("pg", ["gloo", "baby-gloo"])
+def test_killed_group_leaves_survivors_committing_and_is_healed_on_restart(tmp_path, pg):
     with cluster(tmp_path, min_replicas=1, join_timeout=1.0, heartbeat_timeout=1.0) as (_, add, report):
-        survivor = add(0, 2, steps=400, sleep=0.05)
-        victim = add(1, 2, steps=400, sleep=0.05)
+        survivor = add(0, 2, steps=400, sleep=0.05, pg=pg)
+        victim = add(1, 2, steps=400, sleep=0.05, pg=pg)
         wait_for(lambda: min(len(steps_of(read_reports(report), g)) for g in (0, 1)) >= 5,
                  "both groups' 5th step", groups=[survivor, victim])
         victim.kill(signal.SIGKILL)

@@ -3,7 +3,9 @@
 Each test drives worker processes (this file run as a script) step by step
 over stdin/stdout: one JSON command per line in, one JSON reply per line out.
 The TCPStore master lives in the test process on port 0. Workers are killed in
-``finally`` whatever happens.
+``finally`` whatever happens. Every test runs twice: with ``ProcessGroupGloo``
+and with ``ProcessGroupBabyGloo`` (the same backend in a child process of each
+worker), which must behave the same from the outside.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from torchft_lite.errors import CollectiveError, CollectiveTimeout, ConfigError
-from torchft_lite.process_group import ProcessGroupGloo
+from torchft_lite import process_group
+from torchft_lite.process_group import ProcessGroupBabyGloo, ProcessGroupGloo
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -33,13 +36,21 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 REPLY_WAIT = 120.0
 
 
-class Worker:
-    """A worker process holding one ProcessGroupGloo; ``call`` sends a command, ``reply`` reads the answer."""
+KINDS = {"gloo": ProcessGroupGloo, "baby-gloo": ProcessGroupBabyGloo}
 
-    def __init__(self, name: str) -> None:
+
+@pytest.fixture(params=sorted(KINDS))
+def kind(request) -> str:
+    return request.param
+
+
+class Worker:
+    """A worker process holding one process group of ``kind``; ``call`` sends a command, ``reply`` reads the answer."""
+
+    def __init__(self, name: str, kind: str) -> None:
         env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
         self.name = name
-        self.proc = subprocess.Popen([sys.executable, __file__, "worker"], cwd=REPO_ROOT, env=env,
+        self.proc = subprocess.Popen([sys.executable, __file__, "worker", KINDS[kind].__name__], cwd=REPO_ROOT, env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self._lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -80,11 +91,11 @@ def store() -> dist.TCPStore:
 
 
 @pytest.fixture
-def spawn():
+def spawn(kind):
     started: list[Worker] = []
 
     def start(count: int) -> list[Worker]:
-        workers = [Worker(f"w{len(started) + i}") for i in range(count)]
+        workers = [Worker(f"w{len(started) + i}", kind) for i in range(count)]
         started.extend(workers)
         return workers
 
@@ -191,8 +202,8 @@ def test_stuck_peer_fails_the_collective_at_the_timeout(store, spawn) -> None:
     assert reply["errored"] == "CollectiveTimeout"
 
 
-def test_configure_times_out_when_a_peer_never_joins(store) -> None:
-    pg = ProcessGroupGloo(timeout=timedelta(seconds=3))
+def test_configure_times_out_when_a_peer_never_joins(store, kind) -> None:
+    pg = KINDS[kind](timeout=timedelta(seconds=3))
     addr = f"127.0.0.1:{store.port}/torchft/9/0"
     with pytest.raises(CollectiveTimeout) as caught:
         pg.configure(addr, "replica-a", rank=0, world_size=2)
@@ -201,10 +212,11 @@ def test_configure_times_out_when_a_peer_never_joins(store) -> None:
     assert isinstance(pg.errored(), CollectiveTimeout)
     with pytest.raises(CollectiveError):
         pg.allreduce([torch.ones(1)])
+    pg.shutdown()
 
 
-def test_single_rank_group_lifecycle_in_process(store) -> None:
-    pg = ProcessGroupGloo(timeout=timedelta(seconds=10))
+def test_single_rank_group_lifecycle_in_process(store, kind) -> None:
+    pg = KINDS[kind](timeout=timedelta(seconds=10))
     assert isinstance(pg, dist.ProcessGroup)
     with pytest.raises(CollectiveError, match="before configure"):
         pg.allreduce([torch.ones(1)])
@@ -215,10 +227,16 @@ def test_single_rank_group_lifecycle_in_process(store) -> None:
     tensor = torch.full((2,), 3.0)
     pg.allreduce([tensor]).wait()
     assert tensor.tolist() == [3.0, 3.0]
+    # gloo would reduce a strided tensor as if it were contiguous (with 2 ranks): refused, not garbage.
+    with pytest.raises(ValueError, match="contiguous"):
+        pg.allreduce([torch.arange(8.0)[::2]])
+    with pytest.raises(ValueError, match="contiguous"):
+        pg.send([torch.ones(2, 2).t()], 0)
+    assert pg.errored() is None
     # torch's own API dispatches to our Python methods.
     dist.all_reduce(tensor, group=pg)
     assert tensor.tolist() == [3.0, 3.0]
-    assert pg.getBackendName() == "torchft-gloo" and (pg.rank(), pg.size()) == (0, 1)
+    assert pg.getBackendName() == f"torchft-{kind}" and (pg.rank(), pg.size()) == (0, 1)
 
     pg.set_timeout(timedelta(seconds=5))
     pg.abort()
@@ -237,9 +255,9 @@ def test_single_rank_group_lifecycle_in_process(store) -> None:
 # ------------------------------------------------------------------ the worker
 
 
-def _serve() -> None:  # pragma: no cover - runs in the worker processes
-    """Execute one JSON command per stdin line against a ProcessGroupGloo; reply on stdout."""
-    pg = ProcessGroupGloo()
+def _serve(kind: str) -> None:  # pragma: no cover - runs in the worker processes
+    """Execute one JSON command per stdin line against a process group of class ``kind``; reply on stdout."""
+    pg = getattr(process_group, kind)()
 
     def values(tensor: torch.Tensor) -> list[float]:
         return [float(x) for x in tensor.tolist()]
@@ -299,5 +317,5 @@ def _serve() -> None:  # pragma: no cover - runs in the worker processes
         print(json.dumps(reply), flush=True)
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["worker"]:
-    _serve()
+if __name__ == "__main__" and sys.argv[1:2] == ["worker"]:
+    _serve(sys.argv[2])

@@ -29,8 +29,8 @@ from torchft_lite.process_group import base as base_module
 
 def test_public_api_is_pinned() -> None:
     assert sorted(process_group.__all__) == [
-        "CompletedWork", "ProcessGroup", "ProcessGroupDummy", "ProcessGroupGloo", "ProcessGroupNCCL",
-        "ReconfigurableProcessGroup", "StoreAddress", "TrackedWork", "parse_store_addr",
+        "CompletedWork", "ProcessGroup", "ProcessGroupBaby", "ProcessGroupBabyGloo", "ProcessGroupBabyNCCL",
+        "ProcessGroupDummy", "ProcessGroupGloo", "ProcessGroupNCCL", "ReconfigurableProcessGroup", "StoreAddress", "TrackedWork", "parse_store_addr",
     ]
 
 

@@ -250,6 +250,10 @@ class ReconfigurableProcessGroup(ProcessGroup):
         """Build the c10d backend; blocks until ``world_size`` ranks joined ``store``."""
         raise NotImplementedError
 
+    def _open_store(self, address: StoreAddress, timeout: timedelta) -> Any:
+        """What :meth:`_create_backend` rendezvouses on: a client of the store at ``address``, by default."""
+        return connect_store(address, timeout)
+
     def _wait_work(self, work: dist.Work, timeout: timedelta) -> None:
         """Block until ``work`` is done, at most ``timeout``; raise its error."""
         work.wait(timeout)
@@ -279,7 +283,7 @@ class ReconfigurableProcessGroup(ProcessGroup):
             logger.info("replica %s: configuring %s rank %s/%s on %s", replica_id, self.getBackendName(), rank,
                         world_size, address)
             try:
-                store = connect_store(address, timeout)
+                store = self._open_store(address, timeout)
                 backend = self._create_backend(store, rank, world_size, timeout)
             except ConfigError:
                 raise
@@ -364,6 +368,16 @@ class ReconfigurableProcessGroup(ProcessGroup):
 
     # -- collectives ---------------------------------------------------------
 
+    @staticmethod
+    def _check_tensors(op: str, tensors: list[torch.Tensor]) -> None:
+        """Refuse what c10d would get wrong silently: gloo reduces a strided tensor as if it were contiguous."""
+        for tensor in tensors:
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"{op} takes tensors, got {type(tensor).__name__}")
+            if not tensor.is_contiguous():
+                raise ValueError(f"{op} needs contiguous tensors; got one of shape {tuple(tensor.shape)} with "
+                                 f"strides {tensor.stride()} (pass tensor.contiguous() and copy the result back)")
+
     def _run(self, op: str, call: Callable[[Any], dist.Work]) -> dist.Work:
         with self._lock:
             backend, generation, timeout, errored = self._backend, self._generation, self._timeout, self._errored
@@ -387,15 +401,18 @@ class ReconfigurableProcessGroup(ProcessGroup):
         raise self._record_failure(generation, op, failure, timeout) from failure
 
     def allreduce(self, tensors: list[torch.Tensor], opts: AllreduceOptions | ReduceOp = ReduceOp.SUM) -> dist.Work:
+        self._check_tensors("allreduce", tensors)
         options = _allreduce_options(opts, self._op_timeout())
         return self._run("allreduce", lambda backend: backend.allreduce(tensors, options))
 
     def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensor: list[torch.Tensor],
                   opts: AllgatherOptions | None = None) -> dist.Work:
+        self._check_tensors("allgather", [t for ts in output_tensors for t in ts] + list(input_tensor))
         options = _copy_options(opts, AllgatherOptions, self._op_timeout())
         return self._run("allgather", lambda backend: backend.allgather(output_tensors, input_tensor, options))
 
     def broadcast(self, tensor_list: list[torch.Tensor], opts: BroadcastOptions | int = 0) -> dist.Work:
+        self._check_tensors("broadcast", tensor_list)
         options = _broadcast_options(opts, self._op_timeout())
         return self._run("broadcast", lambda backend: backend.broadcast(tensor_list, options))
 
@@ -404,9 +421,11 @@ class ReconfigurableProcessGroup(ProcessGroup):
         return self._run("barrier", lambda backend: backend.barrier(options))
 
     def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int = 0) -> dist.Work:
+        self._check_tensors("send", tensors)
         return self._run(f"send to rank {dst_rank}", lambda backend: backend.send(tensors, dst_rank, tag))
 
     def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int = 0) -> dist.Work:
+        self._check_tensors("recv", tensors)
         return self._run(f"recv from rank {src_rank}", lambda backend: backend.recv(tensors, src_rank, tag))
 
     def __repr__(self) -> str:

@@ -27,7 +27,7 @@ from torchft_lite.errors import CollectiveTimeout, ConfigError
 from .base import DEFAULT_TIMEOUT, ReconfigurableProcessGroup
 from .work import TrackedWork
 
-__all__ = ["ProcessGroupNCCL"]
+__all__ = ["ProcessGroupNCCL", "check_nccl", "create_nccl_backend"]
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +90,28 @@ class _DeadlineWatchdog:
                 logger.exception("the NCCL watchdog failed to abort an overdue collective")
 
 
+def check_nccl() -> None:
+    """Raise :class:`ConfigError` unless this process can run NCCL."""
+    if not torch.cuda.is_available():
+        raise ConfigError("NCCL needs a CUDA device, and torch.cuda.is_available() is False; "
+                          "use ProcessGroupGloo on CPU-only machines")
+    if not dist.is_nccl_available():
+        raise ConfigError(f"this torch build ({torch.__version__}) has no NCCL; use ProcessGroupGloo")
+
+
+def create_nccl_backend(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> dist.Backend:
+    """A connected NCCL communicator on the current CUDA device whose own timeout never fires before ours."""
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout * _NCCL_TIMEOUT_FACTOR
+    # Non-blocking communicators can be aborted while another thread is
+    # inside an NCCL call; blocking ones can deadlock the abort.
+    options.config.blocking = False
+    backend = dist.ProcessGroupNCCL(store, rank, world_size, options)
+    # Connect now, inside configure()'s timeout, not lazily in the first collective.
+    backend.eager_connect_single_device(torch.device("cuda", torch.cuda.current_device()))
+    return backend
+
+
 class ProcessGroupNCCL(ReconfigurableProcessGroup):
     """An NCCL process group rebuilt by every ``configure()``.
 
@@ -110,23 +132,11 @@ class ProcessGroupNCCL(ReconfigurableProcessGroup):
         return "torchft-nccl"
 
     def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int) -> None:
-        if not torch.cuda.is_available():
-            raise ConfigError("ProcessGroupNCCL needs a CUDA device, and torch.cuda.is_available() is False; "
-                              "use ProcessGroupGloo on CPU-only machines")
-        if not dist.is_nccl_available():
-            raise ConfigError(f"this torch build ({torch.__version__}) has no NCCL; use ProcessGroupGloo")
+        check_nccl()
         super().configure(store_addr, replica_id, rank, world_size)
 
     def _create_backend(self, store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> dist.Backend:
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout * _NCCL_TIMEOUT_FACTOR
-        # Non-blocking communicators can be aborted while another thread is
-        # inside an NCCL call; blocking ones can deadlock the abort.
-        options.config.blocking = False
-        backend = dist.ProcessGroupNCCL(store, rank, world_size, options)
-        # Connect now, inside configure()'s timeout, not lazily in the first collective.
-        backend.eager_connect_single_device(torch.device("cuda", torch.cuda.current_device()))
-        return backend
+        return create_nccl_backend(store, rank, world_size, timeout)
 
     def _op_timeout(self) -> timedelta | None:
         return None  # the watchdog enforces ours; see the module docstring

@@ -12,7 +12,8 @@ from torchft_lite.errors import ConfigError
 def test_public_api_is_pinned_and_importable():
     assert sorted(torchft_lite.__all__) == [
         "DistributedDataParallel", "DistributedSampler", "Manager", "Optimizer", "OptimizerWrapper",
-        "ProcessGroupGloo", "ProcessGroupNCCL", "WatchdogConfig", "WorldSizeMode",
+        "ProcessGroupBabyGloo", "ProcessGroupBabyNCCL", "ProcessGroupGloo", "ProcessGroupNCCL", "WatchdogConfig",
+        "WorldSizeMode",
     ]
     for name in torchft_lite.__all__:
         assert getattr(torchft_lite, name) is not None

@@ -1,0 +1,215 @@
+"""What only a subprocess process group does: aborts are kills, spares are warm, children die with their parent.
+
+The behaviour shared with the in-process groups (collectives, errors,
+reconfiguration across real processes) is covered by test_process_group.py,
+which runs every test with ProcessGroupBabyGloo too. Here two groups live in
+the test process (each with its own child), rendezvousing from two threads.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from torchft_lite.errors import CollectiveError, CollectiveTimeout
+from torchft_lite.process_group import ProcessGroupBabyGloo
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+WAIT_S = 120.0  # generous: two shared cores, several interpreters importing torch at once
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process (not gone, not a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_until(condition, what: str, timeout: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def store() -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+
+
+@pytest.fixture
+def groups():
+    made: list[ProcessGroupBabyGloo] = []
+
+    def make(count: int, timeout_s: float = 30.0) -> list[ProcessGroupBabyGloo]:
+        new = [ProcessGroupBabyGloo(timeout=timedelta(seconds=timeout_s)) for _ in range(count)]
+        made.extend(new)
+        return new
+
+    try:
+        yield make
+    finally:
+        for pg in made:
+            pg.shutdown()
+
+
+def configure(pgs: list[ProcessGroupBabyGloo], addr: str) -> None:
+    """Configure ``pgs`` as ranks 0..n-1 of one group, concurrently (a rendezvous needs every rank)."""
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        try:
+            pgs[rank].configure(addr, f"replica-{rank}", rank, len(pgs))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(len(pgs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(WAIT_S)
+    assert not any(thread.is_alive() for thread in threads), "configure() did not return"
+    assert not errors, errors
+
+
+def allreduce(pgs: list[ProcessGroupBabyGloo], tensors: list[torch.Tensor]) -> None:
+    works = [pg.allreduce([tensor]) for pg, tensor in zip(pgs, tensors)]
+    for work in works:
+        work.wait()
+
+
+def test_each_configure_takes_the_warm_spare_and_kills_the_previous_child(store, groups) -> None:
+    pgs = groups(2)
+    configure(pgs, f"127.0.0.1:{store.port}/torchft/1/0")
+    first = [pg.child_pid() for pg in pgs]
+    spares = [pg._spare.pid for pg in pgs]  # started as soon as the first configure was done
+    assert all(alive(pid) for pid in first + spares)
+    tensors = [torch.full((3,), float(rank + 1)) for rank in range(2)]
+    allreduce(pgs, tensors)
+    assert [t.tolist() for t in tensors] == [[3.0] * 3] * 2
+
+    configure(pgs, f"127.0.0.1:{store.port}/torchft/2/0")
+    assert [pg.child_pid() for pg in pgs] == spares
+    for pid in first:
+        wait_until(lambda: not alive(pid), f"the previous child {pid} to exit")
+    allreduce(pgs, tensors)
+    assert [t.tolist() for t in tensors] == [[6.0] * 3] * 2
+
+
+def test_an_overdue_collective_kills_the_child_and_errors_the_group(store, groups) -> None:
+    waiting, _silent = pgs = groups(2, timeout_s=3.0)
+    configure(pgs, f"127.0.0.1:{store.port}/torchft/1/0")
+    child = waiting.child_pid()
+    work = waiting.allreduce([torch.ones(2)])  # the other rank never joins
+    with pytest.raises(CollectiveTimeout):
+        work.get_future().wait()
+    assert isinstance(waiting.errored(), CollectiveTimeout)
+    wait_until(lambda: not alive(child), f"the overdue child {child} to be killed")
+    with pytest.raises(CollectiveError, match="errored until the next configure"):
+        waiting.allreduce([torch.ones(2)])
+
+    configure(pgs, f"127.0.0.1:{store.port}/torchft/2/0")
+    tensors = [torch.ones(2), torch.ones(2)]
+    allreduce(pgs, tensors)
+    assert [t.tolist() for t in tensors] == [[2.0, 2.0]] * 2 and waiting.errored() is None
+
+
+def test_a_child_that_dies_fails_its_pending_work_at_once(store, groups) -> None:
+    pgs = groups(2, timeout_s=600.0)  # far beyond the test's own timeout: only the death can end the wait
+    configure(pgs, f"127.0.0.1:{store.port}/torchft/1/0")
+    child = pgs[0].child_pid()
+    work = pgs[0].allreduce([torch.ones(2)])
+    os.kill(child, signal.SIGKILL)
+    with pytest.raises(CollectiveError, match="gone"):
+        work.wait()
+    assert pgs[0].errored() is not None
+
+
+def test_abort_kills_the_child(store, groups) -> None:
+    [pg] = groups(1)
+    configure([pg], f"127.0.0.1:{store.port}/torchft/1/0")
+    child = pg.child_pid()
+    pg.abort()
+    wait_until(lambda: not alive(child), f"the aborted child {child} to exit")
+    assert isinstance(pg.errored(), CollectiveError)
+
+
+def test_tensors_are_shared_in_place_or_staged_when_their_memory_cannot_move(store, groups) -> None:
+    pgs = groups(2)
+    configure(pgs, f"127.0.0.1:{store.port}/torchft/1/0")
+    owned = [torch.full((4,), 2.0), torch.full((4,), 5.0)]
+    view = owned[0][1:3]
+    allreduce(pgs, owned)
+    assert [t.tolist() for t in owned] == [[7.0] * 4] * 2
+    assert all(t.is_shared() for t in owned) and view.tolist() == [7.0, 7.0]  # views follow their storage
+
+    foreign = [torch.frombuffer(bytearray(16), dtype=torch.float32).fill_(rank + 1) for rank in range(2)]
+    allreduce(pgs, foreign)  # torch cannot move a bytearray's memory: it goes through a shared copy
+    assert [t.tolist() for t in foreign] == [[3.0] * 4] * 2
+    assert not any(t.is_shared() for t in foreign)
+
+
+    gathered = [[torch.zeros(1), torch.zeros(1)] for _ in range(2)]
+    works = [pg.allgather([out], [torch.tensor([float(rank)])]) for rank, (pg, out) in enumerate(zip(pgs, gathered))]
+    assert [work.get_future().wait() for work in works] == [[out] for out in gathered]
+    assert [[t.item() for t in out] for out in gathered] == [[0.0, 1.0]] * 2
+    tensor = torch.full((2,), 4.0)
+    other = torch.full((2,), 1.0)
+    works = [dist.all_reduce(t, op=dist.ReduceOp.MAX, group=pg, async_op=True) for pg, t in zip(pgs, (tensor, other))]
+    for work in works:
+        work.wait()
+    assert tensor.tolist() == other.tolist() == [4.0, 4.0]
+
+
+def test_children_exit_when_their_parent_is_killed(store, tmp_path) -> None:
+    script = tmp_path / "parent.py"
+    script.write_text(
+        "import sys, time\n"
+        "from datetime import timedelta\n"
+        "from torchft_lite.process_group import ProcessGroupBabyGloo\n"
+        "pg = ProcessGroupBabyGloo(timeout=timedelta(seconds=30))\n"
+        "pg.configure(sys.argv[1], 'r', 0, 1)\n"
+        "print(pg.child_pid(), pg._spare.pid, flush=True)\n"
+        "time.sleep(600)\n")
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    parent = subprocess.Popen([sys.executable, str(script), f"127.0.0.1:{store.port}/torchft/1/0"],
+                              stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        line = parent.stdout.readline()
+        assert line, f"the parent exited with {parent.wait(WAIT_S)} before configuring"
+        children = [int(pid) for pid in line.split()]
+        assert all(alive(pid) for pid in children)
+        parent.kill()
+        parent.wait(WAIT_S)
+        for pid in children:
+            wait_until(lambda: not alive(pid), f"child {pid} to exit after its parent was killed")
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait(WAIT_S)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_baby_nccl_without_cuda_is_a_config_error_before_any_child_starts(store) -> None:
+    from torchft_lite.errors import ConfigError
+    from torchft_lite.process_group import ProcessGroupBabyNCCL
+
+    pg = ProcessGroupBabyNCCL(timeout=timedelta(seconds=5))
+    with pytest.raises(ConfigError, match="CUDA"):
+        pg.configure(f"127.0.0.1:{store.port}/torchft/1/0", "replica-a", 0, 1)
+    assert pg.child_pid() is None and pg._spare is None

@@ -1,0 +1,137 @@
+"""The child side of a subprocess process group (see :mod:`torchft_lite.process_group.baby`).
+
+``python -m torchft_lite.process_group._baby_child KIND FD``: FD is this end
+of a socket pair to the parent. The parent first sends its multiprocessing
+authentication key (raw bytes); this process answers ``("ready",)`` once torch
+is imported, then waits for ``("configure", store, rank, world_size,
+timeout_s, device)``, builds the communicator and answers ``("configured",)``
+or ``("error", -1, type, text)``. After that, every ``("op", id, name,
+tensors, args)`` is started at once, in order, and a second thread waits for
+each and answers ``("done", id)`` or ``("error", id, type, text)``. When the
+socket closes (the parent died or dropped this communicator) the process
+exits at once, whatever it was doing.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import queue
+import sys
+import threading
+from datetime import timedelta
+from typing import Any
+
+logger = logging.getLogger("torchft_lite.process_group.baby.child")
+
+
+def _build(kind: str, store_addr: str, rank: int, world_size: int, timeout: timedelta, device: int | None) -> Any:
+    import torch
+    import torch.distributed as dist
+
+    from torchft_lite.process_group.store import connect_store, parse_store_addr
+
+    store = connect_store(parse_store_addr(store_addr), timeout)
+    if kind == "nccl":
+        from torchft_lite.process_group.nccl import create_nccl_backend
+
+        torch.cuda.set_device(device)
+        return create_nccl_backend(store, rank, world_size, timeout)
+    return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+
+
+def _start(backend: Any, name: str, tensors: list, args: dict[str, Any]) -> Any:
+    """Start one operation on ``backend``; its c10d Work."""
+    from torch.distributed import ReduceOp
+    from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, BarrierOptions, BroadcastOptions
+
+    def with_timeout(options: Any) -> Any:
+        if args.get("timeout", -1) >= 0:
+            options.timeout = timedelta(seconds=args["timeout"])
+        return options
+
+    if name == "allreduce":
+        options = with_timeout(AllreduceOptions())
+        options.reduceOp = getattr(ReduceOp, args["op"])
+        return backend.allreduce(tensors, options)
+    if name == "broadcast":
+        options = with_timeout(BroadcastOptions())
+        options.rootRank, options.rootTensor = args["root"], args["root_tensor"]
+        return backend.broadcast(tensors, options)
+    if name == "allgather":
+        outputs = args["outputs"]
+        return backend.allgather([tensors[1:1 + outputs]], tensors[:1], with_timeout(AllgatherOptions()))
+    if name == "barrier":
+        return backend.barrier(with_timeout(BarrierOptions()))
+    if name == "send":
+        return backend.send(tensors, args["peer"], args["tag"])
+    if name == "recv":
+        return backend.recv(tensors, args["peer"], args["tag"])
+    raise ValueError(f"unknown operation {name!r}")
+
+
+def _answer_in_order(conn: multiprocessing.connection.Connection, started: queue.Queue, cuda: bool) -> None:
+    """Wait for each started operation in turn and tell the parent how it ended."""
+    import torch
+
+    while True:
+        op_id, work, tensors = started.get()
+        try:
+            if isinstance(work, BaseException):
+                raise work
+            work.wait()
+            if cuda:
+                torch.cuda.current_stream().synchronize()  # the parent reads the results once told
+            answer: tuple = ("done", op_id)
+        except BaseException as exc:  # reported to the parent, which kills this process
+            answer = ("error", op_id, type(exc).__name__, str(exc).strip().splitlines()[0] if str(exc) else "")
+        del work, tensors  # unmap the parent's memory before saying done
+        try:
+            conn.send(answer)
+        except OSError:
+            os._exit(0)
+
+
+def main(argv: list[str]) -> None:
+    kind, fd = argv[0], int(argv[1])
+    logging.basicConfig(level=logging.WARNING, format=f"[torchft_lite {kind} subprocess %(process)d] %(message)s")
+    conn = multiprocessing.connection.Connection(fd)
+    multiprocessing.current_process().authkey = conn.recv_bytes(1024)
+    import torch.multiprocessing  # noqa: F401  (tensors arrive as shared memory / CUDA IPC handles)
+
+    conn.send(("ready",))
+    try:
+        message = conn.recv()
+    except EOFError:
+        return  # a spare that was never used
+    _, store_addr, rank, world_size, timeout_s, device = message
+    try:
+        backend = _build(kind, store_addr, rank, world_size, timeout=timedelta(seconds=timeout_s), device=device)
+    except BaseException as exc:
+        conn.send(("error", -1, type(exc).__name__, str(exc).strip().splitlines()[0] if str(exc) else ""))
+        return
+    conn.send(("configured",))
+    started: queue.Queue = queue.Queue()
+    threading.Thread(target=_answer_in_order, args=(conn, started, kind == "nccl"), daemon=True).start()
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            os._exit(0)  # the parent is gone or dropped us: a collective still running must not keep us alive
+        if message[0] == "set_timeout":
+            if hasattr(backend, "set_timeout"):
+                backend.set_timeout(timedelta(seconds=message[2]))
+            continue
+        _, op_id, name, tensors, args = message
+        try:
+            work: Any = _start(backend, name, tensors, args)
+        except BaseException as exc:
+            work = exc
+        started.put((op_id, work, tensors))
+        del work, tensors, message
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
