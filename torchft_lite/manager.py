@@ -33,6 +33,7 @@ from torch.distributed import ReduceOp, TCPStore
 from torch.distributed.distributed_c10d import AllreduceOptions
 
 from lighthouse.protocol import torchft_pb2 as pb
+from torchft_lite import _heal
 from torchft_lite._control_plane import control_plane
 from torchft_lite._manager_client import ManagerClient  # sets GRPC_ENABLE_FORK_SUPPORT before grpc loads
 
@@ -177,7 +178,7 @@ class Manager:
         self._checkpoint_transport = checkpoint_transport
         # Advertised to the quorum: a source waits for every receiver it is told
         # of, so a group must not offer to stripe unless its transport does.
-        advertised_sources = s.heal_sources if _stripes(checkpoint_transport) else 1
+        advertised_sources = s.heal_sources if _heal.stripes(checkpoint_transport) else 1
         if advertised_sources < s.heal_sources:
             logger.warning("heal_sources=%d, but the checkpoint transport %s does not stripe: healing from one source",
                            s.heal_sources, type(checkpoint_transport).__name__)
@@ -280,7 +281,7 @@ class Manager:
         they do on torchft's quorum thread; if they fail, this heal allocates.
         """
         try:
-            return _alias_tensors(self._manager_state_dict())
+            return _heal.alias_tensors(self._manager_state_dict())
         except Exception as exc:
             self._log(logging.WARNING, "receiving this heal into fresh tensors: the state dict functions failed: "
                       "%s: %s", type(exc).__name__, exc)
@@ -416,52 +417,15 @@ class Manager:
             sources = [(response.recover_src_replica_rank, response.recover_src_manager_address)]
         self.watchdog.begin("heal", f"the state dict of step {response.max_step} from "
                                     f"{', '.join(address for _, address in sources)}")
-        self._log(logging.INFO, "healing from %s to step %d", _describe(sources), response.max_step)
-        answered = await self._checkpoint_metadata_of(sources)
-        transport = self._checkpoint_transport
-        striped = getattr(transport, "recv_checkpoint_striped", None)  # torchft's transports have none
-        timeout = timedelta(seconds=self._timeout)
+        self._log(logging.INFO, "healing from %s to step %d", _heal.describe(sources), response.max_step)
+        answered = await _heal.checkpoint_metadata_of(sources, self._group_rank, self._timeout,
+                                                      warn=lambda msg, *args: self._log(logging.WARNING, msg, *args))
         if self._heal_in_place:
             self._state_torn = True  # bytes may land in the live tensors from here on
-        if striped is None or len(answered) == 1:
-            answered = answered[:1]
-        started = time.monotonic()
-        if len(answered) > 1:
-            state = await asyncio.to_thread(striped, sources=[(rank, metadata) for rank, _, metadata in answered],
-                                            step=response.max_step, timeout=timeout)
-        else:
-            rank, _, metadata = answered[0]
-            state = await asyncio.to_thread(transport.recv_checkpoint, src_rank=rank, metadata=metadata,
-                                            step=response.max_step, timeout=timeout)
-        got = state.get("torchft", {}).get("step") if isinstance(state, dict) else None
-        if got != response.max_step:
-            raise CheckpointError(f"healing expected a checkpoint of step {response.max_step}, got step {got}")
-        self._heal_stats = (time.monotonic() - started, _tensor_bytes(state), [rank for rank, _, _ in answered])
-        self._pending_state_dict = state
-
-    async def _checkpoint_metadata_of(self, sources: list[tuple[int, str]]) -> list[tuple[int, str, str]]:
-        """``(rank, address, metadata)`` of the sources that answered, asked at once; the first is required."""
-        async def ask(address: str) -> str:
-            peer = ManagerClient(address)
-            try:
-                return await peer.checkpoint_metadata(self._group_rank, timeout=self._timeout)
-            finally:
-                await peer.close()
-
-        answers = await asyncio.gather(*(ask(address) for _, address in sources), return_exceptions=True)
-        for answer in answers:
-            if isinstance(answer, BaseException) and not isinstance(answer, Exception):
-                raise answer  # cancelled: the step is being abandoned
-        if isinstance(answers[0], Exception):
-            raise answers[0]
-        answered = []
-        for (rank, address), answer in zip(sources, answers):
-            if isinstance(answer, Exception):
-                self._log(logging.WARNING, "healing without replica %d (%s): no checkpoint metadata: %s",
-                          rank, address, answer)
-            else:
-                answered.append((rank, address, answer))
-        return answered
+        result = await _heal.receive(self._checkpoint_transport, answered, response.max_step,
+                                     timedelta(seconds=self._timeout))
+        self._heal_stats = (result.seconds, result.tensor_bytes, result.sources)
+        self._pending_state_dict = result.state
 
     def _apply_pending_state_dict(self) -> None:
         """Load a received state dict; runs on the training thread only."""
@@ -495,7 +459,7 @@ class Manager:
             return
         self._published = True
         dst_ranks, step = self._pending_send
-        self._served_before = _bytes_served(self._checkpoint_transport)
+        self._served_before = _heal.bytes_served(self._checkpoint_transport)
         try:
             if step != self._step:
                 raise CheckpointError(f"asked to serve step {step} but this replica is at step {self._step}")
@@ -724,7 +688,7 @@ class Manager:
                                f"this rank can't know whether its group committed") from exc
         self._checkpoint_transport.disallow_checkpoint()
         if self._published and self._pending_send is not None:
-            served = _bytes_served(self._checkpoint_transport)
+            served = _heal.bytes_served(self._checkpoint_transport)
             if served is not None and self._served_before is not None:
                 self._log(logging.INFO, "served step %d to replica(s) %s: %.3f MB", self._pending_send[1],
                           ", ".join(map(str, self._pending_send[0])), (served - self._served_before) / 1e6)
@@ -811,42 +775,3 @@ class Manager:
             replica = getattr(self, "_replica_id", self._settings.replica_id)
             logger.log(level, "[%s/%d step=%d quorum=%d] " + msg, replica, self._group_rank,
                        self._step, self._quorum_id, *args, exc_info=exc_info)
-
-
-def _stripes(transport: Any) -> bool:
-    """Whether ``transport`` has a ``recv_checkpoint_striped`` of its own (the base one takes one source)."""
-    from torchft_lite.checkpointing.transport import CheckpointTransport
-
-    method = getattr(type(transport), "recv_checkpoint_striped", None)
-    return method is not None and method is not CheckpointTransport.recv_checkpoint_striped
-
-
-def _bytes_served(transport: Any) -> int | None:
-    """The transport's ``statistics().bytes_served`` (HTTPTransport's), else None."""
-    statistics = getattr(transport, "statistics", None)
-    return getattr(statistics(), "bytes_served", None) if statistics is not None else None
-
-
-def _alias_tensors(obj: Any) -> Any:
-    """``obj``'s containers with each tensor as a ``.data`` alias (own version counter) and other leaves None."""
-    if isinstance(obj, torch.Tensor):
-        return obj.data
-    if isinstance(obj, dict):
-        return {key: _alias_tensors(value) for key, value in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_alias_tensors(value) for value in obj]
-    return None
-
-
-def _describe(sources: Sequence[tuple[int, str]]) -> str:
-    return ", ".join(f"replica {rank} ({address})" for rank, address in sources)
-
-
-def _tensor_bytes(obj: Any) -> int:
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if isinstance(obj, dict):
-        return sum(_tensor_bytes(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in obj)
-    return 0

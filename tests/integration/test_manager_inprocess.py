@@ -20,6 +20,7 @@ from torch.distributed import TCPStore
 from lighthouse.protocol import torchft_pb2 as pb
 from lighthouse.thread import BackgroundLighthouse
 from tests.conftest import lighthouse_config
+from torchft_lite import _heal
 from torchft_lite.checkpointing import CheckpointTransport
 from torchft_lite.errors import CheckpointTransferError, ManagerTimeout
 from torchft_lite.manager import MEMBER_GONE_GRACE, Manager
@@ -303,10 +304,16 @@ def test_a_secondary_source_without_metadata_is_left_out_but_the_primary_is_requ
         run_steps({"a": manager}, 1)  # its ManagerServer now holds rank 0's checkpoint metadata
         alive, dead = manager._server.address(), "http://127.0.0.1:1"  # nothing listens on port 1
         # submit, not run: run() reports any TimeoutError as its own, and ManagerTimeout is one
-        answered = manager._control.submit(manager._checkpoint_metadata_of([(0, alive), (1, dead)])).result(30)
-        assert answered == [(0, alive, "meta-a")]
+        warnings = []
+
+        def ask(sources):
+            return manager._control.submit(_heal.checkpoint_metadata_of(
+                sources, 0, 2.0, warn=lambda msg, *args: warnings.append(msg % args))).result(30)
+
+        assert ask([(0, alive), (1, dead)]) == [(0, alive, "meta-a")]
+        assert len(warnings) == 1 and "without replica 1" in warnings[0]
         with pytest.raises(ManagerTimeout, match="127.0.0.1:1"):
-            manager._control.submit(manager._checkpoint_metadata_of([(1, dead), (0, alive)])).result(30)
+            ask([(1, dead), (0, alive)])
     finally:
         manager.shutdown()
 
