@@ -62,6 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--faults", type=int, default=200, help="faults to inject (default 200)")
     parser.add_argument("--groups", type=int, default=3, help="replica groups (default 3)")
     parser.add_argument("--ranks", type=int, default=1, help="ranks per group, the same for all (default 1)")
+    parser.add_argument("--pg", choices=["gloo", "baby-gloo"], default="gloo",
+                        help="the groups' process group: gloo in the trainer, or in a child process (default gloo)")
     parser.add_argument("--kinds", default=",".join(KINDS), help=f"fault kinds to use (default {','.join(KINDS)})")
     parser.add_argument("--interval", type=float, default=2.0, help="mean seconds between faults (default 2)")
     parser.add_argument("--baseline", type=float, default=15.0, help="fault-free seconds first (default 15)")
@@ -195,7 +197,8 @@ class Chaos:
         if self.network:
             self.network.setup()
         self.lighthouse.start()
-        train = ["--steps", "100000000", "--step-sleep", "0.02", "--report", str(self.report), "--timeout", "10"]
+        train = ["--steps", "100000000", "--step-sleep", "0.02", "--report", str(self.report), "--timeout", "10",
+                 "--pg", self.args.pg]
         for g in range(self.args.groups):
             env = {"TORCHFT_QUORUM_RETRIES": "3"}
             where: dict = {}
@@ -400,6 +403,7 @@ def main(argv=None) -> int:
           and not checks["inconsistent_steps"] and not checks["batch_accounting_errors"] and not outcome["hangs"])
     print("\n================ chaos summary ================")
     print(f"seed / groups x ranks          {args.seed} / {args.groups} x {args.ranks}")
+    print(f"process group                  {args.pg}")
     print(f"faults injected                {sum(chaos.faults.values())} "
           f"({', '.join(f'{k} {v}' for k, v in sorted(chaos.faults.items()))})")
     print(f"group restarts                 {chaos.restarts}")
@@ -421,7 +425,7 @@ def main(argv=None) -> int:
             short[key], short[f"{key}_first"] = len(value), value[:10]
         else:
             short[key] = value
-    print(json.dumps({"seed": args.seed, "faults": dict(chaos.faults), "restarts": chaos.restarts, **figures,
+    print(json.dumps({"seed": args.seed, "pg": args.pg, "faults": dict(chaos.faults), "restarts": chaos.restarts, **figures,
                       **short, **outcome, "ok": ok}))
     return 0 if ok else 1
 
