@@ -3,7 +3,8 @@
 ``python -m torchft_lite.process_group._baby_child KIND FD``: FD is this end
 of a socket pair to the parent. The parent first sends its multiprocessing
 authentication key (raw bytes); this process answers ``("ready",)`` once torch
-is imported, then waits for ``("configure", store, rank, world_size,
+is imported and a first store client made (see :func:`_warm_up`), then
+waits for ``("configure", store, rank, world_size,
 timeout_s, device)``, builds the communicator and answers ``("configured",)``
 or ``("error", -1, type, text)``. After that, every ``("op", id, name,
 tensors, args)`` is started at once, in order, and a second thread waits for
@@ -21,10 +22,31 @@ import os
 import queue
 import sys
 import threading
+import warnings
 from datetime import timedelta
 from typing import Any
 
 logger = logging.getLogger("torchft_lite.process_group.baby.child")
+
+
+def _warm_up() -> None:
+    """Pay c10d's once-per-process cost of a first store client now, while this child is a spare.
+
+    The first TCPStore client of a process looks up a host name by address,
+    and where reverse DNS is slow or unreachable (a container or network
+    namespace without a resolver) that takes the resolver's whole timeout,
+    ten seconds here: longer than a configure's rendezvous may take. Later
+    clients skip it. A store on loopback is enough to take the hit.
+    """
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=60)
+    try:
+        server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        client = dist.TCPStore("127.0.0.1", server.port, is_master=False, wait_for_workers=False, timeout=timeout)
+        del client, server
+    except Exception as exc:  # the real rendezvous will report what is wrong, if anything is
+        logger.warning("warming up the store client failed: %s", exc)
 
 
 def _build(kind: str, store_addr: str, rank: int, world_size: int, timeout: timedelta, device: int | None) -> Any:
@@ -99,8 +121,11 @@ def main(argv: list[str]) -> None:
     logging.basicConfig(level=logging.WARNING, format=f"[torchft_lite {kind} subprocess %(process)d] %(message)s")
     conn = multiprocessing.connection.Connection(fd)
     multiprocessing.current_process().authkey = conn.recv_bytes(1024)
+    # torch warns at import when numpy is missing; the parent has shown it already, once per child is noise
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     import torch.multiprocessing  # noqa: F401  (tensors arrive as shared memory / CUDA IPC handles)
 
+    _warm_up()
     conn.send(("ready",))
     try:
         message = conn.recv()
