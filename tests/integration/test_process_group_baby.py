@@ -93,22 +93,46 @@ def allreduce(pgs: list[ProcessGroupBabyGloo], tensors: list[torch.Tensor]) -> N
         work.wait()
 
 
-def test_each_configure_takes_the_warm_spare_and_kills_the_previous_child(store, groups) -> None:
+def test_a_healthy_reconfigure_keeps_the_child_and_one_after_an_abort_takes_the_warm_spare(store, groups) -> None:
     pgs = groups(2)
     configure(pgs, f"127.0.0.1:{store.port}/torchft/1/0")
     first = [pg.child_pid() for pg in pgs]
-    spares = [pg._spare.pid for pg in pgs]  # started as soon as the first configure was done
-    assert all(alive(pid) for pid in first + spares)
+    spares = [pg.spare_pid() for pg in pgs]  # started as soon as the first configure was done
+    assert all(alive(pid) for pid in first + spares) and set(first).isdisjoint(spares)
     tensors = [torch.full((3,), float(rank + 1)) for rank in range(2)]
     allreduce(pgs, tensors)
     assert [t.tolist() for t in tensors] == [[3.0] * 3] * 2
 
+    # A new quorum with nothing wrong: the same children build the new communicator (no interpreter to start).
     configure(pgs, f"127.0.0.1:{store.port}/torchft/2/0")
-    assert [pg.child_pid() for pg in pgs] == spares
-    for pid in first:
-        wait_until(lambda: not alive(pid), f"the previous child {pid} to exit")
+    assert [pg.child_pid() for pg in pgs] == first and [pg.spare_pid() for pg in pgs] == spares
     allreduce(pgs, tensors)
     assert [t.tolist() for t in tensors] == [[6.0] * 3] * 2
+
+    # After an abort the child is killed, and the next configure takes the spare.
+    for pg in pgs:
+        pg.abort()
+    for pid in first:
+        wait_until(lambda: not alive(pid), f"the aborted child {pid} to exit")
+    configure(pgs, f"127.0.0.1:{store.port}/torchft/3/0")
+    assert [pg.child_pid() for pg in pgs] == spares
+    assert all(pg.spare_pid() not in (None, *spares) for pg in pgs)  # a new spare is warming up
+    allreduce(pgs, tensors)
+    assert [t.tolist() for t in tensors] == [[12.0] * 3] * 2
+
+
+def test_an_operation_still_running_when_a_reconfigure_replaces_it_fails(store, groups) -> None:
+    waiting, _silent = pgs = groups(2, timeout_s=60.0)
+    configure(pgs, f"127.0.0.1:{store.port}/torchft/1/0")
+    child = waiting.child_pid()
+    work = waiting.allreduce([torch.ones(2)])  # the other rank never joins this one
+    configure(pgs, f"127.0.0.1:{store.port}/torchft/2/0")  # a new quorum while it waits
+    with pytest.raises(CollectiveError, match="replaced"):
+        work.wait()
+    assert waiting.child_pid() == child and waiting.errored() is None
+    tensors = [torch.ones(2), torch.full((2,), 2.0)]
+    allreduce(pgs, tensors)
+    assert [t.tolist() for t in tensors] == [[3.0, 3.0]] * 2
 
 
 def test_an_overdue_collective_kills_the_child_and_errors_the_group(store, groups) -> None:
@@ -184,7 +208,7 @@ def test_children_exit_when_their_parent_is_killed(store, tmp_path) -> None:
         "from torchft_lite.process_group import ProcessGroupBabyGloo\n"
         "pg = ProcessGroupBabyGloo(timeout=timedelta(seconds=30))\n"
         "pg.configure(sys.argv[1], 'r', 0, 1)\n"
-        "print(pg.child_pid(), pg._spare.pid, flush=True)\n"
+        "print(pg.child_pid(), pg.spare_pid(), flush=True)\n"
         "time.sleep(600)\n")
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     parent = subprocess.Popen([sys.executable, str(script), f"127.0.0.1:{store.port}/torchft/1/0"],
@@ -212,4 +236,4 @@ def test_baby_nccl_without_cuda_is_a_config_error_before_any_child_starts(store)
     pg = ProcessGroupBabyNCCL(timeout=timedelta(seconds=5))
     with pytest.raises(ConfigError, match="CUDA"):
         pg.configure(f"127.0.0.1:{store.port}/torchft/1/0", "replica-a", 0, 1)
-    assert pg.child_pid() is None and pg._spare is None
+    assert pg.child_pid() is None and pg.spare_pid() is None

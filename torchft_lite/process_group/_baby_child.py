@@ -3,14 +3,14 @@
 ``python -m torchft_lite.process_group._baby_child KIND FD``: FD is this end
 of a socket pair to the parent. The parent first sends its multiprocessing
 authentication key (raw bytes); this process answers ``("ready",)`` once torch
-is imported and a first store client made (see :func:`_warm_up`), then
-waits for ``("configure", store, rank, world_size,
-timeout_s, device)``, builds the communicator and answers ``("configured",)``
-or ``("error", -1, type, text)``. After that, every ``("op", id, name,
-tensors, args)`` is started at once, in order, and a second thread waits for
-each and answers ``("done", id)`` or ``("error", id, type, text)``. When the
-socket closes (the parent died or dropped this communicator) the process
-exits at once, whatever it was doing.
+is imported and a first store client made (see :func:`_warm_up`). Then, any
+number of times, ``("configure", generation, store, rank, world_size,
+timeout_s, device)`` replaces the communicator and is answered
+``("configured", generation)`` or ``("configure_failed", generation, type,
+text)``; every ``("op", id, generation, name, tensors, args)`` is started at
+once, in order, and a thread of that communicator waits for each and answers
+``("done", id)`` or ``("error", id, type, text)``. When the socket closes (the
+parent died, or killed us) the process exits at once, whatever it was doing.
 """
 
 from __future__ import annotations
@@ -94,12 +94,21 @@ def _start(backend: Any, name: str, tensors: list, args: dict[str, Any]) -> Any:
     raise ValueError(f"unknown operation {name!r}")
 
 
-def _answer_in_order(conn: multiprocessing.connection.Connection, started: queue.Queue, cuda: bool) -> None:
-    """Wait for each started operation in turn and tell the parent how it ended."""
+def _answer_in_order(conn: multiprocessing.connection.Connection, send_lock: threading.Lock,
+                     started: queue.Queue, cuda: bool) -> None:
+    """Wait for each operation of one communicator in turn and tell the parent how it ended.
+
+    A ``None`` in the queue ends the thread: a newer communicator replaced
+    this one. Its backend is released here, after the operations already
+    started (a gloo backend's destructor waits for them).
+    """
     import torch
 
     while True:
-        op_id, work, tensors = started.get()
+        item = started.get()
+        if item is None:
+            return
+        op_id, work, tensors = item
         try:
             if isinstance(work, BaseException):
                 raise work
@@ -108,12 +117,18 @@ def _answer_in_order(conn: multiprocessing.connection.Connection, started: queue
                 torch.cuda.current_stream().synchronize()  # the parent reads the results once told
             answer: tuple = ("done", op_id)
         except BaseException as exc:  # reported to the parent, which kills this process
-            answer = ("error", op_id, type(exc).__name__, str(exc).strip().splitlines()[0] if str(exc) else "")
-        del work, tensors  # unmap the parent's memory before saying done
+            answer = ("error", op_id, type(exc).__name__, _first_line(exc))
+        del work, tensors, item  # unmap the parent's memory before saying done
         try:
-            conn.send(answer)
+            with send_lock:
+                conn.send(answer)
         except OSError:
             os._exit(0)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
 
 
 def main(argv: list[str]) -> None:
@@ -126,30 +141,43 @@ def main(argv: list[str]) -> None:
     import torch.multiprocessing  # noqa: F401  (tensors arrive as shared memory / CUDA IPC handles)
 
     _warm_up()
+    send_lock = threading.Lock()
     conn.send(("ready",))
-    try:
-        message = conn.recv()
-    except EOFError:
-        return  # a spare that was never used
-    _, store_addr, rank, world_size, timeout_s, device = message
-    try:
-        backend = _build(kind, store_addr, rank, world_size, timeout=timedelta(seconds=timeout_s), device=device)
-    except BaseException as exc:
-        conn.send(("error", -1, type(exc).__name__, str(exc).strip().splitlines()[0] if str(exc) else ""))
-        return
-    conn.send(("configured",))
-    started: queue.Queue = queue.Queue()
-    threading.Thread(target=_answer_in_order, args=(conn, started, kind == "nccl"), daemon=True).start()
+    backend: Any = None
+    generation = 0
+    started: queue.Queue | None = None
     while True:
         try:
             message = conn.recv()
         except (EOFError, OSError):
             os._exit(0)  # the parent is gone or dropped us: a collective still running must not keep us alive
-        if message[0] == "set_timeout":
-            if hasattr(backend, "set_timeout"):
-                backend.set_timeout(timedelta(seconds=message[2]))
+        if message[0] == "configure":
+            _, new_generation, store_addr, rank, world_size, timeout_s, device = message
+            if started is not None:
+                started.put(None)  # the old communicator's thread finishes its operations and releases it
+            backend, started, generation = None, None, new_generation
+            try:
+                backend = _build(kind, store_addr, rank, world_size, timedelta(seconds=timeout_s), device)
+            except BaseException as exc:
+                answer: tuple = ("configure_failed", generation, type(exc).__name__, _first_line(exc))
+            else:
+                started = queue.Queue()
+                threading.Thread(target=_answer_in_order, args=(conn, send_lock, started, kind == "nccl"),
+                                 name=f"answers-{generation}", daemon=True).start()
+                answer = ("configured", generation)
+            with send_lock:
+                conn.send(answer)
             continue
-        _, op_id, name, tensors, args = message
+        if message[0] == "set_timeout":
+            if backend is not None and hasattr(backend, "set_timeout"):
+                backend.set_timeout(timedelta(seconds=message[1]))
+            continue
+        _, op_id, op_generation, name, tensors, args = message
+        if op_generation != generation or started is None:
+            with send_lock:
+                conn.send(("error", op_id, "RuntimeError", f"{name} is for communicator {op_generation}, which "
+                                                            f"this process no longer holds"))
+            continue
         try:
             work: Any = _start(backend, name, tensors, args)
         except BaseException as exc:

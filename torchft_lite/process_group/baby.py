@@ -35,6 +35,7 @@ The child dies with its parent: it exits when the socket closes.
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import logging
 import multiprocessing
@@ -68,6 +69,8 @@ logger = logging.getLogger(__name__)
 # report ready, on top of the configure timeout.
 CHILD_START_TIMEOUT = timedelta(seconds=120)
 _KILL_WAIT_S = 10.0
+# Beyond the rendezvous timeout, for the child's answer to arrive.
+_CONFIGURE_GRACE_S = 5.0
 _REDUCE_OPS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR")
 
 
@@ -79,7 +82,12 @@ def _reduce_op_name(op: Any) -> str:
 
 
 class _Child:
-    """One child interpreter (``python -m torchft_lite.process_group._baby_child``) and its socket."""
+    """One child interpreter (``python -m torchft_lite.process_group._baby_child``), its socket and its reader.
+
+    Every message from the child goes through one reader thread: ``ready``
+    (torch imported), the outcome of each ``configure`` (by generation), and
+    the outcome of each forwarded operation (by id).
+    """
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
@@ -101,32 +109,123 @@ class _Child:
         # CPU tensors travel as file descriptors, fetched from this process's resource sharer: the child
         # authenticates to it with our key.
         self.conn.send_bytes(bytes(multiprocessing.current_process().authkey))
-        self._ready = False
+        self._lock = threading.Lock()  # guards the fields below and every send
+        self._ready = threading.Event()
+        self._pending: dict[int, _ChildWork] = {}
+        self._configures: dict[int, concurrent.futures.Future] = {}
+        self._ids = itertools.count()
+        self._generations = itertools.count(1)
+        self.dead: BaseException | None = None
+        self._reader = threading.Thread(target=self._read, name=f"torchft_lite-pg-child-{self.pid}", daemon=True)
+        self._reader.start()
 
     @property
     def pid(self) -> int:
         return self.process.pid
 
-    def wait_ready(self, timeout: float) -> None:
-        if self._ready:
-            return
-        reply = self.receive(timeout, "the process group's subprocess to start")
-        if reply != ("ready",):
-            raise CollectiveError(f"the process group's subprocess (pid {self.pid}) sent {reply!r} instead of ready")
-        self._ready = True
-
-    def receive(self, timeout: float, what: str) -> Any:
-        """The child's next message, waiting at most ``timeout`` seconds for ``what``."""
-        try:
-            if not self.conn.poll(timeout):
-                raise CollectiveTimeout(f"waited {timeout:g}s for {what} (pid {self.pid})")
-            return self.conn.recv()
-        except (EOFError, OSError) as exc:
-            raise CollectiveError(f"the process group's subprocess (pid {self.pid}) died while waiting for "
-                                  f"{what} (exit code {self.process.poll()})") from exc
-
     def alive(self) -> bool:
-        return self.process.poll() is None
+        return self.dead is None and self.process.poll() is None
+
+    # -- from the child
+
+    def _read(self) -> None:
+        while True:
+            try:
+                message = self.conn.recv()
+            except (EOFError, OSError):
+                self._died(CollectiveError(f"the process group's subprocess (pid {self.pid}) is gone "
+                                           f"(exit code {self.process.poll()})"))
+                return
+            kind = message[0]
+            if kind == "ready":
+                self._ready.set()
+            elif kind in ("configured", "configure_failed"):
+                with self._lock:
+                    future = self._configures.pop(message[1], None)
+                if future is not None:
+                    future.set_result(message)
+            else:  # ("done", op id) or ("error", op id, type, text)
+                with self._lock:
+                    work = self._pending.pop(message[1], None)
+                if work is not None:
+                    work.finish(None if kind == "done" else _child_error(message[2], message[3]))
+
+    def _died(self, error: BaseException) -> None:
+        with self._lock:
+            if self.dead is None:
+                self.dead = error
+            pending, self._pending = list(self._pending.values()), {}
+            configures, self._configures = list(self._configures.values()), {}
+        for work in pending:
+            work.finish(error)
+        for future in configures:
+            if not future.done():
+                future.set_exception(error)
+        self._ready.set()
+
+    # -- to the child
+
+    def wait_ready(self, timeout: float) -> None:
+        if not self._ready.wait(timeout):
+            raise CollectiveTimeout(f"the process group's subprocess (pid {self.pid}) did not start within "
+                                    f"{timeout:g}s")
+        if self.dead is not None:
+            raise self.dead
+
+    def configure(self, store: str, rank: int, world_size: int, timeout: float, device: int | None) -> int:
+        """Build a communicator in the child (dropping its previous one); its generation."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            if self.dead is not None:
+                raise self.dead
+            generation = next(self._generations)
+            self._configures[generation] = future
+            self._send(("configure", generation, store, rank, world_size, timeout, device))
+        try:
+            reply = future.result(timeout + _CONFIGURE_GRACE_S)
+        except concurrent.futures.TimeoutError as exc:
+            raise CollectiveTimeout(f"the {self.kind} rendezvous of {world_size} ranks in subprocess {self.pid} "
+                                    f"did not finish within {timeout:g}s") from exc
+        if reply[0] == "configure_failed":
+            raise _child_error(reply[2], reply[3])
+        return generation
+
+    def submit(self, work: "_ChildWork", generation: int, op: str, tensors: list[torch.Tensor],
+               args: dict[str, Any]) -> None:
+        with self._lock:
+            if self.dead is not None:
+                raise CollectiveError(f"{op} refused: {self.dead}") from self.dead
+            op_id = next(self._ids)
+            self._pending[op_id] = work
+            try:
+                self._send(("op", op_id, generation, op, tensors, args))
+            except CollectiveError:
+                self._pending.pop(op_id, None)
+                raise
+
+    def set_timeout(self, seconds: float) -> None:
+        with self._lock:
+            if self.dead is None:
+                try:
+                    self._send(("set_timeout", seconds))
+                except CollectiveError:
+                    pass  # the reader reports the death
+
+    def fail_generation(self, generation: int, error: BaseException) -> None:
+        """Fail the operations of an older communicator that a reconfiguration replaced."""
+        with self._lock:
+            stale = [(op_id, work) for op_id, work in self._pending.items() if work.generation == generation]
+            for op_id, _ in stale:
+                del self._pending[op_id]
+        for _, work in stale:
+            work.finish(error)
+
+    def _send(self, message: tuple) -> None:
+        try:
+            self.conn.send(message)
+        except (OSError, ValueError) as exc:
+            raise CollectiveError(f"could not reach the process group's subprocess (pid {self.pid}): "
+                                  f"{exc}") from exc
 
     def kill(self) -> None:
         """SIGKILL: whatever the child is stuck in, it is gone; its GPU memory and sockets are freed."""
@@ -136,16 +235,23 @@ class _Child:
             self.process.wait(_KILL_WAIT_S)
         except subprocess.TimeoutExpired:
             logger.warning("process group subprocess %d did not exit %gs after SIGKILL", self.pid, _KILL_WAIT_S)
+        self._died(CollectiveError(f"the process group's subprocess (pid {self.pid}) was killed"))
         self.conn.close()
+
+
+def _child_error(error_type: str, text: str) -> BaseException:
+    error_class = TimeoutError if error_type in ("TimeoutError", "CollectiveTimeout") else RuntimeError
+    return error_class(f"{error_type} in the subprocess: {text}")
 
 
 class _ChildWork(dist.Work):
     """One operation forwarded to the child: done when the child says so, or failed."""
 
-    def __init__(self, op: str, result: Any, keep: list[torch.Tensor],
+    def __init__(self, op: str, generation: int, result: Any, keep: list[torch.Tensor],
                  copy_back: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         super().__init__()
         self.op = op
+        self.generation = generation
         self._result = result
         self._keep = keep  # the child maps these tensors' memory until it reports
         self._copy_back = copy_back  # (staged copy, the caller's tensor)
@@ -188,68 +294,20 @@ class _ChildWork(dist.Work):
 
 
 class _ChildBackend:
-    """Stands in for a c10d backend: each call is forwarded to the child that holds the communicator."""
+    """Stands in for a c10d backend: each call is forwarded to the child's communicator of one generation."""
 
-    def __init__(self, child: _Child, description: str) -> None:
-        self._child = child
+    def __init__(self, child: _Child, generation: int, description: str) -> None:
+        self.child = child
+        self.generation = generation
         self._description = description
-        self._pending: dict[int, _ChildWork] = {}
-        self._ids = itertools.count()
-        self._lock = threading.Lock()
-        self._dead: BaseException | None = None
-        self._reader = threading.Thread(target=self._read, name=f"torchft_lite-pg-child-{child.pid}", daemon=True)
-        self._reader.start()
-
-    # -- results
-
-    def _read(self) -> None:
-        while True:
-            try:
-                message = self._child.conn.recv()
-            except (EOFError, OSError):
-                code = self._child.process.poll()
-                self._fail_all(CollectiveError(f"{self._description}: the subprocess (pid {self._child.pid}) is "
-                                               f"gone (exit code {code})"))
-                return
-            kind, op_id = message[0], message[1]
-            with self._lock:
-                work = self._pending.pop(op_id, None)
-            if work is None:
-                continue
-            if kind == "done":
-                work.finish(None)
-            else:
-                _, _, error_type, text = message
-                error_class = TimeoutError if error_type == "TimeoutError" else RuntimeError
-                work.finish(error_class(f"{error_type} in the subprocess: {text}"))
-
-    def _fail_all(self, error: BaseException) -> None:
-        with self._lock:
-            if self._dead is None:
-                self._dead = error
-            pending, self._pending = list(self._pending.values()), {}
-        for work in pending:
-            work.finish(error)
-
-    # -- forwarding
+        self._kill_on_abort = True
 
     def _submit(self, op: str, tensors: list[torch.Tensor], args: dict[str, Any], result: Any) -> _ChildWork:
         shared, copy_back = _share(tensors)
-        if any(t.is_cuda for t in tensors):
-            for device in {t.device for t in tensors if t.is_cuda}:
-                torch.cuda.current_stream(device).synchronize()  # the child must see what this process wrote
-        work = _ChildWork(op, result, shared, copy_back)
-        with self._lock:
-            if self._dead is not None:
-                raise CollectiveError(f"{op} refused: {self._dead}") from self._dead
-            op_id = next(self._ids)
-            self._pending[op_id] = work
-            try:
-                self._child.conn.send(("op", op_id, op, shared, args))
-            except (OSError, ValueError) as exc:
-                self._pending.pop(op_id, None)
-                raise CollectiveError(f"{self._description}: could not reach the subprocess "
-                                      f"(pid {self._child.pid}): {exc}") from exc
+        for device in {t.device for t in tensors if t.is_cuda}:
+            torch.cuda.current_stream(device).synchronize()  # the child must see what this process wrote
+        work = _ChildWork(op, self.generation, result, shared, copy_back)
+        self.child.submit(work, self.generation, op, shared, args)
         return work
 
     def allreduce(self, tensors: list[torch.Tensor], options: Any) -> _ChildWork:
@@ -278,17 +336,18 @@ class _ChildBackend:
         return self._submit("recv", tensors, {"peer": src_rank, "tag": tag}, tensors)
 
     def set_timeout(self, timeout: timedelta) -> None:
-        with self._lock:
-            if self._dead is None:
-                try:
-                    self._child.conn.send(("set_timeout", -1, timeout.total_seconds()))
-                except (OSError, ValueError):
-                    pass  # the reader thread reports the child's death
+        self.child.set_timeout(timeout.total_seconds())
+
+    def retire(self) -> None:
+        """Replaced by a newer communicator in the same, healthy child: fail what is still pending here."""
+        self._kill_on_abort = False
+        self.child.fail_generation(self.generation, CollectiveError(
+            f"{self._description} was replaced by a newer configure() before this operation finished"))
 
     def abort(self) -> None:
-        """Kill the child; every operation still pending fails."""
-        self._child.kill()
-        self._fail_all(CollectiveError(f"{self._description} was aborted (subprocess {self._child.pid} killed)"))
+        """Kill the child (unless :meth:`retire` handed it on); every operation still pending fails."""
+        if self._kill_on_abort:
+            self.child.kill()
 
 
 def _share(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -326,12 +385,19 @@ class ProcessGroupBaby(ReconfigurableProcessGroup):
     def __init__(self, timeout: timedelta = DEFAULT_TIMEOUT) -> None:
         super().__init__(timeout)
         self._spare: _Child | None = None
-        self._spare_lock = threading.Lock()
+        self._reusable: _Child | None = None  # the child of a communicator retired healthy
+        self._children_lock = threading.Lock()
         self._watchdog = _DeadlineWatchdog(name=f"torchft_lite-{self._KIND}-baby-watchdog")
 
-    def _take_spare(self) -> _Child:
-        with self._spare_lock:
+    def _child_for_configure(self) -> _Child:
+        """The healthy child of the communicator being replaced, else the warm spare, else a new child."""
+        with self._children_lock:
+            reusable, self._reusable = self._reusable, None
+            if reusable is not None and reusable.alive():
+                return reusable
             child, self._spare = self._spare, None
+        if reusable is not None:
+            reusable.kill()
         if child is None or not child.alive():
             if child is not None:
                 child.kill()
@@ -339,33 +405,44 @@ class ProcessGroupBaby(ReconfigurableProcessGroup):
         return child
 
     def _start_spare(self) -> None:
-        with self._spare_lock:
-            if self._spare is None:
+        with self._children_lock:
+            if self._spare is None or not self._spare.alive():
                 self._spare = _Child(self._KIND)
+
+    def _retire(self, holder: list[Any]) -> None:
+        backend = holder[0]
+        if isinstance(backend, _ChildBackend) and backend.child.alive():
+            backend.retire()  # the next communicator is built in the same child: no interpreter to start
+            with self._children_lock:
+                self._reusable = backend.child
+        self._discard(holder)  # kills the child only if it was not retired above
 
     def _open_store(self, address: StoreAddress, timeout: timedelta) -> StoreAddress:
         return address  # the child connects to the store itself
 
     def _create_backend(self, store: StoreAddress, rank: int, world_size: int,
                         timeout: timedelta) -> _ChildBackend:
-        child = self._take_spare()
+        child = self._child_for_configure()
+        started = time.monotonic()
         try:
             child.wait_ready(CHILD_START_TIMEOUT.total_seconds())
             device = torch.cuda.current_device() if self._KIND == "nccl" else None
-            child.conn.send(("configure", str(store), rank, world_size, timeout.total_seconds(), device))
-            started = time.monotonic()
-            reply = child.receive(timeout.total_seconds() + 5.0, f"{self._KIND} rendezvous of {world_size} ranks")
-            if reply[0] != "configured":
-                _, _, error_type, text = reply
-                error_class = TimeoutError if error_type == "TimeoutError" else RuntimeError
-                raise error_class(f"{error_type} in the subprocess: {text}")
-        except BaseException:
+            generation = child.configure(str(store), rank, world_size, timeout.total_seconds(), device)
+        except CollectiveError:  # dead, or stuck in the rendezvous past its timeout: never reuse it
             child.kill()
             raise
+        except BaseException:  # the rendezvous failed cleanly in the child: it can host the next one
+            with self._children_lock:
+                if self._reusable is None:
+                    self._reusable = child
+                else:
+                    child.kill()
+            raise
         finally:
-            self._start_spare()  # the next configure() takes it, already started
-        logger.debug("%s subprocess %d configured in %.2fs", self._KIND, child.pid, time.monotonic() - started)
-        return _ChildBackend(child, f"{self.getBackendName()} rank {rank}/{world_size}")
+            self._start_spare()  # warm for the configure after an abort
+        logger.debug("%s subprocess %d configured (generation %d) in %.2fs", self._KIND, child.pid, generation,
+                     time.monotonic() - started)
+        return _ChildBackend(child, generation, f"{self.getBackendName()} rank {rank}/{world_size}")
 
     def _op_timeout(self) -> timedelta | None:
         return self._timeout
@@ -378,15 +455,21 @@ class ProcessGroupBaby(ReconfigurableProcessGroup):
 
     def shutdown(self) -> None:
         super().shutdown()
-        with self._spare_lock:
-            spare, self._spare = self._spare, None
-        if spare is not None:
-            spare.kill()
+        with self._children_lock:
+            children, self._spare, self._reusable = [self._spare, self._reusable], None, None
+        for child in children:
+            if child is not None:
+                child.kill()
 
     def child_pid(self) -> int | None:
         """The pid of the child holding the current communicator (None when there is none)."""
         backend = self._backend
-        return backend._child.pid if isinstance(backend, _ChildBackend) else None
+        return backend.child.pid if isinstance(backend, _ChildBackend) else None
+
+    def spare_pid(self) -> int | None:
+        """The pid of the warm spare child (None when there is none)."""
+        spare = self._spare
+        return spare.pid if spare is not None else None
 
 
 class ProcessGroupBabyGloo(ProcessGroupBaby):

@@ -279,7 +279,7 @@ class ReconfigurableProcessGroup(ProcessGroup):
                 self._rank, self._world_size = rank, world_size
                 self._replica_id, self._address = replica_id, address
                 timeout = self._timeout
-            self._discard(old)
+            self._retire(old)
             logger.info("replica %s: configuring %s rank %s/%s on %s", replica_id, self.getBackendName(), rank,
                         world_size, address)
             try:
@@ -310,6 +310,10 @@ class ReconfigurableProcessGroup(ProcessGroup):
         with self._lock:
             old, self._backend = [self._backend], None
         self._discard(old)
+
+    def _retire(self, holder: list[Any]) -> None:
+        """Drop the backend a new ``configure()`` replaces (by default: aborted, like any other)."""
+        self._discard(holder)
 
     def _discard(self, holder: list[Any]) -> None:
         """Abort the backend in the one-element list ``holder`` and drop it, on another thread.
