@@ -885,8 +885,8 @@ query_values = {
 def checkpoint_targets(draw) -> bytes:
     step = draw(weighted((10, st.just("5")), (1, st.just("6")),
                          (3, st.sampled_from(["4", "-1", "abc", "9" * 5000, "5.0", "+5", "\u0665", "0x5", "", "%35"]))))
-    suffix = draw(weighted((6, st.sampled_from(["", "/header", "/data", "/done"])),
-                           (1, st.sampled_from(["/data/", "/x", "/../5", "/done/x"]))))
+    suffix = draw(weighted((6, st.sampled_from(["", "/header", "/data", "/checksums", "/done"])),
+                           (1, st.sampled_from(["/data/", "/x", "/../5", "/done/x", "/checksums/x"]))))
     names = draw(st.lists(st.sampled_from(sorted(query_values)), max_size=4))
     if draw(st.integers(0, 5)):
         names.insert(0, "session")  # without one every route answers 400 before looking further
@@ -927,6 +927,9 @@ def test_checkpoint_server_answers_random_requests_and_still_serves():
         @example(request=(raw_request(b"GET", b"/checkpoint/5?session=s1", b"HTTP/1.1",
                                       [(b"Host", b"x"), (b"Authorization", b"Bearer \xff")], b""), True))
         @example(request=(raw_request(b"HEAD", b"/checkpoint/5/header?session=s9", b"HTTP/1.1",
+                                      [(b"Host", b"x"), (b"Authorization", b"Bearer " + CHECKPOINT_TOKEN.encode())],
+                                      b""), True))
+        @example(request=(raw_request(b"GET", b"/checkpoint/5/checksums?session=s8&timeout=nan", b"HTTP/1.1",
                                       [(b"Host", b"x"), (b"Authorization", b"Bearer " + CHECKPOINT_TOKEN.encode())],
                                       b""), True))
         def fuzz(request):

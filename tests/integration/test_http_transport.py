@@ -302,9 +302,12 @@ def test_mutating_right_after_disallow_leaves_what_was_served_intact(make_transp
     sock.sendall(b"GET /checkpoint/5?session=slow HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
     received = bytearray()
     released = threads.submit(server.disallow_checkpoint)
+    ended = False
     while not released.done():  # a slow reader: the server's queue and the kernel's buffers stay full
         chunk = sock.recv(256 << 10)
-        assert chunk, "the server closed before disallow_checkpoint returned"
+        if not chunk:  # all sent: disallow_checkpoint is returning (on a loaded machine, this can come first)
+            ended = True
+            break
         received += chunk
         time.sleep(0.005)
     released.result(WAIT)
@@ -312,7 +315,7 @@ def test_mutating_right_after_disallow_leaves_what_was_served_intact(make_transp
         sent["w"].mul_(-1).add_(1)
         sent["b"].zero_()
     sock.settimeout(WAIT)
-    while chunk := sock.recv(1 << 20):
+    while not ended and (chunk := sock.recv(1 << 20)):
         received += chunk
     sock.close()
     body = bytes(received).split(b"\r\n\r\n", 1)[1]
@@ -440,13 +443,15 @@ def test_striping_pulls_disjoint_ranges_from_two_peers(make_transport):
         server.disallow_checkpoint()
 
 
-def test_striping_from_a_peer_that_serves_another_step_fails_clearly(make_transport):
+def test_striping_from_a_peer_that_serves_another_step_heals_from_the_primary(make_transport, caplog):
+    caplog.set_level(logging.WARNING, logger="torchft_lite.checkpointing.http_transport")
     first, second = make_transport(), make_transport()
     sent = state_dict(big_elements=600_000)
     first.send_checkpoint([1], 5, sent, LONG)
     second.send_checkpoint([1], 6, sent, timedelta(seconds=1))  # its receiver never comes
-    with pytest.raises(CheckpointTransferError, match="HTTP 409.*serves step 6"):
-        make_transport().recv_checkpoint_striped([(0, first.metadata()), (1, second.metadata())], 5, LONG)
+    received = make_transport().recv_checkpoint_striped([(0, first.metadata()), (1, second.metadata())], 5, LONG)
+    assert digest(5, received) == digest(5, sent)
+    assert any("replica 1" in m and "HTTP 409" in m and "serves step 6" in m for m in caplog.messages)
     for server in (first, second):
         server.disallow_checkpoint()
 

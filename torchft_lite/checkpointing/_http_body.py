@@ -22,7 +22,7 @@ from typing import Any, Callable, Protocol
 from torchft_lite.checkpointing import _serialization as wire
 from torchft_lite.errors import CheckpointTransferError
 
-__all__ = ["BodySink", "DataSink", "EncodedSink", "HTTPStatusError", "get_into"]
+__all__ = ["BodySink", "BytesSink", "DataSink", "EncodedSink", "HTTPStatusError", "get_into"]
 
 logger = logging.getLogger(__name__)
 
@@ -210,6 +210,20 @@ async def get_into(url: str, params: dict[str, str], headers: dict[str, str],
             transport.abort()
 
 
+class BytesSink:
+    """A small body (a header, a list of checksums) collected whole into memory."""
+
+    def __init__(self, length: int) -> None:
+        self.data = bytearray(length)
+        self._count = 0
+
+    def buffer(self) -> memoryview:
+        return memoryview(self.data)[self._count:]
+
+    def filled(self, count: int) -> None:
+        self._count += count
+
+
 class DataSink:
     """Data bytes ``[start, end)`` of a response body, straight into the reader's tensors, then their checksums."""
 
@@ -225,6 +239,11 @@ class DataSink:
     def length(self) -> int:
         """The body's length: the data range and its blocks' checksums."""
         return self._end - self._start + len(self._trailer)
+
+    @property
+    def received(self) -> int:
+        """Body bytes received so far (data, then checksums): how far a striping receiver's stream has got."""
+        return self._position - self._start + self._got
 
     def buffer(self) -> memoryview:
         if self._position < self._end:
@@ -252,9 +271,12 @@ class EncodedSink:
         self._targets = targets
         self._pending = memoryview(bytearray(wire.PREFIX_SIZE))
         self._got = 0
+        self._prefix = b""
         self._crc: int | None = None
         self._data: DataSink | None = None
         self.reader: wire.StateDictReader | None = None
+        self.header_bytes = b""
+        """The prefix and header as received: a striped heal compares its other sources' headers with them."""
 
     def buffer(self) -> memoryview:
         if self._data is not None:
@@ -269,17 +291,20 @@ class EncodedSink:
         if self._got < len(self._pending):
             return
         if self._crc is None:
-            length, self._crc = wire.unpack_prefix(bytes(self._pending))
+            self._prefix = bytes(self._pending)
+            length, self._crc = wire.unpack_prefix(self._prefix)
             self._pending, self._got = memoryview(bytearray(length)), 0
             if length:
                 return
         header_end = wire.PREFIX_SIZE + len(self._pending)
         if self._header_only and self._length != header_end:
             raise CheckpointTransferError(f"{self._url} sent {self._length - header_end} bytes after the header")
-        header = wire.parse_header(bytes(self._pending), self._crc,
+        header_json = bytes(self._pending)
+        header = wire.parse_header(header_json, self._crc,
                                    following=None if self._header_only else self._length - header_end)
         if header.step != self._step:
             raise CheckpointTransferError(f"{self._url} sent step {header.step}, expected step {self._step}")
+        self.header_bytes = self._prefix + header_json
         self.reader = wire.StateDictReader(header, self._targets)
         if header.data_bytes and not self._header_only:
             self._data = DataSink(self.reader, 0, header.data_bytes)

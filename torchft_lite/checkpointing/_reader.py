@@ -11,13 +11,19 @@ Each block's sum64 is computed on the checksum thread as soon as its last
 byte has landed, while the event loop reads on. The sender's sums arrive
 after the data (:meth:`~StateDictReader.expect`); :meth:`~StateDictReader.finish`
 waits for the last sums and compares.
+
+A receiver striping one heal over several sources may have to take blocks
+again from another source (a stream that broke half-way, or bytes that differ
+from the primary source's): :meth:`~StateDictReader.blocks_differing_from`
+finds them and :meth:`~StateDictReader.receive_again` forgets what arrived
+for them, so that the next bytes are not refused as "received twice".
 """
 
 from __future__ import annotations
 
 import bisect
 import concurrent.futures
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
@@ -109,14 +115,14 @@ class StateDictReader:
             block = self._block_at(position)
             block_start, block_end, tensor = spans[block]
             stop = min(end, block_end)
-            self._filled[block] += stop - position
-            if self._filled[block] > block_end - block_start:
+            if self._filled[block] + stop - position > block_end - block_start:  # refused before it is counted
                 raise CheckpointTransferError(f"bytes of block [{block_start}, {block_end}) were received twice")
+            self._filled[block] += stop - position
+            self.received_bytes += stop - position
             if self._filled[block] == block_end - block_start:
                 self._sums[block] = _checksum.executor().submit(_checksum.sum64,
                                                                 self._view(block_start, block_end, tensor))
             position = stop
-        self.received_bytes += count
 
     def write(self, offset: int, data: bytes | memoryview) -> None:
         """Place ``data`` at ``offset`` of the data section."""
@@ -151,25 +157,72 @@ class StateDictReader:
         except ValueError as exc:
             raise CheckpointTransferError(str(exc)) from exc
 
-    def _verify(self) -> None:
-        for block, (start, end, tensor) in enumerate(self.header.blocks.spans):
-            path = format_path(self.header.paths[tensor])
-            offset = self.header.entries[tensor].offset
-            where = f"tensor {path} bytes [{start - offset}, {end - offset})"
-            if self._filled[block] != end - start:
-                raise CheckpointTransferError(f"checkpoint truncated: {where} got {self._filled[block]} bytes")
-            if self._expected[block] is None:
-                raise CheckpointTransferError(f"checkpoint truncated: the checksum of {where} never arrived")
-            computed = self._sums[block]
-            if computed is None or computed.result() != self._expected[block]:
-                raise CheckpointTransferError(f"checksum mismatch in {where} (corrupted in transit)")
+    def blocks_differing_from(self, reference: Sequence[int], blocks: Iterable[int]) -> list[int]:
+        """Those of ``blocks`` whose bytes as received, or whose sender's sum, differ from ``reference``.
 
-    def finish(self) -> Any:
-        """Check that every byte arrived intact and return the state dict."""
+        ``reference`` holds one sum per block: a striping receiver passes its
+        primary source's, to keep a block another source served only when
+        that source's bytes and its own sum both equal the primary's. A block
+        still incomplete counts as differing. Waits for the checksum thread
+        (call it off the event loop).
+        """
+        if len(reference) != len(self._filled):
+            raise CheckpointTransferError(f"{len(reference)} reference checksums for {len(self._filled)} blocks")
+        differing = []
+        for block in blocks:
+            start, end, _ = self.header.blocks.spans[block]
+            computed = self._sums[block]
+            if self._filled[block] != end - start or computed is None or self._expected[block] != reference[block] \
+                    or computed.result() != reference[block]:
+                differing.append(block)
+        return differing
+
+    def receive_again(self, blocks: Iterable[int]) -> None:
+        """Forget the bytes, the sender's sums and the computed sums of ``blocks``, to receive them once more.
+
+        For a striping receiver that takes these blocks from another source:
+        the ones a broken stream left partly filled, or whose bytes differ
+        from the primary's. Only the next bytes then count (nothing of the
+        first delivery is checked or kept). The caller must have stopped
+        every stream still writing into them.
+        """
+        for block in blocks:
+            if not 0 <= block < len(self._filled):
+                raise ValueError(f"no data block {block} (there are {len(self._filled)})")
+            self.received_bytes -= self._filled[block]
+            self._filled[block] = 0
+            self._expected[block] = None
+            computed = self._sums[block]
+            if computed is not None:
+                computed.cancel()  # its bytes are about to be replaced; when already running its result is dropped
+            self._sums[block] = None
+
+    def describe_block(self, block: int) -> str:
+        """``"tensor <path> bytes [a, b)"``: where data block ``block`` lies, for error messages."""
+        start, end, tensor = self.header.blocks.spans[block]
+        offset = self.header.entries[tensor].offset
+        return f"tensor {format_path(self.header.paths[tensor])} bytes [{start - offset}, {end - offset})"
+
+    def _verify(self) -> None:
+        """Every block complete and equal to its sender's sum; waits for the checksum thread."""
         if self.received_bytes != self.header.data_bytes:
             what = "truncated" if self.received_bytes < self.header.data_bytes else "repeated bytes"
             raise CheckpointTransferError(
                 f"checkpoint {what}: {self.received_bytes} of {self.header.data_bytes} data bytes received")
+        for block, (start, end, _) in enumerate(self.header.blocks.spans):
+            if self._filled[block] != end - start:
+                raise CheckpointTransferError(f"checkpoint truncated: {self.describe_block(block)} got "
+                                              f"{self._filled[block]} bytes")
+            if self._expected[block] is None:
+                raise CheckpointTransferError(
+                    f"checkpoint truncated: the checksum of {self.describe_block(block)} never arrived")
+            computed = self._sums[block]
+            if computed is None or computed.result() != self._expected[block]:
+                raise CheckpointTransferError(
+                    f"checksum mismatch in {self.describe_block(block)} (corrupted in transit)")
+
+    def finish(self) -> Any:
+        """Check that every byte arrived intact and return the state dict."""
         self._verify()
         results = {id(buffer): target for buffer, target in self._copy_back}
         _cuda.to_device(self._copy_back)

@@ -37,7 +37,7 @@ import struct
 import sys
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -46,8 +46,8 @@ from torchft_lite.errors import CheckpointError, CheckpointTransferError
 
 __all__ = [
     "DTYPES", "PREFIX_SIZE", "Blocks", "EncodedStateDict", "FlatStateDict", "Header", "StateDictReader", "TensorEntry",
-    "byte_view", "decode_bytes", "encode", "encode_to_bytes", "flatten", "format_path", "parse_header",
-    "targets_of", "unpack_prefix",
+    "byte_view", "decode_bytes", "encode", "encode_to_bytes", "flatten", "format_path", "header_difference",
+    "parse_header", "targets_of", "unpack_prefix",
 ]
 
 MAGIC = b"TFTLSD02"
@@ -246,6 +246,28 @@ class Blocks:
     def trailer_bytes(self, start: int, end: int) -> int:
         return len(self.covering(start, end)) * _checksum.SUM_BYTES
 
+    def bytes_of(self, blocks: Iterable[int]) -> int:
+        """How many data bytes the blocks ``blocks`` hold."""
+        return sum(self.spans[block][1] - self.spans[block][0] for block in blocks)
+
+    def ranges_of(self, blocks: Iterable[int]) -> list[tuple[int, int]]:
+        """The fewest block-aligned data ranges covering exactly the blocks ``blocks`` (in ascending order).
+
+        Blocks tile the data section (no gaps, in data order), so consecutive
+        blocks make one range: a receiver fetching them again needs one request
+        per run, not per block.
+        """
+        ranges: list[tuple[int, int]] = []
+        previous = -2
+        for block in blocks:
+            start, end, _ = self.spans[block]
+            if block == previous + 1:
+                ranges[-1] = (ranges[-1][0], end)
+            else:
+                ranges.append((start, end))
+            previous = block
+        return ranges
+
 
 class EncodedStateDict:
     """A state dict ready to send: the header bytes plus views of every tensor's bytes.
@@ -303,6 +325,21 @@ class EncodedStateDict:
         if value is None:
             value = self._sums[index] = _checksum.sum64(self._block(index))
         return value
+
+    def packed_checksums(self, should_stop: Callable[[], bool] | None = None) -> bytes:
+        """Every block's sum64 in data order, packed as in a trailer: what a striping receiver compares.
+
+        Blocks already sent were summed then and are not read again. Meant for
+        a worker thread: ``should_stop`` is polled between blocks, so a release
+        waits for one block at most, and a true answer abandons the pass with
+        ``CheckpointError``.
+        """
+        sums = []
+        for index in range(len(self.blocks)):
+            if should_stop is not None and should_stop():
+                raise CheckpointError("checksums abandoned: the state dict was released")
+            sums.append(self.checksum(index))
+        return _checksum.pack(sums)
 
     def body(self, start: int = 0, end: int | None = None) -> tuple[Iterator[memoryview | bytes], int]:
         """The block-aligned data range ``[start, end)`` then its blocks' checksums, and its length in bytes.
@@ -471,6 +508,62 @@ def parse_header(header_json: bytes, crc: int, *, following: int | None = None) 
         raise _bad(f"declares {declared} data bytes and {count} checksums but {following} bytes follow")
     return Header(step, declared, tuple(entries), tuple(paths), tree,  # type: ignore[arg-type]
                   Blocks(entries, block_bytes))
+
+
+def header_difference(first: Header, other: Header) -> str:
+    """What ``other`` declares differently from ``first``, in a few words for an error message.
+
+    Two replicas that serve the same step should send byte-identical headers;
+    when they do not, this says where they part: the step, the block size, the
+    first tensor whose path, dtype or shape differs, or the first non-tensor
+    value that differs (an optimizer's ``lr``, say).
+    """
+    if first.step != other.step:
+        return f"step {first.step} vs step {other.step}"
+    if first.blocks.block_bytes != other.blocks.block_bytes:
+        return f"checksum blocks of {first.blocks.block_bytes} vs {other.blocks.block_bytes} bytes"
+    for index in range(max(len(first.entries), len(other.entries))):
+        if index >= len(first.entries) or index >= len(other.entries):
+            extra = first if index < len(first.entries) else other
+            return (f"structure: {len(first.entries)} vs {len(other.entries)} tensors (tensor "
+                    f"{format_path(extra.paths[index])} is only in one)")
+        mine, theirs = first.entries[index], other.entries[index]
+        if first.paths[index] != other.paths[index]:
+            return f"structure: tensor {index} is {format_path(first.paths[index])} vs " \
+                   f"{format_path(other.paths[index])}"
+        if (mine.dtype, mine.shape) != (theirs.dtype, theirs.shape):
+            return f"structure: tensor {format_path(first.paths[index])} is {mine.dtype}{list(mine.shape)} vs " \
+                   f"{theirs.dtype}{list(theirs.shape)}"
+    return _node_difference(first.tree, other.tree, ()) or "the header bytes (same contents, encoded differently)"
+
+
+def _node_difference(mine: Any, theirs: Any, path: Path) -> str | None:
+    """The first place two validated trees differ, or None (raw JSON nodes: a NaN equals itself here)."""
+    if mine == theirs:
+        return None
+    (tag, value), (their_tag, their_value) = mine, theirs
+    if tag == their_tag == "dict":
+        keys = [_decode_key(key, path) for key, _ in value]
+        if keys != [_decode_key(key, path) for key, _ in their_value]:
+            return f"structure: the keys at {format_path(path)} differ"
+        pairs = zip(keys, value, their_value)
+        children = ((path + (key,), a, b) for key, (_, a), (_, b) in pairs)
+    elif tag == their_tag and tag in ("list", "tuple"):
+        if len(value) != len(their_value):
+            return f"structure: {len(value)} vs {len(their_value)} items at {format_path(path)}"
+        children = ((path + (i,), a, b) for i, (a, b) in enumerate(zip(value, their_value)))
+    else:
+        return f"value at {format_path(path)}: {_shown(mine, path)} vs {_shown(theirs, path)}"
+    for child_path, a, b in children:
+        found = _node_difference(a, b, child_path)
+        if found is not None:
+            return found
+    return None
+
+
+def _shown(node: Any, path: Path) -> str:
+    text = repr(_decode(node, path, lambda index, _: f"<tensor {index}>"))
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _block_bytes(raw: Any) -> int:

@@ -135,3 +135,64 @@ def test_sum64_is_the_wrapping_word_sum_with_a_zero_padded_tail():
     assert _checksum.sum64(memoryview(raw)) == (sum(words) + 0x030201) % 2**64
     assert _checksum.sum64(memoryview(bytearray(raw))[1:]) == _checksum.sum64(memoryview(raw[1:]))  # unaligned
     assert _checksum.sum64(memoryview(b"")) == 0
+
+
+def test_blocks_differing_from_a_reference_are_named_by_their_bytes_or_their_senders_sum():
+    header, data, trailer = encoded()
+    truth = _checksum.unpack(trailer)
+    reader = wire.StateDictReader(header)
+    damaged = bytearray(data)
+    damaged[5000] ^= 1  # block 1 (tensor a bytes [4096, 8192))
+    reader.write(0, bytes(damaged[:20000]))  # tensor a, whole; b and c not yet
+    sums = list(truth)
+    sums[3] ^= 1  # block 3's bytes are right, but its sender vouched for others
+    reader.expect(0, 20000, _checksum.pack(sums[:5]))
+    assert reader.blocks_differing_from(truth, range(len(truth))) == [1, 3, 5, 6]  # 5 and 6 are incomplete
+    assert reader.blocks_differing_from(truth, [0, 2, 4]) == []
+    with pytest.raises(CheckpointTransferError, match="2 reference checksums for 7 blocks"):
+        reader.blocks_differing_from(truth[:2], [0])
+
+
+def test_blocks_received_again_replace_the_first_delivery_whole_or_partial():
+    header, data, trailer = encoded()
+    truth = _checksum.unpack(trailer)
+    reader = wire.StateDictReader(header)
+    damaged = bytearray(data)
+    damaged[5000] ^= 1
+    reader.write(0, bytes(damaged[:2 * BLOCK]))  # blocks 0 and 1: block 1 wrong
+    reader.expect(0, 2 * BLOCK, trailer[:16])
+    reader.write(2 * BLOCK, data[2 * BLOCK:2 * BLOCK + 100])  # block 2: a stream that broke after 100 bytes
+    with pytest.raises(CheckpointTransferError, match="received twice"):
+        reader.write(BLOCK, data[BLOCK:2 * BLOCK])  # without receive_again, a second delivery is refused
+    reader.receive_again([1, 2])
+    assert reader.received_bytes == BLOCK
+    reader.write(BLOCK, data[BLOCK:])
+    reader.expect(BLOCK, len(data), trailer[8:])
+    assert reader.blocks_differing_from(truth, range(len(truth))) == []
+    state = reader.finish()
+    for name in STATE:
+        assert torch.equal(state[name], STATE[name])
+
+
+def test_a_block_received_again_must_arrive_again_with_its_sum():
+    header, data, trailer = encoded()
+    reader = wire.StateDictReader(header)
+    reader.write(0, data)
+    reader.expect(0, len(data), trailer)
+    reader.receive_again([0])
+    with pytest.raises(CheckpointTransferError, match=r"truncated: 15966 of 20062"):
+        reader.finish()
+    reader.write(0, data[:BLOCK])
+    with pytest.raises(CheckpointTransferError, match=r"checksum of tensor a bytes \[0, 4096\) never arrived"):
+        reader.finish()
+    with pytest.raises(ValueError, match="no data block 7"):
+        reader.receive_again([7])
+
+
+def test_blocks_to_fetch_again_travel_as_the_fewest_block_aligned_ranges():
+    header, _, _ = encoded()
+    blocks = header.blocks
+    assert blocks.ranges_of([0, 1, 3, 4, 5, 6]) == [(0, 8192), (12288, 20062)]  # across tensors too: no gaps
+    assert blocks.ranges_of([2]) == [(8192, 12288)] and blocks.ranges_of([]) == []
+    assert all(blocks.covering(*r) for r in blocks.ranges_of([0, 1, 3, 4, 5, 6]))
+    assert blocks.bytes_of([4, 5, 6]) == (20000 - 16384) + 56 + 6
