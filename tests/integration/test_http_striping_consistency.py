@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from tests.conftest import WAIT
-from torchft_lite.checkpointing import HTTPTransport, _checksum, http_transport
+from torchft_lite.checkpointing import HTTPTransport, _checksum, _http_receive
 from torchft_lite.checkpointing import _serialization as wire
 
 pytestmark = pytest.mark.integration
@@ -67,7 +67,7 @@ def warnings(caplog):
 @pytest.fixture
 def patient(monkeypatch):
     """No range is taken from a slow secondary: tests that count bytes or warnings stay exact on a loaded machine."""
-    monkeypatch.setattr(http_transport, "_PATIENCE", WAIT)
+    monkeypatch.setattr(_http_receive, "_PATIENCE", WAIT)
 
 
 @pytest.fixture

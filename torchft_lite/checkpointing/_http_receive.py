@@ -1,0 +1,413 @@
+"""The receiving side of HTTPTransport: one heal, from one source or striped over several.
+
+From one source (and ``num_chunks`` <= 1) the whole encoding comes in one GET.
+Otherwise the primary's header comes first, then block-aligned data ranges,
+``max(num_chunks, len(sources))`` of them, fetched at once, range ``i`` from
+source ``i % len(sources)``.
+
+Striped over several replicas, the first, the *primary*, is the truth: the
+result is the primary's snapshot byte for byte, and the others (secondaries)
+only make it arrive sooner. A secondary whose header differs is logged. A
+secondary's range that fails or lags is fetched from the primary. Once every
+range is in, the receiver asks the primary for its ``checksums`` and fetches
+again from it every block a secondary served that differs: state that
+legitimately differs between replica groups (BatchNorm running statistics, a
+data loader's position) costs a re-fetch, never the heal. Only the primary's
+failures, or the heal's timeout, fail it. Every source is told ``done`` at
+the end, so it stops waiting for this receiver.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from torchft_lite.checkpointing import _checksum
+from torchft_lite.checkpointing import _http_body as _body
+from torchft_lite.checkpointing import _serialization as wire
+from torchft_lite.errors import CheckpointError, CheckpointTimeout, CheckpointTransferError
+
+__all__ = ["DONE_TIMEOUT", "Receiver"]
+
+logger = logging.getLogger("torchft_lite.checkpointing.http_transport")  # one logger for both sides
+
+DONE_TIMEOUT = 5.0  # seconds a receiver spends telling a source it has finished
+_MAX_HEADER_ANSWER = wire.PREFIX_SIZE + wire.MAX_HEADER_BYTES
+# A secondary's range runs at least this long before an idle primary may take it over: enough for a secondary
+# that is slow to start (encoding its state dict) to begin, short next to a heal that is worth striping.
+_PATIENCE = 1.0
+_WATCH_INTERVAL = 0.05  # seconds between two looks at the secondaries' ranges, once the primary is idle
+# What a failing source raises: a secondary's is survived, a primary's fails the heal.
+_SOURCE_ERRORS = (CheckpointError, _body.HTTPStatusError, OSError, asyncio.IncompleteReadError)
+
+
+@dataclass
+class _Heal:
+    """One receive in progress: its sources (the first is the primary), its session, its deadline."""
+
+    urls: list[str]
+    names: list[str]
+    """``"replica <rank> (<url>)"`` of each source, for messages."""
+    step: int
+    session_id: str
+    deadline: float
+    """On ``time.monotonic()``."""
+    joined: set[str] = field(default_factory=set)
+    """The sources that have counted this session."""
+
+
+@dataclass
+class _Range:
+    """One block-aligned data range of a heal, and the source it is fetched from."""
+
+    start: int
+    end: int
+    source: int
+    """Index into the heal's sources: 0 is the primary."""
+    sink: _body.DataSink | None = None
+    """Where the current fetch writes, once its answer has begun."""
+    started: float = 0.0
+    """When the current fetch began, on ``time.monotonic()``."""
+
+
+class Receiver:
+    """Fetches state dicts for one HTTPTransport; lives on the control-plane loop.
+
+    Args:
+        num_chunks: data ranges to fetch at once (at least one per source).
+        token: sent as ``Authorization: Bearer <token>`` when set.
+    """
+
+    def __init__(self, num_chunks: int, token: str | None) -> None:
+        self._num_chunks = num_chunks
+        self._headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+        self._client: aiohttp.ClientSession | None = None
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+    def _auth_headers(self) -> dict[str, str]:
+        return self._headers
+
+    async def receive(self, urls: list[str], names: list[str], step: int, timeout: float,
+                      targets: dict[wire.Path, Any]) -> Any:
+        """The verified state dict of ``step`` from ``urls`` (the first is the primary); see the module docstring."""
+        if self._client is None:
+            self._client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        started = time.monotonic()
+        heal = _Heal(urls, names, step, uuid.uuid4().hex, started + timeout)
+        ok = False
+        where = " + ".join(urls)
+        primary = urls[0]  # what fails a heal, other than its timeout, is the primary's
+        try:
+            async with asyncio.timeout(timeout):
+                if len(urls) == 1 and self._num_chunks <= 1:
+                    sink = await self._get_encoded(heal, primary, "", targets, header_only=False)
+                    reader = sink.complete_reader()
+                else:
+                    reader = await self._fetch_ranges(heal, targets)
+                state = await asyncio.to_thread(reader.finish)
+            ok = True
+            seconds = time.monotonic() - started
+            logger.info("received step %d from %s in %.2fs (%.0f MB/s)", step, where, seconds,
+                        reader.header.data_bytes / max(seconds, 1e-9) / 1e6)
+            return state
+        except CheckpointError:
+            raise
+        except TimeoutError as exc:
+            raise CheckpointTimeout(f"timed out after {timeout:.1f}s receiving step {step} from {where}") from exc
+        except _body.HTTPStatusError as exc:
+            if exc.status == 504:
+                raise CheckpointTimeout(f"{primary}: {exc.text}") from exc
+            if exc.status in (401, 403):
+                raise CheckpointTransferError(f"{primary} refused the request (HTTP {exc.status}, check the token): "
+                                              f"{exc.text}") from exc
+            raise CheckpointTransferError(f"{primary} answered HTTP {exc.status}: {exc.text}") from exc
+        except (OSError, asyncio.IncompleteReadError) as exc:  # refused, reset, unreachable
+            raise CheckpointTransferError(f"receiving step {step} from {primary} failed: "
+                                          f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            # Every source of a striped heal waits for this receiver, whether or not it got a range to serve.
+            told = heal.joined if len(urls) == 1 else set(urls)
+            await asyncio.gather(*(self._tell_done(url, heal.session_id, ok) for url in told))
+
+    def _params(self, heal: _Heal, **extra: int) -> dict[str, str]:
+        remaining = max(0.0, heal.deadline - time.monotonic())
+        return {"session": heal.session_id, "timeout": f"{remaining:.3f}", **{k: str(v) for k, v in extra.items()}}
+
+    async def _get_encoded(self, heal: _Heal, url: str, path: str, targets: dict[wire.Path, Any],
+                           header_only: bool) -> _body.EncodedSink:
+        """GET ``url + path`` into an encoded-state-dict sink; returns the sink, its body complete."""
+        sink: _body.EncodedSink | None = None
+
+        def sink_for(length: int) -> _body.EncodedSink:
+            nonlocal sink
+            heal.joined.add(url)
+            sink = _body.EncodedSink(url, heal.step, length, targets, header_only=header_only)
+            return sink
+
+        await _body.get_into(url + path, self._params(heal), self._auth_headers(), sink_for)
+        assert sink is not None
+        return sink
+
+    async def _get_bytes(self, heal: _Heal, url: str, path: str, limit: int, *, exact: bool = False) -> bytes:
+        """GET a small answer (a header, block sums) whole.
+
+        An answer longer than ``limit`` (or of any other length, with ``exact``)
+        is refused before it is read.
+        """
+        sink: _body.BytesSink | None = None
+
+        def sink_for(length: int) -> _body.BytesSink:
+            nonlocal sink
+            if length > limit or (exact and length != limit):
+                raise CheckpointTransferError(f"{url}{path} answered {length} bytes, expected "
+                                              f"{limit if exact else f'at most {limit}'}")
+            sink = _body.BytesSink(length)
+            return sink
+
+        await _body.get_into(url + path, self._params(heal), self._auth_headers(), sink_for)
+        assert sink is not None
+        return bytes(sink.data)
+
+    async def _fetch_range(self, heal: _Heal, reader: wire.StateDictReader, part: _Range, url: str) -> None:
+        """GET the data bytes of ``part`` and their sums from ``url``, straight into ``reader``."""
+        def data_sink(length: int) -> _body.DataSink:
+            sink = _body.DataSink(reader, part.start, part.end)
+            if length != sink.length:
+                raise CheckpointTransferError(f"{url}: range [{part.start}, {part.end}) came with {length} bytes, "
+                                              f"expected {sink.length}")
+            heal.joined.add(url)
+            part.sink = sink
+            return sink
+
+        params = self._params(heal, start=part.start, end=part.end)
+        await _body.get_into(f"{url}/data", params, self._auth_headers(), data_sink)
+
+    async def _fetch_ranges(self, heal: _Heal, targets: dict[wire.Path, Any]) -> wire.StateDictReader:
+        """The primary's header, then the data in block-aligned ranges fetched at once from every source.
+
+        The result is the primary's snapshot byte for byte; the other sources
+        (secondaries) only make it arrive sooner, so that state which
+        legitimately differs between replica groups (BatchNorm running
+        statistics, a data loader's position) never stops a heal. Their
+        headers are fetched alongside the primary's (the data waits for none
+        of them) and a difference is logged (:meth:`_compare_headers`); a
+        secondary's range that fails or lags comes from the primary instead
+        (:meth:`_stripe`); blocks a secondary served that differ from the
+        primary's are fetched again from the primary (:meth:`_match_primary`).
+        """
+        headers = {source: asyncio.create_task(self._get_bytes(heal, url, "/header", _MAX_HEADER_ANSWER))
+                   for source, url in enumerate(heal.urls) if source}
+        try:
+            primary = await self._get_encoded(heal, heal.urls[0], "/header", targets, header_only=True)
+            reader = primary.complete_reader()
+            parts = reader.header.blocks.split(max(self._num_chunks, len(heal.urls)))
+            ranges = [_Range(start, end, i % len(heal.urls)) for i, (start, end) in enumerate(parts)]
+            await self._stripe(heal, reader, ranges)
+            await self._compare_headers(heal, primary, headers, ranges)
+            await self._match_primary(heal, reader, ranges)
+        finally:
+            await _cancel(list(headers.values()))
+        return reader
+
+    async def _stripe(self, heal: _Heal, reader: wire.StateDictReader, ranges: list[_Range]) -> None:
+        """Fetch every range at once; what a secondary fails to deliver, or delivers too slowly, the primary sends.
+
+        A failed range of the primary fails the heal. A secondary's range that
+        fails (refused, reset, an HTTP error, truncated, a layout its ranges do
+        not fit) is fetched again, whole, from the primary at once, its partly
+        filled blocks forgotten first. Once the primary has nothing left to
+        fetch, a secondary's range that has run for ``_PATIENCE`` seconds is
+        taken over too when it has sent nothing, or when at its pace it would
+        end later than the primary could fetch it all again (:func:`_lagging`):
+        a secondary that stops answering costs the heal that much, not its
+        timeout. Every range's ``source`` is, on return, the source it came from.
+        """
+        blocks = reader.header.blocks
+        began = time.monotonic()
+        primary_bytes, primary_until = 0, began  # what the primary delivered, and when it last finished a range
+        running: dict[asyncio.Task, _Range] = {}
+
+        def fetch(part: _Range, source: int) -> None:
+            part.source, part.sink, part.started = source, None, time.monotonic()
+            task = asyncio.create_task(self._fetch_range(heal, reader, part, heal.urls[source]))
+            running[task] = part
+
+        def fetch_from_primary(part: _Range, why: str) -> None:
+            logger.warning("step %d: %s %s; fetching data bytes [%d, %d) from the primary %s instead", heal.step,
+                           heal.names[part.source], why, part.start, part.end, heal.names[0])
+            reader.receive_again(blocks.covering(part.start, part.end))  # whatever part of it had arrived
+            fetch(part, 0)
+
+        for part in ranges:
+            fetch(part, part.source)
+        try:
+            while running:
+                # Bounded by the heal's timeout; while a secondary's range runs, wake up now and then to judge it.
+                watching = any(part.source for part in running.values())
+                done, _ = await asyncio.wait(list(running), timeout=_WATCH_INTERVAL if watching else None,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    part = running.pop(task)
+                    error = task.exception()
+                    if error is None:
+                        if part.source == 0:
+                            primary_bytes += part.end - part.start
+                            primary_until = time.monotonic()
+                    elif part.source == 0 or not isinstance(error, _SOURCE_ERRORS):
+                        raise error
+                    else:
+                        fetch_from_primary(part, f"failed ({_describe(error)})")
+                if any(part.source == 0 for part in running.values()):
+                    continue
+                now = time.monotonic()
+                primary_rate = primary_bytes / max(primary_until - began, 1e-6)
+                for task, part in list(running.items()):
+                    why = _lagging(part, now, primary_rate)
+                    if why is None or task.done():  # a range that has just ended is judged by the next wait
+                        continue
+                    del running[task]
+                    await _cancel([task])  # it writes into the blocks the primary is about to send: stop it first
+                    fetch_from_primary(part, why)
+        finally:
+            await _cancel(list(running))
+
+    async def _compare_headers(self, heal: _Heal, primary: _body.EncodedSink, headers: dict[int, asyncio.Task],
+                               ranges: list[_Range]) -> None:
+        """Log each secondary whose header differs from the primary's; the heal uses the primary's either way.
+
+        A header still on its way is waited for when its source served data
+        (it answers, and its data was of the primary's layout at least);
+        otherwise the comparison is given up.
+        """
+        served = {part.source for part in ranges}
+        for source, task in headers.items():
+            if not task.done() and source not in served:
+                logger.info("step %d: %s has not sent its header; not compared with the primary's", heal.step,
+                            heal.names[source])
+                continue
+            try:
+                raw = await task
+            except _SOURCE_ERRORS as exc:
+                logger.warning("step %d: could not fetch the header of %s to compare it with the primary's: %s",
+                               heal.step, heal.names[source], _describe(exc))
+                continue
+            difference = _header_difference(primary, raw)
+            if difference is not None:
+                logger.warning("%s and %s disagree about step %d: %s; the heal takes the header of the primary %s, "
+                               "and its data wherever they differ", heal.names[0], heal.names[source], heal.step,
+                               difference, heal.names[0])
+
+    async def _match_primary(self, heal: _Heal, reader: wire.StateDictReader, ranges: list[_Range]) -> None:
+        """Fetch again from the primary every block that a secondary served and that differs from the primary's.
+
+        The primary's ``/checksums`` holds every block's sum (it sums the
+        blocks it did not serve, on a worker thread); a block a secondary
+        served is kept only when its bytes as received and that secondary's
+        own sum both equal it. Adjacent blocks travel as one range. A heal
+        served by the primary alone asks for nothing.
+        """
+        blocks = reader.header.blocks
+        served_by: dict[int, int] = {}  # block -> the secondary it came from
+        for part in ranges:
+            if part.source:
+                served_by.update(dict.fromkeys(blocks.covering(part.start, part.end), part.source))
+        if not served_by:
+            return
+        answer = await self._get_bytes(heal, heal.urls[0], "/checksums", len(blocks) * _checksum.SUM_BYTES,
+                                       exact=True)
+        differing = await asyncio.to_thread(reader.blocks_differing_from, _checksum.unpack(answer), sorted(served_by))
+        if not differing:
+            return
+        by_source: dict[int, list[int]] = {}
+        for block in differing:
+            by_source.setdefault(served_by[block], []).append(block)
+        which = "; ".join(f"{heal.names[source]}: {len(found)} blocks ({blocks.bytes_of(found)} bytes), first "
+                          f"{reader.describe_block(found[0])}" for source, found in by_source.items())
+        logger.warning("step %d: data from %s differs from the primary %s's (state that differs between replica "
+                       "groups, a diverged replica, or damage in transit); fetching those %d blocks (%d bytes) again "
+                       "from the primary", heal.step, which, heal.names[0], len(differing),
+                       blocks.bytes_of(differing))
+        reader.receive_again(differing)
+        streams = asyncio.Semaphore(max(self._num_chunks, len(heal.urls)))
+
+        async def fetch_again(start: int, end: int) -> None:
+            async with streams:
+                await self._fetch_range(heal, reader, _Range(start, end, 0), heal.urls[0])
+
+        await _all([asyncio.create_task(fetch_again(start, end)) for start, end in blocks.ranges_of(differing)])
+
+    async def _tell_done(self, url: str, session_id: str, ok: bool) -> None:
+        assert self._client is not None
+        try:
+            async with asyncio.timeout(DONE_TIMEOUT):
+                async with self._client.post(f"{url}/done", params={"session": session_id, "ok": "1" if ok else "0"},
+                                             headers=self._auth_headers()) as response:
+                    if response.status != 200:
+                        logger.debug("%s/done answered HTTP %d", url, response.status)
+        except (aiohttp.ClientError, ConnectionError, TimeoutError) as exc:
+            logger.debug("could not tell %s that session %s finished: %r", url, session_id, exc)
+
+
+def _lagging(part: _Range, now: float, primary_rate: float) -> str | None:
+    """Why the idle primary should fetch ``part`` itself rather than wait for its secondary; None to wait.
+
+    ``primary_rate`` is the primary's pace so far (data bytes per second).
+    The secondary's range is restarted from scratch at the primary (a range's
+    sums come at its end), so it is worth it only when the secondary would
+    need longer for what is left than the primary for the whole.
+    """
+    elapsed = now - part.started
+    if elapsed < _PATIENCE:
+        return None
+    sink = part.sink
+    if sink is None or sink.received == 0:
+        return f"has sent nothing in {elapsed:.1f}s"
+    left = (sink.length - sink.received) * elapsed / sink.received
+    if primary_rate > 0 and left > sink.length / primary_rate:
+        return f"would need about {left:.1f}s more at its pace ({sink.received / elapsed / 1e6:.1f} MB/s)"
+    return None
+
+
+def _header_difference(primary: _body.EncodedSink, raw: bytes) -> str | None:
+    """None when ``raw`` (another source's prefix and header) equals the primary's; else what differs, in words."""
+    if raw == primary.header_bytes:
+        return None
+    assert primary.reader is not None
+    try:
+        length, crc = wire.unpack_prefix(raw[:wire.PREFIX_SIZE])
+        if len(raw) != wire.PREFIX_SIZE + length:
+            raise CheckpointTransferError(f"a {length}-byte header declared, {len(raw) - wire.PREFIX_SIZE} sent")
+        return wire.header_difference(primary.reader.header, wire.parse_header(raw[wire.PREFIX_SIZE:], crc))
+    except CheckpointTransferError as exc:
+        return f"the second sent an unusable header: {exc}"
+
+
+def _describe(error: BaseException) -> str:
+    """An error of a source, for a log line."""
+    if isinstance(error, (CheckpointError, _body.HTTPStatusError)):
+        return str(error)
+    return f"{type(error).__name__}: {error}"
+
+
+async def _all(tasks: list[asyncio.Task]) -> list:
+    """Every task's result; when one fails, the others are cancelled (and awaited) before its error is raised."""
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        await _cancel(tasks)
+
+
+async def _cancel(tasks: list[asyncio.Task]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
