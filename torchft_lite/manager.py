@@ -218,6 +218,11 @@ class Manager:
         else:
             self._events_future = self._control.submit(self._follow_events())
         self._install_signal_handlers(preemption_signals)
+        # A process group that keeps its communicator in a child process starts that child now; join the
+        # first quorum once it can configure, not with a rendezvous that waits for an interpreter to start.
+        wait_warm = getattr(pg, "wait_warm", None)
+        if wait_warm is not None:
+            wait_warm(timedelta(seconds=s.connect_timeout))
         self._log(logging.INFO, "manager ready (group rank %d of %d, ManagerServer %s)",
                   s.group_rank, s.group_world_size, manager_addr)
 

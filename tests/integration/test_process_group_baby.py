@@ -93,6 +93,15 @@ def allreduce(pgs: list[ProcessGroupBabyGloo], tensors: list[torch.Tensor]) -> N
         work.wait()
 
 
+def test_the_group_starts_its_child_at_once_and_the_first_configure_takes_it(store, groups) -> None:
+    [pg] = groups(1)
+    early = pg.spare_pid()
+    assert early is not None and alive(early)  # warming up while the trainer starts
+    assert pg.wait_warm(timedelta(seconds=WAIT_S)) is True
+    configure([pg], f"127.0.0.1:{store.port}/torchft/1/0")
+    assert pg.child_pid() == early and pg.spare_pid() not in (None, early)
+
+
 def test_a_healthy_reconfigure_keeps_the_child_and_one_after_an_abort_takes_the_warm_spare(store, groups) -> None:
     pgs = groups(2)
     configure(pgs, f"127.0.0.1:{store.port}/torchft/1/0")

@@ -10,11 +10,13 @@ for testing it without a GPU).
 
 How it works:
 
-- Each ``configure()`` takes a child process that was started ahead of time
-  (a warm spare that has already imported torch), hands it the store address,
-  rank and world size, and waits (bounded by the timeout) for it to finish
-  the rendezvous. The previous child is killed. A new spare starts at once,
-  so the next reconfiguration does not wait for an interpreter to start.
+- A child is started with the group (the Manager waits, bounded, for it to
+  be ready before joining its first quorum). ``configure()`` hands a child
+  the store address, rank and world size and waits (bounded by the timeout)
+  for its rendezvous. When nothing went wrong, the next ``configure()`` builds
+  the new communicator in the same child; after an error or ``abort()`` the
+  child is killed and the next one takes a warm spare (torch imported, first
+  store client made) that was started ahead of time.
 - Collectives are forwarded over a local socket pair. Tensors are shared, not
   copied: CUDA tensors through CUDA IPC handles, CPU tensors through shared
   memory (a CPU tensor whose storage is not shared yet is moved into shared
@@ -388,6 +390,29 @@ class ProcessGroupBaby(ReconfigurableProcessGroup):
         self._reusable: _Child | None = None  # the child of a communicator retired healthy
         self._children_lock = threading.Lock()
         self._watchdog = _DeadlineWatchdog(name=f"torchft_lite-{self._KIND}-baby-watchdog")
+        if self._can_run():
+            self._start_spare()  # warming up while the trainer starts: the first configure takes it
+
+    def _can_run(self) -> bool:
+        """Whether a child of this kind can work here (a spare is not started otherwise)."""
+        return True
+
+    def wait_warm(self, timeout: timedelta) -> bool:
+        """Wait (at most ``timeout``) until a child is ready to configure; the Manager calls this at start.
+
+        Returns whether one is. Never raises: a child that failed to start is
+        replaced, and its failure reported, by the next ``configure()``.
+        """
+        with self._children_lock:
+            child = self._reusable or self._spare
+        if child is None:
+            return False
+        try:
+            child.wait_ready(timeout.total_seconds())
+        except CollectiveError as exc:
+            logger.warning("the %s subprocess is not ready: %s", self._KIND, exc)
+            return False
+        return True
 
     def _child_for_configure(self) -> _Child:
         """The healthy child of the communicator being replaced, else the warm spare, else a new child."""
@@ -492,6 +517,9 @@ class ProcessGroupBabyNCCL(ProcessGroupBaby):
 
     def getBackendName(self) -> str:
         return "torchft-baby-nccl"
+
+    def _can_run(self) -> bool:
+        return torch.cuda.is_available() and dist.is_nccl_available()
 
     def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int) -> None:
         check_nccl()
