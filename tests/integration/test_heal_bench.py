@@ -29,6 +29,10 @@ def test_a_tiny_heal_bench_prints_a_table_and_json():
     assert result["vs_tcp"]["tcp"] == 1.0 and all(value > 0 for value in result["vs_tcp"].values())
     assert result["ours_case"] == "ours-4-inplace" and result["ours_vs_loopback"] == result["vs_tcp"]["ours-4-inplace"]
     assert all(cpu["receiver"] > 0 for cpu in result["cpu_s_per_gib"].values())
+    # the first transfer (into a receiver that never received) is judged on its own too
+    assert set(result["first_vs_tcp"]) == set(cases.split(",")) and result["first_vs_tcp"]["tcp"] == 1.0
+    assert result["first_transfer"]["ours_vs_loopback"] == result["first_vs_tcp"]["ours-4-inplace"]
+    assert set(result["targets_met_first_transfer"]) == set(result["targets_met"])
     assert any(line.startswith("ours-0") for line in lines[:-1])
 
 
