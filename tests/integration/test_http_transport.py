@@ -477,3 +477,34 @@ def test_striping_a_state_dict_with_fewer_blocks_than_sources_releases_every_sou
     for server in (first, second):
         assert server.statistics().receivers_finished == 1  # so disallow_checkpoint returns at once
         server.disallow_checkpoint()
+
+
+def _post_done(server: HTTPTransport, step: int, session: str, ok: bool = True) -> int:
+    url = f"{server.metadata()}/{step}/done?session={session}&ok={int(ok)}"
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, method="POST"), timeout=WAIT) as answer:
+            return answer.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_a_done_that_arrives_before_the_publish_counts_for_it(make_transport, threads):
+    # A striping receiver whose primary took over every range of this (slow) secondary can finish, and say so,
+    # before this replica publishes: the publish must count it, not wait its whole timeout for it.
+    server = make_transport(timeout=timedelta(seconds=3 * WAIT))
+    assert _post_done(server, 5, "early") == 200
+    server.send_checkpoint([1], 5, state_dict(), timedelta(seconds=3 * WAIT))
+    assert server.statistics().receivers_finished == 1
+    threads.submit(server.disallow_checkpoint).result(WAIT)  # returns without waiting out the send timeout
+    assert _post_done(server, 5, "late") == 409  # released: nothing to count any more
+    assert _post_done(server, 4, "old") == 409  # older than what was served: it will never be published
+
+
+def test_early_done_reports_are_bounded(make_transport):
+    server = make_transport()
+    for step in range(100, 130):
+        assert _post_done(server, step, "s") == 200
+    assert len(server._early_done) <= http_transport._MAX_EARLY_STEPS
+    server.send_checkpoint([1, 2], 6, state_dict(), LONG)
+    assert server.statistics().receivers_finished == 0  # reports for other steps count for nothing here
+    assert server._early_done and min(server._early_done) > 6

@@ -7,7 +7,7 @@ session with ``?session=<id>``; held requests also pass ``?timeout=<seconds>``):
     GET  /checkpoint/{step}/header               prefix + header only
     GET  /checkpoint/{step}/data?start=&end=     data bytes [start, end)
     GET  /checkpoint/{step}/checksums            the sum64 of every data block (uint64 LE each)
-    POST /checkpoint/{step}/done?ok=1|0          the receiver has finished
+    POST /checkpoint/{step}/done?ok=1|0          the receiver has finished (also before the step is published)
 
 A request for a step not published yet is held until it is (or until its
 timeout: 504). A request for an older step, or one already released by
@@ -58,6 +58,9 @@ _SEND_BUFFER_BYTES = 8 << 20
 _QUEUE_BYTES = 16 << 20  # views of tensor memory the transport may queue before the stream waits
 _ABORT_GRACE = 10.0  # seconds disallow_checkpoint waits for aborted streams and encoding to stop
 _SESSION_ID = re.compile(r"[0-9A-Za-z_-]{1,64}")
+# Done reports kept for steps not published yet: a bound against a flood of them.
+_MAX_EARLY_DONE = 1024  # sessions per step
+_MAX_EARLY_STEPS = 8
 
 
 @dataclass(frozen=True)
@@ -195,6 +198,7 @@ class HTTPTransport(CheckpointTransport[T]):
         self._plane = control_plane()
         self._snapshot: _Snapshot | None = None
         self._released_step: int | None = None
+        self._early_done: dict[int, dict[str, bool]] = {}  # step -> session -> ok, reported before publishing
         self._held = 0
         self._bytes_served = 0
         self._stopped = False
@@ -318,7 +322,13 @@ class HTTPTransport(CheckpointTransport[T]):
                 raise CheckpointError(f"step {self._snapshot.step} is still published; "
                                       f"call disallow_checkpoint() before publishing step {step}")
             now = asyncio.get_running_loop().time()
-            self._snapshot = _Snapshot(step, flat, expected, timeout, deadline=now + timeout, published_at=now)
+            snapshot = self._snapshot = _Snapshot(step, flat, expected, timeout, deadline=now + timeout,
+                                                  published_at=now)
+            early = self._early_done.pop(step, {})
+            self._early_done = {s: d for s, d in self._early_done.items() if s > step}  # older ones never come
+            for session_id, ok in early.items():  # receivers that finished before this publish
+                snapshot.sessions[session_id] = _Session(peer="?", ok=ok)
+                snapshot.finished += 1
             self._changed.notify_all()
         logger.debug("published step %d for %d receivers", step, expected)
 
@@ -526,18 +536,30 @@ class HTTPTransport(CheckpointTransport[T]):
     async def _done(self, request: web.Request) -> web.Response:
         step, session_id = self._request_args(request)
         snapshot = self._snapshot
+        ok = request.query.get("ok") == "1"
         if snapshot is None or snapshot.step != step:
+            if self._may_publish_later(step):
+                # A striping receiver can finish before this replica publishes (its primary took over our
+                # ranges): kept for the publish to count, else this replica would wait its timeout for it.
+                if step not in self._early_done and len(self._early_done) >= _MAX_EARLY_STEPS:
+                    del self._early_done[max(self._early_done)]  # the furthest ahead is the least likely to come
+                early = self._early_done.setdefault(step, {})
+                if len(early) < _MAX_EARLY_DONE:
+                    early[session_id] = ok
+                return web.Response(text="ok (before the step was published)")
             raise web.HTTPConflict(text=f"no receiver session {session_id} for step {step}")
         # A striping receiver that needed no range from this replica (a small state dict has fewer blocks than
         # sources) still reports, so this replica stops waiting for it.
         session = snapshot.sessions.setdefault(session_id, _Session(peer=request.remote or "?"))
-        await self._finish(snapshot, session, ok=request.query.get("ok") == "1")
+        await self._finish(snapshot, session, ok=ok)
         return web.Response(text="ok")
 
-    # ------------------------------------------------------------ client (control-plane loop)
+    def _may_publish_later(self, step: int) -> bool:
+        """Whether ``step`` is newer than every step this server has published or released."""
+        newest = max((s for s in (self._released_step, self._snapshot.step if self._snapshot else None)
+                      if s is not None), default=None)
+        return newest is None or step > newest
 
-    def _auth_headers(self) -> dict[str, str]:
-        return {} if self._token is None else {"Authorization": f"Bearer {self._token}"}
 
 def _tune(transport: asyncio.BaseTransport | None) -> None:
     """Big kernel send buffers and a deep write queue: the queue holds views, never copies."""
