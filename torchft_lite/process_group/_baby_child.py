@@ -60,7 +60,7 @@ def _build(kind: str, store_addr: str, rank: int, world_size: int, timeout: time
         from torchft_lite.process_group.nccl import create_nccl_backend
 
         torch.cuda.set_device(device)
-        return create_nccl_backend(store, rank, world_size, timeout)
+        return create_nccl_backend(store, rank, world_size, timeout, device)
     return dist.ProcessGroupGloo(store, rank, world_size, timeout)
 
 
@@ -95,7 +95,7 @@ def _start(backend: Any, name: str, tensors: list, args: dict[str, Any]) -> Any:
 
 
 def _answer_in_order(conn: multiprocessing.connection.Connection, send_lock: threading.Lock,
-                     started: queue.Queue, cuda: bool) -> None:
+                     started: queue.Queue, device: int | None) -> None:
     """Wait for each operation of one communicator in turn and tell the parent how it ended.
 
     A ``None`` in the queue ends the thread: a newer communicator replaced
@@ -104,17 +104,24 @@ def _answer_in_order(conn: multiprocessing.connection.Connection, send_lock: thr
     """
     import torch
 
+    if device is not None:
+        torch.cuda.set_device(device)  # the current device is per thread: NCCL's streams are on this one
+    old_backend = None
     while True:
         item = started.get()
+        if isinstance(item, tuple) and item[0] == "release":
+            old_backend = item[1]  # replaced: destroyed below, after the operations before it, not on the main loop
+            continue
         if item is None:
+            del old_backend  # a gloo backend's destructor waits for its operations: this thread's to wait
             return
         op_id, work, tensors = item
         try:
             if isinstance(work, BaseException):
                 raise work
             work.wait()
-            if cuda:
-                torch.cuda.current_stream().synchronize()  # the parent reads the results once told
+            if device is not None:
+                torch.cuda.current_stream(device).synchronize()  # the parent reads the results once told
             answer: tuple = ("done", op_id)
         except BaseException as exc:  # reported to the parent, which kills this process
             answer = ("error", op_id, type(exc).__name__, _first_line(exc))
@@ -153,8 +160,9 @@ def main(argv: list[str]) -> None:
             os._exit(0)  # the parent is gone or dropped us: a collective still running must not keep us alive
         if message[0] == "configure":
             _, new_generation, store_addr, rank, world_size, timeout_s, device = message
-            if started is not None:
-                started.put(None)  # the old communicator's thread finishes its operations and releases it
+            if started is not None:  # the old communicator's thread finishes its operations and releases it
+                started.put(("release", backend))
+                started.put(None)
             backend, started, generation = None, None, new_generation
             try:
                 backend = _build(kind, store_addr, rank, world_size, timedelta(seconds=timeout_s), device)
@@ -162,7 +170,7 @@ def main(argv: list[str]) -> None:
                 answer: tuple = ("configure_failed", generation, type(exc).__name__, _first_line(exc))
             else:
                 started = queue.Queue()
-                threading.Thread(target=_answer_in_order, args=(conn, send_lock, started, kind == "nccl"),
+                threading.Thread(target=_answer_in_order, args=(conn, send_lock, started, device),
                                  name=f"answers-{generation}", daemon=True).start()
                 answer = ("configured", generation)
             with send_lock:

@@ -14,9 +14,10 @@ How it works:
   be ready before joining its first quorum). ``configure()`` hands a child
   the store address, rank and world size and waits (bounded by the timeout)
   for its rendezvous. When nothing went wrong, the next ``configure()`` builds
-  the new communicator in the same child; after an error or ``abort()`` the
-  child is killed and the next one takes a warm spare (torch imported, first
-  store client made) that was started ahead of time.
+  the new communicator in the same child (if it has no operation still
+  running); after an error or ``abort()`` the child is killed and the next
+  one takes a warm spare (torch imported, first store client made) that was
+  started ahead of time.
 - Collectives are forwarded over a local socket pair. Tensors are shared, not
   copied: CUDA tensors through CUDA IPC handles, CPU tensors through shared
   memory (a CPU tensor whose storage is not shared yet is moved into shared
@@ -59,7 +60,7 @@ from torch.distributed import ReduceOp
 from torchft_lite.errors import CollectiveError, CollectiveTimeout, ConfigError
 
 from .base import DEFAULT_TIMEOUT, ReconfigurableProcessGroup
-from .nccl import _DeadlineWatchdog, check_nccl
+from .nccl import _DeadlineWatchdog, check_nccl, creating_thread_device
 from .store import StoreAddress
 from .work import TrackedWork
 
@@ -111,7 +112,8 @@ class _Child:
         # CPU tensors travel as file descriptors, fetched from this process's resource sharer: the child
         # authenticates to it with our key.
         self.conn.send_bytes(bytes(multiprocessing.current_process().authkey))
-        self._lock = threading.Lock()  # guards the fields below and every send
+        self._lock = threading.Lock()  # guards the fields below
+        self._send_lock = threading.Lock()  # one message at a time on the socket (never taken with _lock held)
         self._ready = threading.Event()
         self._pending: dict[int, _ChildWork] = {}
         self._configures: dict[int, concurrent.futures.Future] = {}
@@ -131,6 +133,14 @@ class _Child:
     # -- from the child
 
     def _read(self) -> None:
+        try:
+            self._dispatch()
+        except BaseException as exc:  # a bug here must not leave operations waiting for answers never read
+            self._died(CollectiveError(f"reading from the process group's subprocess (pid {self.pid}) failed: "
+                                       f"{exc!r}"))
+            self.kill()
+
+    def _dispatch(self) -> None:
         while True:
             try:
                 message = self.conn.recv()
@@ -182,7 +192,7 @@ class _Child:
                 raise self.dead
             generation = next(self._generations)
             self._configures[generation] = future
-            self._send(("configure", generation, store, rank, world_size, timeout, device))
+        self._send(("configure", generation, store, rank, world_size, timeout, device))
         try:
             reply = future.result(timeout + _CONFIGURE_GRACE_S)
         except concurrent.futures.TimeoutError as exc:
@@ -199,32 +209,29 @@ class _Child:
                 raise CollectiveError(f"{op} refused: {self.dead}") from self.dead
             op_id = next(self._ids)
             self._pending[op_id] = work
-            try:
-                self._send(("op", op_id, generation, op, tensors, args))
-            except CollectiveError:
+        try:
+            self._send(("op", op_id, generation, op, tensors, args))
+        except CollectiveError:
+            with self._lock:
                 self._pending.pop(op_id, None)
-                raise
+            raise
 
     def set_timeout(self, seconds: float) -> None:
-        with self._lock:
-            if self.dead is None:
-                try:
-                    self._send(("set_timeout", seconds))
-                except CollectiveError:
-                    pass  # the reader reports the death
+        if self.dead is None:
+            try:
+                self._send(("set_timeout", seconds))
+            except CollectiveError:
+                pass  # the reader reports the death
 
-    def fail_generation(self, generation: int, error: BaseException) -> None:
-        """Fail the operations of an older communicator that a reconfiguration replaced."""
+    def pending(self, generation: int) -> int:
+        """How many operations of communicator ``generation`` have not been answered yet."""
         with self._lock:
-            stale = [(op_id, work) for op_id, work in self._pending.items() if work.generation == generation]
-            for op_id, _ in stale:
-                del self._pending[op_id]
-        for _, work in stale:
-            work.finish(error)
+            return sum(work.generation == generation for work in self._pending.values())
 
     def _send(self, message: tuple) -> None:
         try:
-            self.conn.send(message)
+            with self._send_lock:
+                self.conn.send(message)
         except (OSError, ValueError) as exc:
             raise CollectiveError(f"could not reach the process group's subprocess (pid {self.pid}): "
                                   f"{exc}") from exc
@@ -340,11 +347,18 @@ class _ChildBackend:
     def set_timeout(self, timeout: timedelta) -> None:
         self.child.set_timeout(timeout.total_seconds())
 
-    def retire(self) -> None:
-        """Replaced by a newer communicator in the same, healthy child: fail what is still pending here."""
+    def retire(self) -> bool:
+        """Hand the child on to the next communicator, if it is idle; whether it was.
+
+        A child with operations still running is not reused: they could go
+        on writing into the trainer's (shared) tensors after the step that
+        issued them was given up, and its old communicator would take until
+        they time out to go away. It is killed instead (by :meth:`abort`).
+        """
+        if self.child.pending(self.generation):
+            return False
         self._kill_on_abort = False
-        self.child.fail_generation(self.generation, CollectiveError(
-            f"{self._description} was replaced by a newer configure() before this operation finished"))
+        return True
 
     def abort(self) -> None:
         """Kill the child (unless :meth:`retire` handed it on); every operation still pending fails."""
@@ -390,6 +404,7 @@ class ProcessGroupBaby(ReconfigurableProcessGroup):
         self._reusable: _Child | None = None  # the child of a communicator retired healthy
         self._children_lock = threading.Lock()
         self._watchdog = _DeadlineWatchdog(name=f"torchft_lite-{self._KIND}-baby-watchdog")
+        self._device = creating_thread_device()  # configure() runs on another thread, whose device is 0
         if self._can_run():
             self._start_spare()  # warming up while the trainer starts: the first configure takes it
 
@@ -436,11 +451,10 @@ class ProcessGroupBaby(ReconfigurableProcessGroup):
 
     def _retire(self, holder: list[Any]) -> None:
         backend = holder[0]
-        if isinstance(backend, _ChildBackend) and backend.child.alive():
-            backend.retire()  # the next communicator is built in the same child: no interpreter to start
-            with self._children_lock:
+        if isinstance(backend, _ChildBackend) and backend.child.alive() and backend.retire():
+            with self._children_lock:  # the next communicator is built in the same child: no interpreter to start
                 self._reusable = backend.child
-        self._discard(holder)  # kills the child only if it was not retired above
+        self._discard(holder)  # kills the child unless it was handed on above
 
     def _open_store(self, address: StoreAddress, timeout: timedelta) -> StoreAddress:
         return address  # the child connects to the store itself
@@ -451,7 +465,7 @@ class ProcessGroupBaby(ReconfigurableProcessGroup):
         started = time.monotonic()
         try:
             child.wait_ready(CHILD_START_TIMEOUT.total_seconds())
-            device = torch.cuda.current_device() if self._KIND == "nccl" else None
+            device = self._device if self._KIND == "nccl" else None
             generation = child.configure(str(store), rank, world_size, timeout.total_seconds(), device)
         except CollectiveError:  # dead, or stuck in the rendezvous past its timeout: never reuse it
             child.kill()
@@ -464,7 +478,10 @@ class ProcessGroupBaby(ReconfigurableProcessGroup):
                     child.kill()
             raise
         finally:
-            self._start_spare()  # warm for the configure after an abort
+            try:
+                self._start_spare()  # warm for the configure after an abort
+            except Exception as exc:  # out of processes or descriptors: the next configure starts one itself
+                logger.warning("could not start a spare %s subprocess: %r", self._KIND, exc)
         logger.debug("%s subprocess %d configured (generation %d) in %.2fs", self._KIND, child.pid, generation,
                      time.monotonic() - started)
         return _ChildBackend(child, generation, f"{self.getBackendName()} rank {rank}/{world_size}")
@@ -507,7 +524,7 @@ class ProcessGroupBabyGloo(ProcessGroupBaby):
 
 
 class ProcessGroupBabyNCCL(ProcessGroupBaby):
-    """NCCL in a child process on this process's current CUDA device; an abort kills the child.
+    """NCCL in a child process on the CUDA device current when it is constructed; an abort kills the child.
 
     Constructing one needs no GPU; ``configure()`` raises
     :class:`~torchft_lite.errors.ConfigError` when CUDA or NCCL is missing.

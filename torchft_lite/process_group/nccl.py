@@ -27,7 +27,7 @@ from torchft_lite.errors import CollectiveTimeout, ConfigError
 from .base import DEFAULT_TIMEOUT, ReconfigurableProcessGroup
 from .work import TrackedWork
 
-__all__ = ["ProcessGroupNCCL", "check_nccl", "create_nccl_backend"]
+__all__ = ["ProcessGroupNCCL", "check_nccl", "create_nccl_backend", "creating_thread_device"]
 
 logger = logging.getLogger(__name__)
 
@@ -99,8 +99,19 @@ def check_nccl() -> None:
         raise ConfigError(f"this torch build ({torch.__version__}) has no NCCL; use ProcessGroupGloo")
 
 
-def create_nccl_backend(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> dist.Backend:
-    """A connected NCCL communicator on the current CUDA device whose own timeout never fires before ours."""
+def creating_thread_device() -> int:
+    """The CUDA device current on the calling thread (0 without CUDA).
+
+    Read when a group is made, on the trainer's thread, after its
+    ``torch.cuda.set_device``: ``configure()`` runs on another thread (the
+    Manager's control plane), whose current device is always 0.
+    """
+    return torch.cuda.current_device() if torch.cuda.is_available() else 0
+
+
+def create_nccl_backend(store: dist.Store, rank: int, world_size: int, timeout: timedelta,
+                        device: int) -> dist.Backend:
+    """A connected NCCL communicator on CUDA ``device`` whose own timeout never fires before ours."""
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = timeout * _NCCL_TIMEOUT_FACTOR
     # Non-blocking communicators can be aborted while another thread is
@@ -108,7 +119,7 @@ def create_nccl_backend(store: dist.Store, rank: int, world_size: int, timeout: 
     options.config.blocking = False
     backend = dist.ProcessGroupNCCL(store, rank, world_size, options)
     # Connect now, inside configure()'s timeout, not lazily in the first collective.
-    backend.eager_connect_single_device(torch.device("cuda", torch.cuda.current_device()))
+    backend.eager_connect_single_device(torch.device("cuda", device))
     return backend
 
 
@@ -117,7 +128,8 @@ class ProcessGroupNCCL(ReconfigurableProcessGroup):
 
     Constructing one needs no GPU; ``configure()`` raises
     :class:`~torchft_lite.errors.ConfigError` when CUDA or NCCL is missing.
-    Each process uses its current CUDA device (``torch.cuda.set_device``).
+    The group uses the CUDA device current when it is constructed (call
+    ``torch.cuda.set_device`` first).
 
     Args:
         timeout: bounds the rendezvous and every collective; an overdue
@@ -127,6 +139,7 @@ class ProcessGroupNCCL(ReconfigurableProcessGroup):
     def __init__(self, timeout: timedelta = DEFAULT_TIMEOUT) -> None:
         super().__init__(timeout)
         self._watchdog = _DeadlineWatchdog(name="torchft_lite-nccl-watchdog")
+        self._device = creating_thread_device()
 
     def getBackendName(self) -> str:
         return "torchft-nccl"
@@ -136,7 +149,7 @@ class ProcessGroupNCCL(ReconfigurableProcessGroup):
         super().configure(store_addr, replica_id, rank, world_size)
 
     def _create_backend(self, store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> dist.Backend:
-        return create_nccl_backend(store, rank, world_size, timeout)
+        return create_nccl_backend(store, rank, world_size, timeout, self._device)
 
     def _op_timeout(self) -> timedelta | None:
         return None  # the watchdog enforces ours; see the module docstring
