@@ -114,7 +114,11 @@ class Receiver:
                     reader = sink.complete_reader()
                 else:
                     reader = await self._fetch_ranges(heal, targets)
-                state = await asyncio.to_thread(reader.finish)
+                try:
+                    state = await asyncio.to_thread(reader.finish)
+                except BaseException:  # the timeout, say: the thread runs on, and must not apply what it checked
+                    reader.abandon()
+                    raise
             ok = True
             seconds = time.monotonic() - started
             logger.info("received step %d from %s in %.2fs (%.0f MB/s)", step, where, seconds,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import concurrent.futures
+import threading
 from typing import Any, Iterable, Mapping, Sequence
 
 import torch
@@ -63,6 +64,7 @@ class StateDictReader:
         self._sums: list[concurrent.futures.Future[int] | None] = [None] * len(blocks)
         self._expected: list[int | None] = [None] * len(blocks)  # the sender's, from the trailers
         self.received_bytes = 0
+        self._abandoned = threading.Event()
 
     def _buffer_for(self, entry: TensorEntry, target: torch.Tensor | None) -> torch.Tensor:
         dtype = DTYPES[entry.dtype]
@@ -221,9 +223,19 @@ class StateDictReader:
                 raise CheckpointTransferError(
                     f"checksum mismatch in {self.describe_block(block)} (corrupted in transit)")
 
+    def abandon(self) -> None:
+        """The receive has failed or timed out: a :meth:`finish` still running must not write into the targets.
+
+        (Its thread can outlive the receive that started it, and copy an older
+        step's bytes into GPU targets after a later heal has written them.)
+        """
+        self._abandoned.set()
+
     def finish(self) -> Any:
         """Check that every byte arrived intact and return the state dict."""
         self._verify()
+        if self._abandoned.is_set():
+            raise CheckpointTransferError("the receive was abandoned (failed or timed out) before it was applied")
         results = {id(buffer): target for buffer, target in self._copy_back}
         _cuda.to_device(self._copy_back)
         return self.header.build([results.get(id(tensor), tensor) for tensor in self._tensors])
