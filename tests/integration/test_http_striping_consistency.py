@@ -8,7 +8,6 @@ primary's sums are fetched again from the primary, and a secondary that fails
 or never answers leaves its ranges to the primary.
 """
 
-import concurrent.futures
 import copy
 import hashlib
 import itertools
@@ -32,29 +31,6 @@ pytestmark = pytest.mark.integration
 LONG = timedelta(seconds=WAIT)
 HOUR = timedelta(hours=1)  # a send timeout no test waits out: a prompt release proves the receiver reported
 LOGGER = "torchft_lite.checkpointing.http_transport"
-
-
-@pytest.fixture
-def make_transport():
-    transports = []
-
-    def make(**kwargs) -> HTTPTransport:
-        kwargs.setdefault("timeout", LONG)
-        transport = HTTPTransport(hostname="127.0.0.1", bind_host="127.0.0.1", **kwargs)
-        transports.append(transport)
-        return transport
-
-    try:
-        yield make
-    finally:
-        for transport in transports:
-            transport.shutdown()
-
-
-@pytest.fixture
-def threads():
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        yield pool
 
 
 @pytest.fixture
@@ -105,6 +81,14 @@ def sources(*servers: HTTPTransport) -> list[tuple[int, str]]:
     return [(rank, server.metadata()) for rank, server in enumerate(servers)]
 
 
+def publish(make_transport, *states) -> list[HTTPTransport]:
+    """A server per state, each publishing it as step 5 for one receiver (with an hour's send timeout)."""
+    servers = [make_transport() for _ in states]
+    for server, state in zip(servers, states):
+        server.send_checkpoint([1], 5, state, HOUR)
+    return servers
+
+
 def release_all(threads, *servers: HTTPTransport) -> None:
     """disallow_checkpoint on every server; with an hour's send timeout this only returns if receivers reported."""
     for released in [threads.submit(server.disallow_checkpoint) for server in servers]:
@@ -149,10 +133,8 @@ def serve_data_through(monkeypatch, server: HTTPTransport, edit) -> None:
 
 def test_two_agreeing_sources_stripe_an_exact_copy_and_only_the_primary_sums(make_transport, threads, patient,
                                                                             checksum_passes, warnings):
-    first, second = make_transport(), make_transport()
     sent = state_dict()
-    for server in (first, second):
-        server.send_checkpoint([1], 5, sent, HOUR)
+    first, second = publish(make_transport, sent, sent)
     received = make_transport().recv_checkpoint_striped(sources(first, second), 5, LONG)
     assert digest(5, received) == digest(5, sent)
     assert torch.equal(received["user"]["big"], sent["user"]["big"])
@@ -181,12 +163,10 @@ def test_a_single_source_heal_asks_for_no_checksums(make_transport, checksum_pas
 
 def test_a_secondary_that_differs_in_a_block_it_served_is_replaced_by_the_primarys_block(make_transport, threads,
                                                                                         patient, warnings):
-    first, second = make_transport(), make_transport()
     sent = state_dict()
     diverged = copy.deepcopy(sent)
     diverged["user"]["big"][1_400_000] += 1.0  # in big's last block, bytes [5 MiB, 6 MB): the secondary's range
-    first.send_checkpoint([1], 5, sent, HOUR)
-    second.send_checkpoint([1], 5, diverged, HOUR)
+    first, second = publish(make_transport, sent, diverged)
     received = make_transport().recv_checkpoint_striped(sources(first, second), 5, LONG)
     assert digest(5, received) == digest(5, sent)
     assert received["user"]["big"][1_400_000] == sent["user"]["big"][1_400_000]
@@ -205,12 +185,10 @@ def test_a_secondary_that_differs_in_a_block_it_served_is_replaced_by_the_primar
 
 def test_a_secondary_that_differs_only_where_the_primary_served_changes_nothing(make_transport, threads, patient,
                                                                                 warnings):
-    first, second = make_transport(), make_transport()
     sent = state_dict()
     diverged = copy.deepcopy(sent)
     diverged["user"]["big"][10] += 1.0  # in big's first block: the primary's range
-    first.send_checkpoint([1], 5, sent, HOUR)
-    second.send_checkpoint([1], 5, diverged, HOUR)
+    first, second = publish(make_transport, sent, diverged)
     received = make_transport().recv_checkpoint_striped(sources(first, second), 5, LONG)
     assert digest(5, received) == digest(5, sent)
     assert warnings() == []
@@ -229,11 +207,9 @@ def batchnorm_state(data_seed: int) -> dict:
 
 def test_a_secondary_whose_batchnorm_statistics_differ_yields_the_primarys(make_transport, threads, patient,
                                                                           warnings):
-    first, second = make_transport(), make_transport()
     mine, theirs = batchnorm_state(data_seed=1), batchnorm_state(data_seed=2)
     assert not torch.equal(mine["user"]["model"]["bn.running_mean"], theirs["user"]["model"]["bn.running_mean"])
-    first.send_checkpoint([1], 5, mine, HOUR)
-    second.send_checkpoint([1], 5, theirs, HOUR)
+    first, second = publish(make_transport, mine, theirs)
     received = make_transport().recv_checkpoint_striped(sources(first, second), 5, LONG)
     assert digest(5, received) == digest(5, mine)
     for name in ("bn.running_mean", "bn.running_var", "bn.num_batches_tracked", "linear.weight"):
@@ -251,13 +227,11 @@ def test_a_secondary_whose_batchnorm_statistics_differ_yields_the_primarys(make_
 
 def test_a_secondary_with_another_optimizer_lr_is_logged_and_the_primarys_header_used(make_transport, threads,
                                                                                      patient, warnings):
-    first, second = make_transport(), make_transport()
     sent = state_dict()
     diverged = copy.deepcopy(sent)
     diverged["user"]["optim"]["param_groups"][0]["lr"] = 0.002
     diverged["torchft"]["batches_committed"] = 11
-    first.send_checkpoint([1], 5, sent, HOUR)
-    second.send_checkpoint([1], 5, diverged, HOUR)
+    first, second = publish(make_transport, sent, diverged)
     received = make_transport().recv_checkpoint_striped(sources(first, second), 5, LONG)
     assert digest(5, received) == digest(5, sent)
     assert received["user"]["optim"]["param_groups"][0]["lr"] == 0.001
@@ -272,12 +246,10 @@ def test_a_secondary_with_another_optimizer_lr_is_logged_and_the_primarys_header
 def test_a_secondary_whose_shapes_differ_at_equal_sizes_yields_the_primarys_shapes(make_transport, threads,
                                                                                   patient, warnings):
     """Same bytes, so every data range lines up and agrees: only the header tells the layouts apart."""
-    first, second = make_transport(), make_transport()
     sent = state_dict()
     diverged = copy.deepcopy(sent)
     diverged["user"]["half"] = sent["user"]["half"].reshape(3, 7).clone()
-    first.send_checkpoint([1], 5, sent, HOUR)
-    second.send_checkpoint([1], 5, diverged, HOUR)
+    first, second = publish(make_transport, sent, diverged)
     received = make_transport().recv_checkpoint_striped(sources(first, second), 5, LONG)
     assert digest(5, received) == digest(5, sent)
     assert received["user"]["half"].shape == (7, 3)
@@ -288,13 +260,10 @@ def test_a_secondary_whose_shapes_differ_at_equal_sizes_yields_the_primarys_shap
 
 def test_of_three_sources_the_diverged_one_is_named_and_its_blocks_fetched_again(make_transport, threads, patient,
                                                                                 warnings, checksum_passes):
-    servers = [make_transport() for _ in range(3)]
     sent = state_dict()
     diverged = copy.deepcopy(sent)
     diverged["user"]["big"][-1] = 7.0  # big's last block: in the third range
-    for server in servers[:2]:
-        server.send_checkpoint([1], 5, sent, HOUR)
-    servers[2].send_checkpoint([1], 5, diverged, HOUR)
+    servers = publish(make_transport, sent, sent, diverged)
     received = make_transport().recv_checkpoint_striped(sources(*servers), 5, LONG)
     assert digest(5, received) == digest(5, sent)
     [warning] = warnings()
@@ -312,15 +281,13 @@ def test_of_three_sources_the_diverged_one_is_named_and_its_blocks_fetched_again
 
 def test_a_receive_in_place_from_a_diverged_secondary_ends_with_the_primarys_bytes(make_transport, threads, patient,
                                                                                    warnings):
-    first, second = make_transport(), make_transport()
     sent = state_dict()
     diverged = copy.deepcopy(sent)
     diverged["user"]["big"].mul_(2)
     local = copy.deepcopy(sent)
     local["user"]["big"].zero_()
     big = local["user"]["big"]
-    first.send_checkpoint([1], 5, sent, HOUR)
-    second.send_checkpoint([1], 5, diverged, HOUR)
+    first, second = publish(make_transport, sent, diverged)
     client = make_transport(num_chunks=4, state_dict=lambda: local)
     received = client.recv_checkpoint_striped(sources(first, second), 5, LONG)
     assert received["user"]["big"] is big  # the secondary's bytes landed in it first, then the primary's
@@ -332,13 +299,11 @@ def test_a_receive_in_place_from_a_diverged_secondary_ends_with_the_primarys_byt
 
 def test_after_a_heal_that_fetched_blocks_again_both_sources_are_released_and_the_next_heal_works(
         make_transport, threads, patient, warnings):
-    first, second = make_transport(), make_transport()
     sent = state_dict()
     diverged = copy.deepcopy(sent)
     diverged["user"]["big"][-1] = -1.0
     diverged["torchft"]["batches_committed"] = 11
-    first.send_checkpoint([1], 5, sent, HOUR)
-    second.send_checkpoint([1], 5, diverged, HOUR)
+    first, second = publish(make_transport, sent, diverged)
     client = make_transport()
     assert digest(5, client.recv_checkpoint_striped(sources(first, second), 5, LONG)) == digest(5, sent)
     assert len(warnings()) == 2  # the header, then the data

@@ -1,6 +1,5 @@
 """HTTPTransport over real sockets: held requests, steps, chunks, tokens, release and failures."""
 
-import concurrent.futures
 import hashlib
 import logging
 import os
@@ -27,29 +26,6 @@ from tests.conftest import WAIT, wait_until_sync
 pytestmark = pytest.mark.integration
 
 LONG = timedelta(seconds=WAIT)
-
-
-@pytest.fixture
-def make_transport():
-    transports = []
-
-    def make(**kwargs) -> HTTPTransport:
-        kwargs.setdefault("timeout", LONG)
-        transport = HTTPTransport(hostname="127.0.0.1", bind_host="127.0.0.1", **kwargs)
-        transports.append(transport)
-        return transport
-
-    try:
-        yield make
-    finally:
-        for transport in transports:
-            transport.shutdown()
-
-
-@pytest.fixture
-def threads():
-    with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        yield pool
 
 
 def state_dict(big_elements: int = 1000) -> dict:

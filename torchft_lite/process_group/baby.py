@@ -369,9 +369,7 @@ class _ChildBackend:
 def _share(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
     """The tensors to send (each shareable with the child) and the staged copies to copy back afterwards."""
     shared, copy_back = [], []
-    for tensor in tensors:
-        if not isinstance(tensor, torch.Tensor):
-            raise ConfigError(f"expected tensors, got {type(tensor).__name__}")
+    for tensor in tensors:  # tensors, contiguous: the group's collectives have checked
         if tensor.is_cuda or tensor.is_shared():
             shared.append(tensor)
             continue
@@ -536,7 +534,11 @@ class ProcessGroupBabyNCCL(ProcessGroupBaby):
         return "torchft-baby-nccl"
 
     def _can_run(self) -> bool:
-        return torch.cuda.is_available() and dist.is_nccl_available()
+        try:
+            check_nccl()
+        except ConfigError:
+            return False
+        return True
 
     def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int) -> None:
         check_nccl()

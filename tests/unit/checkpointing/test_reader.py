@@ -200,13 +200,10 @@ def test_blocks_to_fetch_again_travel_as_the_fewest_block_aligned_ranges():
 
 def test_an_abandoned_reader_does_not_hand_over_its_state_dict():
     # Its finish() can run on a thread that outlives a timed-out receive: it must not copy into the targets then.
-    blob = memoryview(wire.encode_to_bytes(3, {"w": torch.arange(10.0)}))
-    length, crc = wire.unpack_prefix(bytes(blob[:wire.PREFIX_SIZE]))
-    start = wire.PREFIX_SIZE + length
-    header = wire.parse_header(bytes(blob[wire.PREFIX_SIZE:start]), crc, following=len(blob) - start)
+    header, data, trailer = encoded()
     reader = wire.StateDictReader(header)
-    reader.write(0, blob[start:start + header.data_bytes])
-    reader.expect(0, header.data_bytes, blob[start + header.data_bytes:])
+    reader.write(0, data)
+    reader.expect(0, len(data), trailer)
     reader.abandon()
     with pytest.raises(CheckpointTransferError, match="abandoned"):
         reader.finish()
