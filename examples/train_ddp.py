@@ -107,7 +107,9 @@ def main() -> None:
                 loss.backward()
                 before = manager.current_step()
                 optimizer.step()
-                if manager.current_step() > before:
+                # Committed: the step moved on with enough replicas. (A heal also moves the step, and is
+                # kept when the step only lacked replicas: the healing group did not count.)
+                if manager.current_step() > before and manager.num_participants() >= args.min_replicas:
                     step = manager.current_step()
                     print(f"[group {replica_group} rank {rank}] step={step} loss={loss.item():.4f} "
                           f"participants={manager.num_participants()}", flush=True)

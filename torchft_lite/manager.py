@@ -39,7 +39,9 @@ from torchft_lite._manager_client import ManagerClient  # sets GRPC_ENABLE_FORK_
 
 import grpc  # noqa: E402  (after the line above)
 from torchft_lite._manager_settings import ManagerSettings
-from torchft_lite.errors import CheckpointError, CollectiveError, ManagerError, QuorumTimeout, TorchFTError
+from torchft_lite.errors import (
+    CheckpointError, CollectiveError, ManagerError, ManagerTimeout, QuorumError, QuorumTimeout, TorchFTError,
+)
 from torchft_lite.watchdog import EXIT_CODE_PREEMPTED, Watchdog, WatchdogConfig
 from torchft_lite.manager_server import ManagerServer, ManagerServerConfig
 from torchft_lite.work import DoneWork, ManagedWork, guard_future
@@ -322,12 +324,32 @@ class Manager:
         self._ready_future = ready
         self._quorum_future = self._control.submit(self._async_quorum(allow_heal, shrink_only, quorum_timeout, ready))
         if not self._use_async_quorum:
+            self._raise_quorum_failure()
             self.wait_quorum()
             # torchft: a synchronous quorum returns with the heal applied (the
-            # forward pass then never overlaps the receive).
+            # forward pass then never overlaps the receive), and the healed
+            # replica takes part in this step's collectives.
             self._await(self._quorum_future, "the quorum and heal")
             if self._healing:
-                self._apply_pending_state_dict()
+                self._healing = not self._apply_pending_state_dict()
+
+    def _raise_quorum_failure(self) -> None:
+        """Synchronous quorum: a failed or timed-out Quorum call raises, as torchft's does.
+
+        Only the quorum itself: a failed reconfigure or heal is recorded and the
+        step does not commit, as with an asynchronous quorum.
+        """
+        limit = self._quorum_timeout + 3 * self._timeout + 20.0
+        try:
+            self._ready_future.result(timeout=limit)
+        except QuorumError as exc:
+            self.report_error(exc)
+            self._in_step = False
+            self.watchdog.end("quorum")
+            self.watchdog.end("step")
+            raise
+        except Exception:
+            pass  # recorded by wait_quorum
 
     def wait_quorum(self) -> None:
         """Wait until this step's quorum is known and the process group is ready.
@@ -373,13 +395,17 @@ class Manager:
             response = await self._server.local_quorum(pb.ManagerQuorumRequest(**request), quorum_timeout)
         else:
             response = await self._client.quorum(**request, timeout=quorum_timeout)
-        if self._world_size_mode is WorldSizeMode.FIXED_WITH_SPARES:
+        if self._use_async_quorum or not allow_heal:
+            # A replica behind the max step heals during the step: only those at it take part.
             rank = response.max_replica_rank if response.HasField("max_replica_rank") else None
-            self._participating_rank = rank if rank is not None and rank < self._min_replica_size else None
-            self._participating_world_size = min(response.max_world_size, self._min_replica_size)
+            size = response.max_world_size
         else:
-            self._participating_rank = response.max_replica_rank if response.HasField("max_replica_rank") else None
-            self._participating_world_size = response.max_world_size
+            # torchft: a synchronous quorum applies the heal before the forward pass, so every member takes part.
+            rank, size = response.replica_rank, response.replica_world_size
+        if self._world_size_mode is WorldSizeMode.FIXED_WITH_SPARES:
+            rank = rank if rank is not None and rank < self._min_replica_size else None
+            size = min(size, self._min_replica_size)
+        self._participating_rank, self._participating_world_size = rank, size
 
         # From here, member-gone events (earlier ones too) count only for replicas of this quorum: one the
         # lighthouse already left out (the usual case) must not fail a step it has no part in.
@@ -432,11 +458,11 @@ class Manager:
         self._heal_stats = (result.seconds, result.tensor_bytes, result.sources)
         self._pending_state_dict = result.state
 
-    def _apply_pending_state_dict(self) -> None:
-        """Load a received state dict; runs on the training thread only."""
+    def _apply_pending_state_dict(self) -> bool:
+        """Load a received state dict; runs on the training thread only. True when it was loaded in full."""
         state, self._pending_state_dict = self._pending_state_dict, None
         if state is None:
-            return  # the heal failed; the error is recorded and the step won't commit
+            return False  # the heal failed; the error is recorded and the step won't commit
         self._pre_heal_state = self.state_dict()
         try:
             user = state["user"]
@@ -450,11 +476,12 @@ class Manager:
             self._state_torn = False
         except Exception as exc:
             self.report_error(exc)
-            return
+            return False
         seconds, nbytes, sources = self._heal_stats or (0.0, 0, [])
         self.watchdog.end("heal")
         self._log(logging.INFO, "healed: %.3f MB in %.2fs (%.1f MB/s) from replica(s) %s", nbytes / 1e6, seconds,
                   nbytes / 1e6 / seconds if seconds > 0 else 0.0, ", ".join(map(str, sources)))
+        return True
 
     def _maybe_publish_checkpoint(self) -> None:
         """Serve our state to the replicas healing from us; training thread only."""
@@ -492,9 +519,10 @@ class Manager:
         if gone is not None:  # its contribution will never come: don't wait for it
             self.report_error(CollectiveError(gone))
             return DoneWork(tensor)
-        if self._errored is not None and self.is_participating():
-            # Our contribution would be wrong and zeros would mis-scale the
-            # average: fail the peers' collective now rather than at its timeout.
+        if self._errored is not None and self._participating_rank is not None:
+            # The peers count us in the average, and our contribution would be
+            # wrong (zeros would mis-scale it): fail the peers' collective now
+            # rather than at its timeout.
             abort = getattr(self._pg, "abort", None)
             if abort is not None:
                 abort()
@@ -671,17 +699,20 @@ class Manager:
         pg_error = self._pg.errored() if hasattr(self._pg, "errored") else None
         if pg_error is not None:
             self.report_error(pg_error)
+        # Every rank of the group has the same quorum, so the same ``enough``: the
+        # group votes on errors alone, and learns whether every rank of it got
+        # through the step cleanly (a heal it keeps even when too few replicas
+        # took part to commit).
         enough = self._participating_world_size >= self._min_replica_size
-        local_vote = enough and self._errored is None
         if not enough:
             self._log(logging.WARNING, "only %d replica(s) participate, min_replica_size is %d",
                       self._participating_world_size, self._min_replica_size)
         seconds = timeout.total_seconds() if timeout is not None else self._timeout
         try:
             # A group of one rank votes alone: no round trip to its own ManagerServer.
-            decision = local_vote if self._settings.group_world_size == 1 else self._control.run(
+            group_clean = self._errored is None if self._settings.group_world_size == 1 else self._control.run(
                 self._client.should_commit(group_rank=self._group_rank, step=self._step,
-                                           should_commit=local_vote, timeout=seconds),
+                                           should_commit=self._errored is None, timeout=seconds),
                 seconds + 5.0, "the group's commit vote",
             )
         except Exception as exc:
@@ -689,8 +720,11 @@ class Manager:
             # leave this rank a step apart from them for good. Fail stop (as
             # torchft does): a restarted group is healed from a peer.
             self._checkpoint_transport.disallow_checkpoint()
-            raise ManagerError(f"group rank {self._group_rank}: the commit vote for step {self._step} failed; "
-                               f"this rank can't know whether its group committed") from exc
+            self._in_step = False
+            error = ManagerTimeout if isinstance(exc, TimeoutError) else ManagerError
+            raise error(f"group rank {self._group_rank}: the commit vote for step {self._step} failed ({exc}); "
+                        f"this rank can't know whether its group committed") from exc
+        decision = enough and group_clean
         self._checkpoint_transport.disallow_checkpoint()
         if self._published and self._pending_send is not None:
             served = _heal.bytes_served(self._checkpoint_transport)
@@ -704,10 +738,14 @@ class Manager:
             self._commit_failures = 0
             self._healing = False
         else:
-            if self._pre_heal_state is not None:
-                # The heal is undone with the step: a rank of this group that
-                # failed must not end up at another step than the rest (the
-                # weights loaded stay; the next quorum heals again over them).
+            if self._pre_heal_state is not None and not group_clean:
+                # A rank of this group failed (its heal, or anything else this
+                # step): the heal is undone with the step, so no rank ends up at
+                # another step than the rest (the weights loaded stay; the next
+                # quorum heals again over them). A heal that every rank applied
+                # in full is kept, as torchft keeps it: the group is then up to
+                # date, and a step that only lacked replicas (the healing one
+                # did not count) commits at the next quorum.
                 self.load_state_dict(self._pre_heal_state)
             self._commit_failures += 1
             self._log(logging.INFO, "step not committed (%d consecutive)", self._commit_failures)

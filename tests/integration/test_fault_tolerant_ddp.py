@@ -76,10 +76,11 @@ def cluster(tmp_path: Path, **lighthouse_kw):
     groups: list[ReplicaGroup] = []
 
     def add(group_id: int, num_groups: int, steps: int, world_size: int = 1, sleep: float = 0.0,
-            env: dict[str, str] | None = None, pg: str = "gloo") -> ReplicaGroup:
+            env: dict[str, str] | None = None, pg: str = "gloo", min_replicas: int = 1) -> ReplicaGroup:
         group = ReplicaGroup(group_id, num_groups, lighthouse.address, SCRIPT,
                              ["--steps", str(steps), "--report", str(tmp_path / "report.jsonl"),
-                              "--step-sleep", str(sleep), "--timeout", "15", "--pg", pg],
+                              "--step-sleep", str(sleep), "--timeout", "15", "--pg", pg,
+                              "--min-replicas", str(min_replicas)],
                              world_size=world_size, log_dir=tmp_path, env=env)
         groups.append(group)
         return group.start()
@@ -140,6 +141,31 @@ def test_killed_group_leaves_survivors_committing_and_is_healed_on_restart(tmp_p
         assert assert_identical_per_step(rows) > 0
         survivor.kill(signal.SIGKILL)
         victim.kill(signal.SIGKILL)
+        logs = "".join(p.read_text(errors="replace") for p in tmp_path.glob("group1.2.*.log"))
+        assert "healed:" in logs
+
+
+@pytest.mark.parametrize("pg, ranks", [("gloo", 1), ("baby-gloo", 2)])
+def test_restarted_group_rejoins_when_min_replica_size_counts_every_group(tmp_path, pg, ranks):
+    """min_replica_size = number of groups: the survivor can't commit alone, and the
+    restarted group's heal step can't commit either (it does not count while it
+    heals). The heal must outlive that step, or the pair loops for good."""
+    with cluster(tmp_path, min_replicas=2, join_timeout=5.0, heartbeat_timeout=1.0) as (_, add, report):
+        groups = [add(g, 2, steps=100000, sleep=0.05, pg=pg, world_size=ranks, min_replicas=2) for g in (0, 1)]
+        wait_for(lambda: min(len(steps_of(read_reports(report), g)) for g in (0, 1)) >= 5,
+                 "both groups' 5th step", groups=groups)
+        groups[1].kill(signal.SIGKILL)
+        time.sleep(2.0)  # the survivor notices and stalls: nothing commits without the second group
+        stalled_at = max(steps_of(read_reports(report), 0))
+        groups[1].start()
+        wait_for(lambda: min(max(steps_of(read_reports(report), g, rank), default=0)
+                             for g in (0, 1) for rank in range(ranks)) >= stalled_at + 5,
+                 "both groups, every rank, 5 steps past the stall", groups=groups)
+        for group in groups:
+            group.kill(signal.SIGKILL)
+        rows = read_reports(report)
+        assert {r["participants"] for r in rows} == {2}, "a step committed with fewer than min_replica_size"
+        assert assert_identical_per_step(rows) > 0
         logs = "".join(p.read_text(errors="replace") for p in tmp_path.glob("group1.2.*.log"))
         assert "healed:" in logs
 

@@ -95,12 +95,13 @@ def lighthouse():
         yield lh
 
 
-def make_manager(lighthouse, pg, transport, replica_id, state=None, timeout=20.0, **kw) -> Manager:
+def make_manager(lighthouse, pg, transport, replica_id, state=None, timeout=20.0, min_replica_size=1,
+                 **kw) -> Manager:
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     weights = state if state is not None else {"w": torch.zeros(3)}
     manager = Manager(
         pg=pg, load_state_dict=lambda sd: weights.update(w=sd["w"].clone()), state_dict=lambda: {"w": weights["w"]},
-        min_replica_size=1, rank=0, world_size=1, store_addr="127.0.0.1", store_port=store.port,
+        min_replica_size=min_replica_size, rank=0, world_size=1, store_addr="127.0.0.1", store_port=store.port,
         lighthouse_addr=lighthouse.server.address(), replica_id=replica_id, hostname="127.0.0.1",
         checkpoint_transport=transport, timeout=timedelta(seconds=timeout), quorum_timeout=timedelta(seconds=30),
         preemption_signals=(), **kw,
@@ -419,6 +420,61 @@ def test_a_synchronous_quorum_returns_with_the_heal_applied():
             # a publishes only at its first allreduce, after its own synchronous start_quorum
             assert run_steps(managers, 1) == {"a": [True], "b": [True]}
             assert seen_after_start["b"] == [1.0, 1.0, 1.0]
+        finally:
+            for manager in managers.values():
+                manager.shutdown()
+
+
+@pytest.mark.parametrize("use_async_quorum", [True, False])
+def test_a_restarted_replica_rejoins_when_min_replica_size_counts_every_group(use_async_quorum):
+    """Two groups, min_replica_size=2, one restarted from scratch: it must get back to training.
+
+    With an asynchronous quorum the healing replica does not count at its heal
+    step, so that step can't commit; the heal is kept (as torchft keeps it) and
+    the next quorum has two up-to-date replicas. A synchronous quorum applies
+    the heal first, so both take part at once.
+    """
+    shelf: dict = {}
+    states = {"a": {"w": torch.full((3,), 1.0)}, "b": {"w": torch.full((3,), 2.0)}}
+    with BackgroundLighthouse(lighthouse_config(min_replicas=2, join_timeout=30.0)) as lighthouse:
+        managers = {name: make_manager(lighthouse, FakeProcessGroup(), InMemoryTransport(shelf, name), name,
+                                       state=states[name], min_replica_size=2, use_async_quorum=use_async_quorum)
+                    for name in states}
+        managers["a"].load_state_dict({"step": 7, "batches_committed": 14})  # the survivor; b just restarted
+        try:
+            first = run_steps(managers, 1)
+            if use_async_quorum:  # b healed but did not count: too few replicas to commit
+                assert first == {"a": [False], "b": [False]}
+                assert managers["b"].current_step() == 7, "the heal was undone with the uncommitted step"
+                assert run_steps(managers, 1) == {"a": [True], "b": [True]}
+            else:
+                assert first == {"a": [True], "b": [True]}
+            assert managers["a"].current_step() == managers["b"].current_step() == 8
+            assert managers["b"].num_participants() == 2
+            assert torch.equal(states["a"]["w"], states["b"]["w"])
+        finally:
+            for manager in managers.values():
+                manager.shutdown()
+
+
+def test_a_heal_is_undone_when_another_rank_of_the_group_failed_the_step():
+    """The kept heal is only one every rank of the group got through: one failed rank rolls the step back."""
+    shelf: dict = {}
+    states = {"a": {"w": torch.full((3,), 1.0)}, "b": {"w": torch.full((3,), 2.0)}}
+    with BackgroundLighthouse(lighthouse_config(min_replicas=2, join_timeout=30.0)) as lighthouse:
+        managers = {name: make_manager(lighthouse, FakeProcessGroup(), InMemoryTransport(shelf, name), name,
+                                       state=states[name], min_replica_size=2) for name in states}
+        managers["a"].load_state_dict({"step": 7, "batches_committed": 14})
+
+        def fail_b_once(name: str, step: int) -> None:
+            if name == "b" and step == 0:
+                managers["b"]._pg.fail_next = True  # its allreduce fails: the group voted no
+
+        try:
+            assert run_steps(managers, 1, before_step=fail_b_once) == {"a": [False], "b": [False]}
+            assert managers["b"].current_step() == 0, "a heal kept although the group's step failed"
+            assert run_steps(managers, 2) == {"a": [False, True], "b": [False, True]}
+            assert managers["a"].current_step() == managers["b"].current_step() == 8
         finally:
             for manager in managers.values():
                 manager.shutdown()
