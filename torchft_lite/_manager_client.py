@@ -45,7 +45,9 @@ class ManagerClient(UnaryChannel):
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
             if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                raise timeout_error(f"ManagerServer {self.address}: {what} got no answer within {timeout:.1f}s") from exc
+                # torchft's words too ("status: Cancelled, message: Timeout expired"): scripts match on them.
+                raise timeout_error(f"ManagerServer {self.address}: {what} got no answer within {timeout:.2f}s "
+                                    f"(status: Cancelled, message: Timeout expired)") from exc
             name = code.name if code else "UNKNOWN"
             raise error(f"ManagerServer {self.address}: {what} failed: {name}: {exc.details()}") from exc
 

@@ -342,7 +342,7 @@ class ManagerServer:
                               f"{exc.code.name}: {exc.details}") from exc
         except TimeoutError as exc:
             raise QuorumTimeout(f"ManagerServer {self.address()} (in-process): {what} got no answer "
-                                f"within {timeout:.1f}s") from exc
+                                f"within {timeout:.2f}s (status: Cancelled, message: Timeout expired)") from exc
 
     def _start_lighthouse_quorum(self, round_: _QuorumRound) -> None:
         steps = {rank: r.step for rank, r in sorted(round_.requests.items())}

@@ -571,3 +571,24 @@ def test_an_event_before_the_quorum_answer_about_a_replica_left_out_of_it_does_n
     finally:
         gate.set()
         manager.shutdown()
+
+
+def test_a_synchronous_quorum_that_times_out_raises_and_so_does_a_timed_out_vote(lighthouse):
+    """torchft's behaviour: with use_async_quorum=False, start_quorum raises a failed
+    quorum (a TimeoutError here, with torchft's words), and should_commit raises a
+    vote its group never completed."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    manager = Manager(
+        pg=FakeProcessGroup(), load_state_dict=lambda sd: None, state_dict=lambda: {}, min_replica_size=2,
+        rank=0, world_size=2, store_addr="127.0.0.1", store_port=store.port,  # rank 1 never comes
+        lighthouse_addr=lighthouse.server.address(), replica_id="sync", hostname="127.0.0.1",
+        checkpoint_transport=InMemoryTransport({}, "sync"), use_async_quorum=False, preemption_signals=(),
+    )
+    try:
+        with pytest.raises(TimeoutError, match="status: Cancelled, message.*Timeout expired"):
+            manager.start_quorum(timeout=timedelta(seconds=0.01))
+        with pytest.raises(TimeoutError, match="commit vote for step 0"):
+            manager.should_commit(timeout=timedelta(seconds=0.01))
+        assert manager.current_step() == 0
+    finally:
+        manager.shutdown()
