@@ -53,15 +53,19 @@ class LighthouseConfig:
     heartbeat_timeout: float = 5.0
     """A replica is healthy while its last heartbeat is younger than this."""
     startup_grace: float | None = None
-    """No quorum until this long after start, so replicas already training
-    re-register (a restarted lighthouse knows nobody); None: heartbeat_timeout."""
+    """After a restart (``state_dir`` holds a quorum id an earlier run issued),
+    no quorum until this long after start, so replicas already training
+    re-register (a restarted lighthouse knows nobody); a first start answers at
+    once. None: heartbeat_timeout."""
     http_bind: str | None = DEFAULT_HTTP_BIND
     """HOST:PORT for the dashboard, /api/status and /metrics; None disables HTTP."""
     admin_token: str | None = None
     """Bearer token required by admin actions (kill); None disables them."""
     state_dir: Path | None = None
-    """Where the last quorum id is kept so ids keep increasing across restarts
-    even if the clock steps back. Without it ids are seeded from wall time."""
+    """Where the last quorum id and the highest committed step are kept, so ids
+    keep increasing across restarts even if the clock steps back, and a restart
+    is told from a first start (startup grace, stale-quorum guard). Without it
+    ids are seeded from wall time and every start counts as a first one."""
     kill_timeout: float = 10.0
     """Timeout of the Kill RPC the dashboard sends to a replica's manager."""
     grpc_engine: str = "native"
@@ -124,8 +128,9 @@ class LighthouseConfig:
         )
         parser.add_argument(
             "--startup_grace_ms", "--startup-grace-ms", type=int, default=None,
-            help="after starting, issue no quorum for this long so replicas already training re-register "
-            "(a restarted lighthouse knows nobody); default: the heartbeat timeout; 0 disables",
+            help="after a restart (--state-dir holds a quorum id from an earlier run), issue no quorum for this "
+            "long so replicas already training re-register (a restarted lighthouse knows nobody); a first start "
+            "answers at once; default: the heartbeat timeout; 0 disables",
         )
         parser.add_argument(
             "--http-bind", "--http_bind", default=DEFAULT_HTTP_BIND,
@@ -138,8 +143,9 @@ class LighthouseConfig:
         )
         parser.add_argument(
             "--state-dir", "--state_dir", type=Path, default=None,
-            help="directory to keep the last quorum id in, so ids keep increasing across restarts "
-            "(without it they are seeded from wall-clock milliseconds)",
+            help="directory to keep the last quorum id and the highest committed step in, so ids keep increasing "
+            "across restarts and a restart is told from a first start (startup grace, stale-quorum guard); "
+            "without it ids are seeded from wall-clock milliseconds and every start counts as a first one",
         )
         parser.add_argument(
             "--grpc-engine", "--grpc_engine", default="native", choices=GRPC_ENGINES,

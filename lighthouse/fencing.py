@@ -34,6 +34,9 @@ class QuorumIdStore:
         self._path = None if state_dir is None else Path(state_dir) / STATE_FILE
         self._wall_clock = wall_clock
         self._last_saved: int | None = None
+        self.earlier_quorum_id: int | None = None
+        """The last id an earlier incarnation issued, as read by :meth:`initial`;
+        None without a state directory or when none was ever issued with it."""
 
     def initial(self) -> int:
         """The id to seed the quorum state with (the first issued is one more)."""
@@ -54,7 +57,7 @@ class QuorumIdStore:
                 "stored quorum id %d is ahead of the wall-clock seed %d (clock stepped back?); continuing from it",
                 stored, seed,
             )
-        self._last_saved = stored
+        self._last_saved = self.earlier_quorum_id = stored
         return max(seed, stored)
 
     def save(self, quorum_id: int) -> None:

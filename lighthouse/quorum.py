@@ -22,6 +22,17 @@ Rules (torchft's semantics, so mixed fleets agree):
 * Members of an issued quorum stop being participants; a participant left out
   keeps waiting for the next quorum (its join time restarts).
 
+Beyond torchft (both keep a restarted lighthouse from letting a minority redo
+committed steps):
+
+* **Startup grace**: a lighthouse that knows an earlier incarnation of itself
+  issued quorums (``restart_evidence``, from its state directory) issues no
+  first quorum until ``startup_grace`` after it started, so replicas already
+  training re-register first. A first start has nobody to wait for and answers
+  at once, as torchft's lighthouse does.
+* **Stale-quorum guard**: no quorum of participants that are all behind the
+  highest step a quorum already reached.
+
 Cost: each join, heartbeat and :meth:`QuorumState.evaluate` is O(1)
 amortized (counters are kept incrementally and stale heartbeats are pruned
 from the front of a list ordered by last-seen time); only issuing a quorum is
@@ -50,10 +61,11 @@ class QuorumConfig:
     heartbeat_timeout: float = 5.0
     """A replica is healthy while its last heartbeat is younger than this."""
     startup_grace: float = 0.0
-    """No quorum is issued until this long after the lighthouse started, so that
-    replicas already training re-register first: a restarted lighthouse knows
-    nobody, and a minority (say, a freshly restarted group at step 0) could
-    otherwise form a quorum on its own and commit steps the others already did."""
+    """After a restart, no quorum is issued until this long after the lighthouse
+    started, so that replicas already training re-register first: a restarted
+    lighthouse knows nobody, and a minority (say, a freshly restarted group at
+    step 0) could otherwise form a quorum on its own and commit steps the others
+    already did. Applies only with ``QuorumState``'s ``restart_evidence``."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.min_replicas, int) or self.min_replicas < 1:
@@ -116,8 +128,8 @@ class Decision:
     quorum: IssuedQuorum | None = None
     """Set when this decision issued a quorum."""
     wake_at: float | None = None
-    """When waiting on the join timeout: the time the decision may change even
-    if nothing else happens."""
+    """When waiting on a deadline (the join timeout, the startup grace): the
+    time the decision may change even if nothing else happens."""
 
     @property
     def ready(self) -> bool:
@@ -141,9 +153,14 @@ class QuorumState:
     """
 
     def __init__(self, config: QuorumConfig, *, last_quorum_id: int = 0, started_at: float = -math.inf,
-                 max_step: int = 0) -> None:
+                 max_step: int = 0, restart_evidence: str | None = None) -> None:
+        """``restart_evidence``: why this lighthouse knows an earlier incarnation
+        issued quorums (e.g. "its state dir holds quorum id 17"), shown in the
+        startup grace's reason; None for a first start, which gets no grace:
+        nobody can be training yet, so there is nobody to wait for."""
         self.config = config
         self._started_at = started_at
+        self._restart_evidence = restart_evidence
         self._quorum_id = last_quorum_id
         # replica_id -> last heartbeat, oldest first (moved to the end on update).
         self._heartbeats: OrderedDict[str, float] = OrderedDict()
@@ -256,11 +273,13 @@ class QuorumState:
         if joined == 0:
             return Decision(Status.NO_PARTICIPANTS, f"no participants; {_n(healthy, 'healthy replica')} heartbeating")
         grace_left = self._started_at + cfg.startup_grace - now
-        if prev is None and grace_left > 0:
+        if prev is None and self._restart_evidence is not None and grace_left > 0:
             return Decision(
                 Status.STARTUP_GRACE,
-                f"waiting: the lighthouse just started; replicas already training get {cfg.startup_grace:.1f}s "
-                f"to re-register before the first quorum ({grace_left:.1f}s left, {_n(joined, 'participant')})",
+                f"waiting: the lighthouse restarted ({self._restart_evidence}); replicas already training get "
+                f"{cfg.startup_grace:.1f}s to re-register before the first quorum ({grace_left:.1f}s left, "
+                f"{_n(joined, 'participant')})",
+                wake_at=self._started_at + cfg.startup_grace,
             )
         if eligible < cfg.min_replicas:
             return Decision(

@@ -93,8 +93,12 @@ class LighthouseServer:
         self._clock = clock
         self._wall_clock = wall_clock
         self._ids = QuorumIdStore(config.state_dir, wall_clock)
-        self._state = QuorumState(config.quorum_config(), last_quorum_id=self._ids.initial(), started_at=clock(),
-                                  max_step=self._ids.initial_max_step())
+        seed = self._ids.initial()
+        # Only the state dir can tell a restart from a first start (see README, "Beyond torchft").
+        earlier = self._ids.earlier_quorum_id
+        self._restart_evidence = None if earlier is None else f"its state dir holds quorum id {earlier}"
+        self._state = QuorumState(config.quorum_config(), last_quorum_id=seed, started_at=clock(),
+                                  max_step=self._ids.initial_max_step(), restart_evidence=self._restart_evidence)
         self._saved_max_step = self._state.max_step
         self._max_step_saved_at = -math.inf
         self._waiters: dict[str, list[asyncio.Future[bytes]]] = {}
@@ -186,12 +190,15 @@ class LighthouseServer:
             except BaseException:
                 await self._stop_grpc()
                 raise
+        grace = self._state.config.startup_grace
         logger.info(
             "lighthouse serving gRPC (%s engine) on %s (port %d)%s; min_replicas=%d join_timeout=%.1fs heartbeat_timeout=%.1fs "
-            "first quorum id will be > %d",
+            "first quorum id will be > %d; %s",
             self.config.grpc_engine, self.config.bind, self._grpc_port,
             f", HTTP on port {self._http_port}" if self._http_port is not None else ", HTTP disabled",
             self.config.min_replicas, self.config.join_timeout, self.config.heartbeat_timeout, self._state.quorum_id,
+            "first start: no startup grace" if self._restart_evidence is None
+            else f"restarted ({self._restart_evidence}): startup grace of {grace:.1f}s before the first quorum",
         )
 
     async def _shutdown(self) -> None:

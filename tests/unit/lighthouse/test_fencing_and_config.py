@@ -19,6 +19,18 @@ class TestQuorumIdStore:
         QuorumIdStore(tmp_path, wall_clock=lambda: 1.0).save(5)
         assert QuorumIdStore(tmp_path, wall_clock=lambda: 3.0).initial() == 3000
 
+    def test_only_a_stored_id_shows_an_earlier_incarnation(self, tmp_path):
+        without_dir = QuorumIdStore(None)
+        without_dir.initial()
+        assert without_dir.earlier_quorum_id is None
+        first = QuorumIdStore(tmp_path / "state")  # the directory does not exist yet
+        first.initial()
+        assert first.earlier_quorum_id is None
+        first.save(42)
+        restarted = QuorumIdStore(tmp_path / "state", wall_clock=lambda: 0.0)
+        restarted.initial()
+        assert restarted.earlier_quorum_id == 42
+
     def test_corrupt_state_file_is_a_clear_error(self, tmp_path):
         (tmp_path / "last_quorum_id").write_text("garbage")
         with pytest.raises(ValueError, match="does not hold a quorum id"):

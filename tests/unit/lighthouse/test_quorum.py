@@ -276,20 +276,35 @@ class TestForget:
 
 
 class TestStartupGrace:
-    """A restarted lighthouse knows nobody: a minority must not form the first quorum alone."""
+    """A restarted lighthouse knows nobody: a minority must not form the first quorum alone.
+    A first start has nobody to wait for and answers at once, as torchft's lighthouse does."""
 
-    def test_no_first_quorum_until_the_grace_passed(self):
+    RESTARTED = "its state dir holds quorum id 17"
+
+    def test_a_first_start_answers_a_lone_replica_at_once(self):
         s = QuorumState(QuorumConfig(1, join_timeout=1.0, heartbeat_timeout=5.0, startup_grace=5.0), started_at=100.0)
+        join(s, 100.5, "only")
+        assert issue(s, 100.5).replica_ids == ("only",)
+
+    def test_a_restart_holds_the_first_quorum_until_the_grace_passed(self):
+        s = QuorumState(QuorumConfig(1, join_timeout=1.0, heartbeat_timeout=5.0, startup_grace=5.0), started_at=100.0,
+                        restart_evidence=self.RESTARTED)
         join(s, 100.5, "fresh")
         decision, _ = s.decide(101.0)
         assert decision.quorum is None and decision.status is Status.STARTUP_GRACE
-        assert "4.0s left" in decision.reason
+        assert "4.0s left" in decision.reason and self.RESTARTED in decision.reason
+        assert decision.wake_at == 105.0
         s.heartbeat("veteran", 102.0)  # a replica that was training re-registers in time
         join(s, 103.0, "veteran")
         assert issue(s, 105.0).replica_ids == ("fresh", "veteran")
 
+    def test_a_restart_with_no_grace_configured_answers_at_once(self):
+        s = QuorumState(QuorumConfig(1, startup_grace=0.0), started_at=0.0, restart_evidence=self.RESTARTED)
+        join(s, 0.0, "a")
+        assert issue(s, 0.0).replica_ids == ("a",)
+
     def test_later_quorums_are_not_delayed(self):
-        s = QuorumState(QuorumConfig(1, startup_grace=5.0), started_at=0.0)
+        s = QuorumState(QuorumConfig(1, startup_grace=5.0), started_at=0.0, restart_evidence=self.RESTARTED)
         join(s, 4.0, "a")
         assert issue(s, 5.0).replica_ids == ("a",)
         join(s, 5.1, "a")

@@ -25,7 +25,8 @@ What is checked, because ``lighthouse/quorum.py`` promises it:
   than half of the healthy replicas, so two of them issued while the same
   replicas are healthy always share a member; a fast quorum keeps every
   member of the previous one;
-* no first quorum before the startup grace has passed;
+* no first quorum before the startup grace has passed after a restart (a
+  first start has no grace);
 * stale-quorum guard: no quorum of replicas that are all behind the highest
   step an earlier quorum reached (or the persisted one), as long as a
   replica id never reports a lower step than it did before (ids are per
@@ -96,6 +97,7 @@ class Model:
 
     config: QuorumConfig
     started_at: float
+    restarted: bool
     seed_id: int
     max_step: int
     last_heartbeat: dict[str, float] = field(default_factory=dict)
@@ -145,7 +147,7 @@ class Model:
             return Status.FAST_QUORUM
         if not joined:
             return Status.NO_PARTICIPANTS
-        if self.prev is None and self.started_at + cfg.startup_grace - now > 0:
+        if self.prev is None and self.restarted and self.started_at + cfg.startup_grace - now > 0:
             return Status.STARTUP_GRACE
         if len(eligible) < cfg.min_replicas:
             return Status.BELOW_MIN_REPLICAS
@@ -188,7 +190,8 @@ def check_issued(model: Model, quorum: IssuedQuorum, status: Status, now: float,
     prev = model.prev
     if prev is None:
         assert quorum.quorum_id > model.seed_id
-        assert now >= model.started_at + cfg.startup_grace, "first quorum inside the startup grace"
+        if model.restarted:
+            assert now >= model.started_at + cfg.startup_grace, "first quorum inside the startup grace"
     else:
         assert quorum.quorum_id >= prev.quorum_id
         same = set(ids) == set(prev.replica_ids) and not any(m.commit_failures > 0 for m in quorum.members)
@@ -232,9 +235,10 @@ def check_counters(state: QuorumState, model: Model) -> None:
 
 
 def run(config: QuorumConfig, ops, *, started_at: float = 0.0, seed_id: int = 0, persisted_step: int = 0,
-        monotone_steps: bool = True) -> Model:
-    state = QuorumState(config, last_quorum_id=seed_id, started_at=started_at, max_step=persisted_step)
-    model = Model(config, started_at, seed_id, persisted_step)
+        monotone_steps: bool = True, restarted: bool = True) -> Model:
+    state = QuorumState(config, last_quorum_id=seed_id, started_at=started_at, max_step=persisted_step,
+                        restart_evidence="a restart in a property test" if restarted else None)
+    model = Model(config, started_at, restarted, seed_id, persisted_step)
     now = started_at
     for op in ops:
         kind = op[0]
@@ -277,7 +281,7 @@ def run(config: QuorumConfig, ops, *, started_at: float = 0.0, seed_id: int = 0,
             assert decision.status is expected_status, (decision.status, expected_status, decision.reason)
             assert decision.reason
             assert decision.ready == (decision.quorum is not None)
-            if decision.status is Status.WAITING_FOR_STRAGGLERS:
+            if decision.status in (Status.WAITING_FOR_STRAGGLERS, Status.STARTUP_GRACE):
                 assert decision.wake_at is not None and decision.wake_at > now
             if decision.quorum is not None:
                 check_issued(model, decision.quorum, decision.status, now, monotone_steps)
@@ -303,11 +307,12 @@ SHRINK_ONLY_HOLDER = [
 
 @settings(max_examples=400, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(config=configs, ops=histories, started_at=st.sampled_from([0.0, 100.0]),
-       seed_id=st.sampled_from([0, 41, 2**40]), persisted_step=st.sampled_from([0, 0, 0, 7, 1000]))
+       seed_id=st.sampled_from([0, 41, 2**40]), persisted_step=st.sampled_from([0, 0, 0, 7, 1000]),
+       restarted=st.booleans())
 @example(config=QuorumConfig(1, join_timeout=0.0, heartbeat_timeout=3.0), ops=SHRINK_ONLY_HOLDER,
-         started_at=0.0, seed_id=0, persisted_step=0)
-def test_random_histories_keep_every_promise(config, ops, started_at, seed_id, persisted_step):
-    run(config, ops, started_at=started_at, seed_id=seed_id, persisted_step=persisted_step)
+         started_at=0.0, seed_id=0, persisted_step=0, restarted=True)
+def test_random_histories_keep_every_promise(config, ops, started_at, seed_id, persisted_step, restarted):
+    run(config, ops, started_at=started_at, seed_id=seed_id, persisted_step=persisted_step, restarted=restarted)
 
 
 @settings(max_examples=200, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
