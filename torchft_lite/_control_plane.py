@@ -23,6 +23,7 @@ from lighthouse.thread import new_event_loop
 __all__ = ["ControlPlane", "control_plane"]
 
 T = TypeVar("T")
+_HANDOVER = 5.0  # seconds a finished coroutine may take to hand its outcome to the waiting thread (microseconds)
 logger = logging.getLogger(__name__)
 
 
@@ -56,18 +57,20 @@ class ControlPlane:
         """Run ``coro`` on the loop and wait for its result from another thread.
 
         Raises ``TimeoutError`` naming ``what`` after ``timeout`` seconds (the
-        coroutine is cancelled). Calling this from the loop's own thread would
-        deadlock, so it raises ``RuntimeError`` instead.
+        coroutine is cancelled). An error of the coroutine's own, a
+        ``TimeoutError`` of its own included, is raised as it is. Calling this
+        from the loop's own thread would deadlock, so it raises
+        ``RuntimeError`` instead.
         """
         if self.in_loop_thread():
             coro.close()
             raise RuntimeError(f"{what}: blocking call made from the control-plane thread")
         future = self.submit(coro)
-        try:
-            return future.result(timeout)
-        except concurrent.futures.TimeoutError:
-            future.cancel()
-            raise TimeoutError(f"timed out after {timeout:.1f}s waiting for {what}") from None
+        # Not future.result(timeout): its TimeoutError is the very class a coroutine's own timeout raises.
+        concurrent.futures.wait([future], timeout)
+        if not future.done() and future.cancel():  # cancel() is False while the outcome is handed over
+            raise TimeoutError(f"timed out after {timeout:.1f}s waiting for {what}")
+        return future.result(_HANDOVER)
 
 
 _lock = threading.Lock()

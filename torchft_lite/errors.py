@@ -4,21 +4,33 @@
 
     TorchFTError
     ├── ConfigError (also ValueError)        a setting is missing or invalid
-    ├── QuorumError                          the group could not get a quorum
+    ├── QuorumError (also RuntimeError)      the group could not get a quorum
     │   └── QuorumTimeout (also TimeoutError)
-    ├── CollectiveError                      a collective on the replica process group failed
+    ├── CollectiveError (also RuntimeError)  a collective on the replica process group failed
     │   └── CollectiveTimeout (also TimeoutError)
-    ├── CheckpointError                      a live checkpoint could not be served or loaded
+    ├── CheckpointError (also RuntimeError)  a live checkpoint could not be served or loaded
     │   └── CheckpointTransferError          the transfer itself failed (network, checksum, step)
-    │       └── CheckpointTimeout (also TimeoutError)
-    └── ManagerError                         the ManagerServer refused or failed a call
+    │       ├── CheckpointTimeout (also TimeoutError)
+    │       │   └── CheckpointURLTimeout     (also CheckpointURLError) an HTTP receive timed out
+    │       └── CheckpointURLError (also urllib.error.URLError)   an HTTP receive failed
+    │           └── CheckpointHTTPError (also urllib.error.HTTPError)  the server answered an error status
+    └── ManagerError (also RuntimeError)     the ManagerServer refused or failed a call
         └── ManagerTimeout (also TimeoutError)
+
+Each branch also derives from what torchft raises in the same situation, so
+a script written for torchft catches ours: ``RuntimeError`` for failures,
+``TimeoutError`` for timeouts, ``ValueError`` for bad settings, and for an
+HTTP checkpoint receive urllib's ``URLError`` (``HTTPError`` when the server
+answered an error status), as torchft's ``urlopen`` raises.
 
 Lower layers raise these; only the Manager turns one into "skip this step"
 (it records the first error, logs it once and votes not to commit).
 """
 
 from __future__ import annotations
+
+import io
+import urllib.error
 
 __all__ = [
     "TorchFTError",
@@ -30,6 +42,9 @@ __all__ = [
     "CheckpointError",
     "CheckpointTransferError",
     "CheckpointTimeout",
+    "CheckpointURLError",
+    "CheckpointURLTimeout",
+    "CheckpointHTTPError",
     "ManagerError",
     "ManagerTimeout",
 ]
@@ -43,7 +58,7 @@ class ConfigError(TorchFTError, ValueError):
     """A setting is missing or invalid; the message names it."""
 
 
-class QuorumError(TorchFTError):
+class QuorumError(TorchFTError, RuntimeError):
     """No quorum could be formed for this step."""
 
 
@@ -51,7 +66,7 @@ class QuorumTimeout(QuorumError, TimeoutError):
     """The quorum did not arrive within its timeout."""
 
 
-class CollectiveError(TorchFTError):
+class CollectiveError(TorchFTError, RuntimeError):
     """A collective on the cross-replica process group failed."""
 
 
@@ -59,7 +74,7 @@ class CollectiveTimeout(CollectiveError, TimeoutError):
     """A collective did not finish within its timeout."""
 
 
-class CheckpointError(TorchFTError):
+class CheckpointError(TorchFTError, RuntimeError):
     """A live checkpoint could not be served, encoded or decoded."""
 
 
@@ -71,7 +86,37 @@ class CheckpointTimeout(CheckpointTransferError, TimeoutError):
     """A checkpoint transfer did not finish within its timeout."""
 
 
-class ManagerError(TorchFTError):
+class CheckpointURLError(CheckpointTransferError, urllib.error.URLError):
+    """Receiving a checkpoint over HTTP failed (refused, reset, truncated, timed out, an error status).
+
+    Also a ``urllib.error.URLError`` whose ``reason`` is the message (its
+    ``str`` reads ``<urlopen error ...>``), as torchft's receive raises.
+    """
+
+    def __init__(self, message: str) -> None:
+        urllib.error.URLError.__init__(self, message)
+        self.args = (message,)
+
+
+class CheckpointURLTimeout(CheckpointTimeout, CheckpointURLError):
+    """Receiving a checkpoint over HTTP did not finish within its timeout."""
+
+
+class CheckpointHTTPError(CheckpointURLError, urllib.error.HTTPError):
+    """The checkpoint server answered an error status; ``code`` is the status, ``read()`` its body.
+
+    Also a ``urllib.error.HTTPError`` (``str``: ``HTTP Error <code>: <message>``).
+    """
+
+    def __init__(self, url: str, code: int, message: str, body: bytes = b"") -> None:
+        urllib.error.HTTPError.__init__(self, url, code, message, None, io.BytesIO(body))  # type: ignore[arg-type]
+        self.args = (url, code, message, body)
+
+    def __reduce__(self):  # the body stream does not pickle; the arguments do
+        return type(self), self.args
+
+
+class ManagerError(TorchFTError, RuntimeError):
     """A call to the group's ManagerServer failed."""
 
 
