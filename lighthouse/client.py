@@ -6,6 +6,8 @@ call takes a timeout; gRPC errors are translated at this boundary.
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 
 from lighthouse.protocol import torchft_pb2 as pb
@@ -58,12 +60,15 @@ class UnaryChannel:
         self._channel: grpc.aio.Channel | None = None
         self._calls: dict[str, grpc.aio.UnaryUnaryMultiCallable] = {}
 
+    def _open(self) -> grpc.aio.Channel:
+        if self._channel is None:
+            self._channel = grpc.aio.insecure_channel(grpc_target(self.address), options=CHANNEL_OPTIONS)
+        return self._channel
+
     def _call(self, method: str, request_cls, response_cls) -> grpc.aio.UnaryUnaryMultiCallable:
         call = self._calls.get(method)
         if call is None:
-            if self._channel is None:
-                self._channel = grpc.aio.insecure_channel(grpc_target(self.address), options=CHANNEL_OPTIONS)
-            call = self._channel.unary_unary(
+            call = self._open().unary_unary(
                 f"/{self.service}/{method}",
                 request_serializer=request_cls.SerializeToString,
                 response_deserializer=response_cls.FromString,
@@ -72,9 +77,7 @@ class UnaryChannel:
         return call
 
     def _stream_call(self, method: str, request_cls, response_cls) -> grpc.aio.UnaryStreamMultiCallable:
-        if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(grpc_target(self.address), options=CHANNEL_OPTIONS)
-        return self._channel.unary_stream(
+        return self._open().unary_stream(
             f"/{self.service}/{method}",
             request_serializer=request_cls.SerializeToString,
             response_deserializer=response_cls.FromString,
@@ -97,6 +100,17 @@ class LighthouseClient(UnaryChannel):
             raise ValueError("lighthouse address is empty (set TORCHFT_LIGHTHOUSE or pass lighthouse_addr)")
         super().__init__(address)
         self.connect_timeout = connect_timeout
+
+    async def connect(self, *, timeout: float) -> None:
+        """Wait (up to ``timeout`` s) until the channel is connected, so a wrong
+        address fails here rather than as a timeout of the first call."""
+        try:
+            await asyncio.wait_for(self._open().channel_ready(), timeout)
+        except TimeoutError:
+            raise LighthouseTimeout(
+                f"lighthouse {self.address}: not connected within {timeout:.1f}s "
+                "(is it running, and is the address right?)"
+            ) from None
 
     async def _invoke(self, method: str, request, response_cls, timeout: float, what: str):
         call = self._call(method, type(request), response_cls)

@@ -10,10 +10,11 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from typing import Any, Awaitable, Callable, TypeVar
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, TypeVar
 
-from lighthouse.config import LighthouseConfig
-from lighthouse.server import LighthouseServer
+if TYPE_CHECKING:  # the server is imported when a lighthouse starts: trainers import this module for new_event_loop
+    from lighthouse.config import LighthouseConfig
+    from lighthouse.server import LighthouseServer
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -46,8 +47,10 @@ class BackgroundLighthouse:
         asyncio.set_event_loop(self._loop)
 
         async def main() -> None:
-            self.server = LighthouseServer(self.config, **self._server_kwargs)
             try:
+                from lighthouse.server import LighthouseServer
+
+                self.server = LighthouseServer(self.config, **self._server_kwargs)
                 await self.server.serve(lambda: self._started.set_result(None))
             except BaseException as exc:
                 if not self._started.done():
