@@ -1,0 +1,145 @@
+"""torchft's coordination API (torchft_lite.coordination) against a real lighthouse on 127.0.0.1, port 0."""
+
+import concurrent.futures
+import socket
+import threading
+from datetime import timedelta
+
+import pytest
+
+from tests.conftest import WAIT, wait_until_sync
+from torchft_lite.coordination import LighthouseClient, LighthouseServer, Quorum, QuorumMember, Timestamp
+from torchft_lite.errors import ConfigError, QuorumError, QuorumTimeout
+
+pytestmark = pytest.mark.integration
+
+LONG = timedelta(seconds=WAIT)
+
+
+@pytest.fixture
+def serve():
+    """``serve(**kwargs)``: a LighthouseServer on 127.0.0.1:0, shut down after the test."""
+    servers = []
+
+    def start(**kwargs) -> LighthouseServer:
+        kwargs.setdefault("min_replicas", 1)
+        server = LighthouseServer(bind="127.0.0.1:0", **kwargs)
+        servers.append(server)
+        return server
+
+    try:
+        yield start
+    finally:
+        for server in servers:
+            server.shutdown()
+
+
+def connect(server: LighthouseServer) -> LighthouseClient:
+    return LighthouseClient(server.address(), connect_timeout=LONG)
+
+
+def test_a_lone_replica_gets_a_quorum_carrying_everything_it_sent(serve):
+    server = serve(join_timeout_ms=100)
+    with connect(server) as client:
+        quorum = client.quorum(
+            replica_id="solo", timeout=LONG, address="http://solo:1", store_address="solo:2", step=3,
+            world_size=4, shrink_only=False, data={"my_data": 1234, "nested": [1, {"x": None}]},
+        )
+        assert isinstance(quorum, Quorum) and isinstance(quorum.created, Timestamp)
+        assert quorum.created.seconds > 0 and 0 <= quorum.created.nanos < 10**9
+        assert quorum.participants == [QuorumMember(
+            replica_id="solo", address="http://solo:1", store_address="solo:2", step=3, world_size=4,
+            shrink_only=False, data={"my_data": 1234, "nested": [1, {"x": None}]},
+        )]
+        # Every optional argument left out: defaults, and no data.
+        again = client.quorum(replica_id="solo", timeout=LONG)
+        assert again.participants == [QuorumMember("solo", "", "", 0, 0, False, None)]
+        assert again.quorum_id == quorum.quorum_id  # same membership, same id
+
+
+def test_replicas_asking_from_several_threads_share_one_sorted_quorum(serve):
+    server = serve(min_replicas=3)
+    with connect(server) as client, concurrent.futures.ThreadPoolExecutor(3) as pool:
+        quorums = list(pool.map(lambda rid: client.quorum(replica_id=rid, timeout=LONG, step=1), ["c", "a", "b"]))
+    assert len({q.quorum_id for q in quorums}) == 1
+    assert [m.replica_id for m in quorums[0].participants] == ["a", "b", "c"]
+
+
+def test_a_heartbeat_makes_a_replica_healthy(serve):
+    server = serve(heartbeat_timeout_ms=int(WAIT * 1000))
+    with connect(server) as client:
+        client.heartbeat("rep0")
+        client.heartbeat("rep0", timeout=LONG)
+        # rep0 is healthy, so a quorum of "probe" alone would not be a majority: rep0 must join too.
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            probe = pool.submit(client.quorum, replica_id="probe", timeout=LONG)
+            mine = client.quorum(replica_id="rep0", timeout=LONG)
+            assert [m.replica_id for m in mine.participants] == ["probe", "rep0"]
+            assert probe.result(WAIT).quorum_id == mine.quorum_id
+
+
+def test_a_quorum_that_does_not_come_is_a_timeout_naming_the_replica(serve):
+    server = serve(min_replicas=2)
+    with connect(server) as client:
+        with pytest.raises(QuorumTimeout, match="'?lonely'?.*0.2s") as caught:
+            client.quorum(replica_id="lonely", timeout=timedelta(milliseconds=200))
+    assert isinstance(caught.value, TimeoutError)
+
+
+def test_a_refused_call_is_a_quorum_error_not_a_timeout(serve):
+    server = serve()
+    with connect(server) as client:
+        with pytest.raises(QuorumError, match="INVALID_ARGUMENT") as caught:
+            client.quorum(replica_id="", timeout=LONG)
+    assert not isinstance(caught.value, TimeoutError)
+
+
+def test_shutdown_fails_a_waiting_call_at_once_and_can_be_repeated(serve):
+    server = serve(min_replicas=2)
+    client = connect(server)
+    outcome: list[BaseException] = []
+
+    def wait_for_quorum():
+        try:
+            client.quorum(replica_id="waiting", timeout=LONG)
+        except QuorumError as exc:
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=wait_for_quorum)
+    waiter.start()
+    try:
+        wait_until_sync(lambda: server._lighthouse.statistics().participants == 1, "the call to be waiting")
+        server.shutdown()
+        server.shutdown()
+        waiter.join(WAIT)
+        assert not waiter.is_alive()
+        assert len(outcome) == 1 and not isinstance(outcome[0], TimeoutError), outcome
+        assert "UNAVAILABLE" in str(outcome[0])
+    finally:
+        client.close()
+
+
+def test_connecting_to_nothing_fails_in_the_constructor():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # closed again: nothing listens there
+    with pytest.raises(QuorumTimeout, match=f"127.0.0.1:{port}.*not connected within 0.3s"):
+        LighthouseClient(f"http://127.0.0.1:{port}", connect_timeout=timedelta(milliseconds=300))
+
+
+def test_a_taken_port_and_bad_settings_are_clear_errors(serve):
+    server = serve()
+    port = server.address().rpartition(":")[2]
+    with pytest.raises(OSError, match="could not bind"):
+        LighthouseServer(bind=f"127.0.0.1:{port}", min_replicas=1)
+    with pytest.raises(ConfigError, match="min_replicas"):
+        LighthouseServer(bind="127.0.0.1:0", min_replicas=0)
+    with pytest.raises(ConfigError, match="join_timeout_ms"):
+        LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=-1)
+    with pytest.raises(ConfigError, match="connect_timeout"):
+        LighthouseClient(server.address(), connect_timeout="soon")
+    with connect(server) as client:
+        with pytest.raises(ConfigError, match="timeout"):
+            client.quorum(replica_id="a", timeout=-1.0)
+        with pytest.raises(TypeError, match="JSON"):
+            client.quorum(replica_id="a", timeout=LONG, data={"x": object()})
