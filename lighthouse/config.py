@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from lighthouse.addresses import split_host_port
 from lighthouse.quorum import QuorumConfig
 
 ADMIN_TOKEN_ENV = "TORCHFT_LITE_ADMIN_TOKEN"
@@ -20,22 +21,6 @@ DEFAULT_BIND = "[::]:29510"
 DEFAULT_HTTP_BIND = "[::]:29511"
 HTTP_DISABLED = "off"
 GRPC_ENGINES = ("native", "grpcio")
-
-
-def split_host_port(address: str) -> tuple[str, int]:
-    """'[::]:29510' -> ('::', 29510); 'localhost:0' -> ('localhost', 0)."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not host:
-        raise ValueError(f"expected HOST:PORT, got {address!r}")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    try:
-        port_number = int(port)
-    except ValueError:
-        raise ValueError(f"port must be a number in {address!r}") from None
-    if not 0 <= port_number <= 65535:
-        raise ValueError(f"port out of range in {address!r}")
-    return host, port_number
 
 
 @dataclass(frozen=True)

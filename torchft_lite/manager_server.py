@@ -35,7 +35,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from lighthouse.client import LighthouseClient
-from lighthouse.config import split_host_port
+from lighthouse.addresses import split_host_port
 from lighthouse.h2grpc import GrpcServer
 from lighthouse.h2grpc.server import RpcAbort
 from lighthouse.leases import Broadcast
