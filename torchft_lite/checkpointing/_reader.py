@@ -28,7 +28,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from torchft_lite.checkpointing import _checksum, _cuda
+from torchft_lite.checkpointing import _checksum, _cuda, _dtensor
 from torchft_lite.checkpointing._serialization import (
     DTYPES, PREFIX_SIZE, Header, Path, TensorEntry, byte_view, format_path, parse_header, unpack_prefix,
 )
@@ -44,12 +44,14 @@ class StateDictReader:
     shape match, the bytes land in it (directly when it is a contiguous CPU
     tensor, else through a CPU buffer, pinned for a GPU target, that
     :meth:`finish` copies in on the recovery stream), and the result holds
-    that very tensor. A failed transfer may leave such a target
-    partly overwritten.
+    that very tensor. A DTensor target receives into its local shard (see
+    ``_dtensor``). A failed transfer may leave such a target partly
+    overwritten.
     """
 
     def __init__(self, header: Header, targets: Mapping[Path, torch.Tensor] | None = None) -> None:
         self.header = header
+        self._targets = targets
         self._tensors: list[torch.Tensor] = []
         self._copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
         try:
@@ -68,6 +70,8 @@ class StateDictReader:
 
     def _buffer_for(self, entry: TensorEntry, target: torch.Tensor | None) -> torch.Tensor:
         dtype = DTYPES[entry.dtype]
+        if target is not None:
+            target = _dtensor.local_of(target)  # a DTensor's shard is received into its local tensor
         if target is None or target.dtype != dtype or tuple(target.shape) != entry.shape:
             return torch.empty(entry.shape, dtype=dtype)
         if target.device.type == "cpu" and target.is_contiguous():
@@ -238,7 +242,7 @@ class StateDictReader:
             raise CheckpointTransferError("the receive was abandoned (failed or timed out) before it was applied")
         results = {id(buffer): target for buffer, target in self._copy_back}
         _cuda.to_device(self._copy_back)
-        return self.header.build([results.get(id(tensor), tensor) for tensor in self._tensors])
+        return self.header.build([results.get(id(tensor), tensor) for tensor in self._tensors], self._targets)
 
 
 def decode_bytes(blob: bytes | memoryview, targets: Mapping[Path, torch.Tensor] | None = None) -> tuple[int, Any]:

@@ -13,6 +13,7 @@ One encoded state dict is::
     NODE  = [tag, value], tag one of
             none bool int str bytes(base64) float(float.hex) dtype size timedelta([d, s, us])
             tensor(index into "tensors") list tuple dict([[KEY, NODE], ...])
+            dtensor([index of its local shard in "tensors", LAYOUT]: see ``_dtensor``)
     KEY   = a none/bool/int/float/str node, or a tuple of keys
 
 Blocks cut each tensor every ``B`` bytes (see ``_checksum``). The trailer
@@ -37,11 +38,11 @@ import struct
 import sys
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
-from torchft_lite.checkpointing import _checksum, _cuda
+from torchft_lite.checkpointing import _checksum, _cuda, _dtensor
 from torchft_lite.errors import CheckpointError, CheckpointTransferError
 
 __all__ = [
@@ -99,7 +100,10 @@ class FlatStateDict:
 
     tree: Any
     tensors: tuple[torch.Tensor, ...]
+    """The tensors whose bytes travel: a DTensor's local shard stands for it."""
     paths: tuple[Path, ...]
+    leaves: tuple[torch.Tensor, ...]
+    """The state dict's own tensor values (DTensors as they are), one per entry of ``tensors``."""
 
 
 def _unsupported(value: Any, path: Path, why: str = "unsupported type") -> CheckpointError:
@@ -150,6 +154,7 @@ def flatten(state_dict: Any) -> FlatStateDict:
     that the format cannot carry.
     """
     tensors: list[torch.Tensor] = []
+    leaves: list[torch.Tensor] = []
     paths: list[Path] = []
     open_containers: set[int] = set()
 
@@ -157,10 +162,12 @@ def flatten(state_dict: Any) -> FlatStateDict:
         if len(path) > MAX_DEPTH:
             raise CheckpointError(f"state dict nested deeper than {MAX_DEPTH} levels at {format_path(path)}")
         if isinstance(value, torch.Tensor):
-            _check_tensor(value, path)
-            tensors.append(value)
+            local, layout = _dtensor.describe(value, format_path(path)) if _dtensor.is_dtensor(value) else (value, None)
+            _check_tensor(local, path)
+            tensors.append(local)
+            leaves.append(value)
             paths.append(path)
-            return ["tensor", len(tensors) - 1]
+            return ["tensor", len(tensors) - 1] if layout is None else ["dtensor", [len(tensors) - 1, layout]]
         scalar = _scalar_node(value)
         if scalar is not None:
             return scalar
@@ -188,13 +195,13 @@ def flatten(state_dict: Any) -> FlatStateDict:
         raise _unsupported(value, path)
 
     tree = node(state_dict, ())
-    return FlatStateDict(tree, tuple(tensors), tuple(paths))
+    return FlatStateDict(tree, tuple(tensors), tuple(paths), tuple(leaves))
 
 
 def targets_of(state_dict: Any) -> dict[Path, torch.Tensor]:
-    """Every tensor of ``state_dict`` by its path: where a receive may land in place."""
+    """Every tensor of ``state_dict`` (DTensors as they are) by its path: where a receive may land in place."""
     flat = flatten(state_dict)
-    return dict(zip(flat.paths, flat.tensors))
+    return dict(zip(flat.paths, flat.leaves))
 
 
 @dataclass(frozen=True)
@@ -448,9 +455,19 @@ class Header:
         """Bytes of the checksums that follow the whole data section."""
         return len(self.blocks) * _checksum.SUM_BYTES
 
-    def build(self, tensors: Sequence[torch.Tensor]) -> Any:
-        """The state dict, with ``tensors[i]`` in place of tensor ``i``."""
-        return _decode(self.tree, (), lambda index, path: tensors[index])
+    def build(self, tensors: Sequence[torch.Tensor], targets: Mapping[Path, torch.Tensor] | None = None) -> Any:
+        """The state dict, with ``tensors[i]`` in place of tensor ``i`` (wrapped again when it was a DTensor's).
+
+        ``targets`` are the receiver's own tensors by path (see ``_dtensor``).
+        """
+        meshes = _dtensor.MeshResolver(targets)
+
+        def leaf(index: int, path: Path, layout: _dtensor.DTensorLayout | None = None) -> Any:
+            if layout is None:
+                return tensors[index]
+            return _dtensor.rebuild(tensors[index], layout, (targets or {}).get(path), meshes, format_path(path))
+
+        return _decode(self.tree, (), leaf)
 
 
 def unpack_prefix(prefix: bytes) -> tuple[int, int]:
@@ -492,7 +509,7 @@ def parse_header(header_json: bytes, crc: int, *, following: int | None = None) 
         raise _bad(f"tensors hold {offset} bytes but data_bytes is {declared}")
     paths: list[Path | None] = [None] * len(entries)
 
-    def record(index: Any, path: Path) -> None:
+    def record(index: Any, path: Path, layout: Any = None) -> None:
         if type(index) is not int or not 0 <= index < len(entries) or paths[index] is not None:
             raise _bad(f"bad or repeated tensor reference {str(index)[:20]!r} at {format_path(path)}")
         paths[index] = path
@@ -510,62 +527,6 @@ def parse_header(header_json: bytes, crc: int, *, following: int | None = None) 
                   Blocks(entries, block_bytes))
 
 
-def header_difference(first: Header, other: Header) -> str:
-    """What ``other`` declares differently from ``first``, in a few words for an error message.
-
-    Two replicas that serve the same step should send byte-identical headers;
-    when they do not, this says where they part: the step, the block size, the
-    first tensor whose path, dtype or shape differs, or the first non-tensor
-    value that differs (an optimizer's ``lr``, say).
-    """
-    if first.step != other.step:
-        return f"step {first.step} vs step {other.step}"
-    if first.blocks.block_bytes != other.blocks.block_bytes:
-        return f"checksum blocks of {first.blocks.block_bytes} vs {other.blocks.block_bytes} bytes"
-    for index in range(max(len(first.entries), len(other.entries))):
-        if index >= len(first.entries) or index >= len(other.entries):
-            extra = first if index < len(first.entries) else other
-            return (f"structure: {len(first.entries)} vs {len(other.entries)} tensors (tensor "
-                    f"{format_path(extra.paths[index])} is only in one)")
-        mine, theirs = first.entries[index], other.entries[index]
-        if first.paths[index] != other.paths[index]:
-            return f"structure: tensor {index} is {format_path(first.paths[index])} vs " \
-                   f"{format_path(other.paths[index])}"
-        if (mine.dtype, mine.shape) != (theirs.dtype, theirs.shape):
-            return f"structure: tensor {format_path(first.paths[index])} is {mine.dtype}{list(mine.shape)} vs " \
-                   f"{theirs.dtype}{list(theirs.shape)}"
-    return _node_difference(first.tree, other.tree, ()) or "the header bytes (same contents, encoded differently)"
-
-
-def _node_difference(mine: Any, theirs: Any, path: Path) -> str | None:
-    """The first place two validated trees differ, or None (raw JSON nodes: a NaN equals itself here)."""
-    if mine == theirs:
-        return None
-    (tag, value), (their_tag, their_value) = mine, theirs
-    if tag == their_tag == "dict":
-        keys = [_decode_key(key, path) for key, _ in value]
-        if keys != [_decode_key(key, path) for key, _ in their_value]:
-            return f"structure: the keys at {format_path(path)} differ"
-        pairs = zip(keys, value, their_value)
-        children = ((path + (key,), a, b) for key, (_, a), (_, b) in pairs)
-    elif tag == their_tag and tag in ("list", "tuple"):
-        if len(value) != len(their_value):
-            return f"structure: {len(value)} vs {len(their_value)} items at {format_path(path)}"
-        children = ((path + (i,), a, b) for i, (a, b) in enumerate(zip(value, their_value)))
-    else:
-        return f"value at {format_path(path)}: {_shown(mine, path)} vs {_shown(theirs, path)}"
-    for child_path, a, b in children:
-        found = _node_difference(a, b, child_path)
-        if found is not None:
-            return found
-    return None
-
-
-def _shown(node: Any, path: Path) -> str:
-    text = repr(_decode(node, path, lambda index, _: f"<tensor {index}>"))
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 def _block_bytes(raw: Any) -> int:
     if not isinstance(raw, dict) or raw.get("algorithm") != _checksum.ALGORITHM:
         algorithm = raw.get("algorithm") if isinstance(raw, dict) else raw
@@ -580,7 +541,8 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"non-standard constant {name}")
 
 
-def _decode(node: Any, path: Path, on_tensor: Callable[[int, Path], Any]) -> Any:
+def _decode(node: Any, path: Path, on_tensor: Callable[..., Any]) -> Any:
+    """Build ``node``; ``on_tensor(index, path[, layout])`` makes each tensor (a DTensor's with its layout)."""
     if len(path) > MAX_DEPTH:
         raise _bad(f"nested deeper than {MAX_DEPTH} levels at {format_path(path)}")
     if not isinstance(node, list) or len(node) != 2 or not isinstance(node[0], str):
@@ -589,6 +551,9 @@ def _decode(node: Any, path: Path, on_tensor: Callable[[int, Path], Any]) -> Any
     try:
         if tag == "tensor":
             return on_tensor(value, path)
+        if tag == "dtensor":
+            index, layout = value
+            return on_tensor(index, path, _dtensor.parse(layout, format_path(path)))
         if tag == "dict":
             result: dict = {}
             for key_node, value_node in value:
@@ -633,5 +598,6 @@ def _decode_key(node: Any, path: Path, depth: int = 0) -> Any:
     return _decode_scalar(node[0], node[1], path)
 
 
-# The reader lives in its own module; re-exported here so the format has one import.
-from torchft_lite.checkpointing._reader import StateDictReader, decode_bytes  # after the definitions it imports
+# The reader and the header comparison live in their own modules; re-exported here so the format has one import.
+from torchft_lite.checkpointing._header_difference import header_difference  # after the definitions it imports
+from torchft_lite.checkpointing._reader import StateDictReader, decode_bytes  # noqa: E402
