@@ -8,6 +8,7 @@ test) cannot disturb the next.
 import hashlib
 import itertools
 import queue
+import time
 import traceback
 from datetime import timedelta
 
@@ -24,6 +25,7 @@ from tests.conftest import WAIT
 pytestmark = pytest.mark.integration
 
 LONG = timedelta(seconds=WAIT)
+LATE = 1.0  # seconds a "late-send" peer waits before sending
 
 
 def state_dict(seed: int) -> dict:
@@ -34,6 +36,18 @@ def state_dict(seed: int) -> dict:
     optim.step()
     return {"user": {"model": model.state_dict(), "optim": optim.state_dict(), "bf16": torch.randn(5).bfloat16()},
             "torchft": {"step": seed, "note": ("x", None, b"\x02")}}
+
+
+def sharded_state(seed: int) -> dict:
+    """A DTensor (a rank's shard of an 8x3 weight over a 4-rank mesh) beside plain values."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    torch.manual_seed(seed)
+    mesh = DeviceMesh("cpu", torch.arange(4), mesh_dim_names=("fsdp",), _init_backend=False, _rank=0)
+    weight = DTensor.from_local(torch.randn(2, 3), mesh, [Shard(0)], run_check=False, shape=torch.Size([8, 3]),
+                                stride=(3, 1))
+    return {"weight": weight, "step": seed}
 
 
 def digest(step: int, state) -> str:
@@ -59,8 +73,11 @@ def peer_main(port: int, commands: "mp.Queue", results: "mp.Queue") -> None:
             transport = PGTransport(gloo_group(store, prefix, 1), LONG, bucket_bytes=1000)
             if action == "idle":
                 continue  # joined the group; sends nothing (the group lives until the next command)
-            if action == "send":
-                transport.send_checkpoint([0], step, state_dict(seed), LONG)
+            if action in ("send", "late-send", "send-dtensor"):
+                if action == "late-send":
+                    time.sleep(LATE)
+                sent = sharded_state(seed) if action == "send-dtensor" else state_dict(seed)
+                transport.send_checkpoint([0], step, sent)  # the constructor's timeout
                 results.put(("ok", None))
             else:
                 results.put(("ok", digest(step, transport.recv_checkpoint(0, "<n/a>", step, LONG))))
@@ -130,3 +147,40 @@ def test_a_receive_with_nothing_sent_times_out(peer):
     transport = PGTransport(ask("idle", step=0), LONG)
     with pytest.raises(CheckpointTimeout, match="announcement from rank 1"):
         transport.recv_checkpoint(1, "<n/a>", 5, timedelta(seconds=1))
+
+
+def test_the_timeout_defaults_to_the_constructors(peer):
+    ask, answer = peer
+    transport = PGTransport(ask("send", step=4, seed=4), LONG)
+    received = transport.recv_checkpoint(1, "<n/a>", 4)  # and the peer sent without one too
+    answer()
+    assert digest(4, received) == digest(4, state_dict(seed=4))
+
+
+@pytest.mark.parametrize("per_call", [None, "omitted"])
+def test_without_a_timeout_of_its_own_a_receive_keeps_the_constructors(peer, per_call):
+    ask, _ = peer
+    transport = PGTransport(ask("idle", step=0), timedelta(milliseconds=200))
+    kwargs = {} if per_call == "omitted" else {"timeout": None}
+    with pytest.raises(RuntimeError, match="timed out waiting for the checkpoint announcement from rank 1") as caught:
+        transport.recv_checkpoint(1, "<n/a>", 5, **kwargs)
+    assert isinstance(caught.value, CheckpointTimeout) and isinstance(caught.value, TimeoutError)
+
+
+def test_a_zero_timeout_leaves_the_deadline_to_the_process_group(peer):
+    ask, answer = peer
+    # The transport's own default (50 ms) is far shorter than the peer's delay; the group's (WAIT) is not.
+    transport = PGTransport(ask("late-send", step=6, seed=6), timedelta(milliseconds=50))
+    received = transport.recv_checkpoint(1, "<n/a>", 6, timedelta(0))
+    answer()
+    assert digest(6, received) == digest(6, state_dict(seed=6))
+
+
+def test_a_dtensor_travels_as_its_local_shard_and_layout(peer):
+    ask, answer = peer
+    transport = PGTransport(ask("send-dtensor", step=2, seed=2), LONG)
+    received = transport.recv_checkpoint(1, "<n/a>", 2, LONG)
+    answer()
+    sent = sharded_state(seed=2)
+    assert received["weight"]._spec == sent["weight"]._spec and received["step"] == 2
+    assert torch.equal(received["weight"]._local_tensor, sent["weight"]._local_tensor)

@@ -13,11 +13,17 @@ several pieces. Each piece is sent from the tensor's own memory and received
 straight into the destination tensor (on CPU): no staging copies. Nothing is
 pickled; the receiver validates the header and the step, and checks every
 block's checksum.
+
+Timeouts: ``timeout`` bounds a whole send or receive. Omitted or None, the
+constructor's applies. ``timedelta(0)`` sets no deadline of the transport's
+own: each wait is then bounded by the process group's own timeout (torchft
+hands the zero to ``Work.wait``, which reads it the same way).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from datetime import timedelta
 from typing import Any, Callable, Protocol, Sequence, TypeVar
@@ -63,7 +69,8 @@ class PGTransport(CheckpointTransport[T]):
 
     Args:
         pg: a process group with ``send``/``recv`` of tensor lists (see :class:`PointToPoint`).
-        timeout: default bound for a whole send or receive.
+        timeout: default bound for a whole send or receive (zero: the process group's own timeout
+            bounds each wait).
         device: where the buckets travel (``cpu`` for gloo, a CUDA device for NCCL).
         state_dict: when given, returns the local state dict; a received tensor
             whose path, dtype and shape match one of its tensors is written into
@@ -88,9 +95,13 @@ class PGTransport(CheckpointTransport[T]):
     def disallow_checkpoint(self) -> None:
         """Nothing to do: :meth:`send_checkpoint` has finished reading the state dict when it returns."""
 
-    def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: T, timeout: timedelta) -> None:
-        """Send ``state_dict`` as step ``step`` to every rank in ``dst_ranks``; blocks until sent."""
-        deadline = time.monotonic() + (timeout or self._timeout).total_seconds()
+    def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: T,
+                        timeout: timedelta | None = None) -> None:
+        """Send ``state_dict`` as step ``step`` to every rank in ``dst_ranks``; blocks until sent.
+
+        ``timeout`` defaults to the constructor's (see the module docstring for zero).
+        """
+        deadline = self._deadline(timeout)
         started = time.monotonic()
         encoded = wire.encode(step, wire.flatten(state_dict))
         try:
@@ -118,9 +129,12 @@ class PGTransport(CheckpointTransport[T]):
         logger.info("sent step %d (%d bytes) to ranks %s in %.2fs", step, encoded.total_bytes, dst_ranks,
                     time.monotonic() - started)
 
-    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> T:
-        """Receive the state dict of ``step`` from ``src_rank``; blocks until it is verified."""
-        deadline = time.monotonic() + (timeout or self._timeout).total_seconds()
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta | None = None) -> T:
+        """Receive the state dict of ``step`` from ``src_rank``; blocks until it is verified.
+
+        ``timeout`` defaults to the constructor's (see the module docstring for zero).
+        """
+        deadline = self._deadline(timeout)
         started = time.monotonic()
         meta = self._recv(torch.zeros(3, dtype=torch.int64), src_rank, _TAG_META, deadline,
                           f"the checkpoint announcement from rank {src_rank}")
@@ -164,6 +178,11 @@ class PGTransport(CheckpointTransport[T]):
     def shutdown(self, wait: bool = True) -> None:
         """Nothing to release: the process group belongs to the caller."""
 
+    def _deadline(self, timeout: timedelta | None) -> float:
+        """When a transfer must be done, on ``time.monotonic()``; ``math.inf`` leaves it to the process group."""
+        seconds = (self._timeout if timeout is None else timeout).total_seconds()
+        return time.monotonic() + seconds if seconds > 0 else math.inf
+
     def _targets(self) -> dict[wire.Path, torch.Tensor]:
         return {} if self._state_dict is None else wire.targets_of(self._state_dict())
 
@@ -182,13 +201,16 @@ class PGTransport(CheckpointTransport[T]):
 
 
 def _wait(works: Sequence[Any], deadline: float, what: str) -> None:
-    """Wait for every work until ``deadline``; errors become checkpoint errors naming ``what``."""
+    """Wait for every work until ``deadline`` (``math.inf``: the group's own timeout bounds each wait).
+
+    Errors become checkpoint errors naming ``what``.
+    """
     for work in works:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise CheckpointTimeout(f"timed out waiting for {what}")
         try:
-            finished = work.wait(timedelta(seconds=remaining))
+            finished = work.wait() if math.isinf(remaining) else work.wait(timedelta(seconds=remaining))
         except CheckpointError:
             raise
         except (RuntimeError, TimeoutError) as exc:  # torch's DistBackendError is a RuntimeError
