@@ -91,7 +91,7 @@ def test_a_refused_call_is_a_quorum_error_not_a_timeout(serve):
     with connect(server) as client:
         with pytest.raises(QuorumError, match="INVALID_ARGUMENT") as caught:
             client.quorum(replica_id="", timeout=LONG)
-    assert not isinstance(caught.value, TimeoutError)
+    assert isinstance(caught.value, RuntimeError) and not isinstance(caught.value, TimeoutError)  # as torchft's
 
 
 def test_shutdown_fails_a_waiting_call_at_once_and_can_be_repeated(serve):
