@@ -20,7 +20,7 @@ import torch
 from torchft_lite.checkpointing import HTTPTransport
 from torchft_lite.checkpointing import _serialization as wire
 from torchft_lite.checkpointing import http_transport
-from torchft_lite.errors import CheckpointError, CheckpointTimeout, CheckpointTransferError
+from torchft_lite.errors import CheckpointError, CheckpointHTTPError, CheckpointTimeout, CheckpointTransferError
 from tests.conftest import WAIT, wait_until_sync
 
 pytestmark = pytest.mark.integration
@@ -65,8 +65,11 @@ def test_metadata_is_the_url_with_the_advertised_host(make_transport):
 def test_a_wrong_step_is_refused_naming_both_steps(make_transport):
     server, client = make_transport(), make_transport()
     server.send_checkpoint([], 5, state_dict(), LONG)
-    with pytest.raises(CheckpointTransferError, match="requested step 4, but this replica serves step 5"):
+    # torchft's answer and words: a 400, raised as urllib's HTTPError
+    with pytest.raises(urllib.error.HTTPError, match=r"HTTP Error 400: .*serving 5 but got step=4") as caught:
         client.recv_checkpoint(0, server.metadata(), 4, LONG)
+    assert isinstance(caught.value, CheckpointTransferError) and caught.value.code == 400
+    assert b"serving 5 but got step=4" in caught.value.read()
     server.disallow_checkpoint()
 
 
@@ -83,9 +86,10 @@ def test_chunked_fetch_gives_identical_tensors(make_transport):
 def test_the_token_is_required_and_checked(make_transport):
     server = make_transport(token="s3cret")
     server.send_checkpoint([1], 5, state_dict(), LONG)
-    with pytest.raises(CheckpointTransferError, match="HTTP 401"):
+    with pytest.raises(CheckpointHTTPError, match="HTTP Error 401: .*check the token") as caught:
         make_transport().recv_checkpoint(0, server.metadata(), 5, LONG)
-    with pytest.raises(CheckpointTransferError, match="HTTP 403"):
+    assert caught.value.code == 401
+    with pytest.raises(CheckpointHTTPError, match="HTTP Error 403: .*check the token"):
         make_transport(token="guess").recv_checkpoint(0, server.metadata(), 5, LONG)
     received = make_transport(token="s3cret").recv_checkpoint(0, server.metadata(), 5, LONG)
     assert received["torchft"]["step"] == 5
@@ -122,7 +126,7 @@ def test_disallow_waits_for_the_expected_receiver(make_transport, threads):
     sent = state_dict()
     server.send_checkpoint([1], 5, sent, LONG)
     released = threads.submit(server.disallow_checkpoint)
-    # Had disallow not waited for this receiver, it would get 409 "released".
+    # Had disallow not waited for this receiver, it would get 400 "released".
     assert digest(5, client.recv_checkpoint(0, server.metadata(), 5, LONG)) == digest(5, sent)
     released.result(WAIT)
 
@@ -139,16 +143,41 @@ def test_after_disallow_requests_fail(make_transport):
     server.send_checkpoint([1], 5, state_dict(), LONG)
     client.recv_checkpoint(0, server.metadata(), 5, LONG)
     server.disallow_checkpoint()
-    with pytest.raises(CheckpointTransferError, match="released its checkpoint.*step 5"):
+    with pytest.raises(CheckpointHTTPError, match="400: .*released its checkpoint after step 5"):
         client.recv_checkpoint(0, server.metadata(), 5, LONG)
 
 
-def test_publishing_twice_without_disallow_is_an_error(make_transport):
-    server = make_transport()
-    server.send_checkpoint([], 5, state_dict(), LONG)
-    with pytest.raises(CheckpointError, match="still published"):
-        server.send_checkpoint([], 6, state_dict(), LONG)
+def test_publishing_again_first_releases_the_published_step(make_transport, threads):
+    """As torchft lets it: the next send replaces the step, once that step's receivers are served."""
+    server, client = make_transport(), make_transport()
+    first, second = state_dict(), state_dict(big_elements=10)
+    server.send_checkpoint([1], 5, first, LONG)
+    publishing = threads.submit(server.send_checkpoint, [1], 6, second, LONG)
+    # The expected receiver of step 5 still gets it: the second send waits for it, as disallow_checkpoint does.
+    assert digest(5, client.recv_checkpoint(0, server.metadata(), 5, LONG)) == digest(5, first)
+    publishing.result(WAIT)
+    assert digest(6, client.recv_checkpoint(0, server.metadata(), 6, LONG)) == digest(6, second)
+    with pytest.raises(CheckpointHTTPError, match="serving 6 but got step=5"):
+        client.recv_checkpoint(0, server.metadata(), 5, LONG)
     server.disallow_checkpoint()
+
+
+def test_allow_checkpoint_serves_the_last_sent_state_dict_as_another_step(make_transport):
+    server, client = make_transport(), make_transport()
+    assert (server._disallowed, server._step, server._checkpoint_lock.w_locked()) == (True, -1, True)
+    server.allow_checkpoint(1)  # nothing sent yet: torchft serves None
+    assert (server._disallowed, server._step, server._checkpoint_lock.w_locked()) == (False, 1, False)
+    assert client.recv_checkpoint(0, server.metadata(), 1, LONG) is None
+    sent = state_dict()
+    server.send_checkpoint([], 5, sent, LONG)
+    server.disallow_checkpoint()
+    assert server._disallowed and server._step == 5
+    server.allow_checkpoint(7)
+    server.allow_checkpoint(7)  # again: nothing changes
+    assert digest(7, client.recv_checkpoint(0, server.metadata(), 7, LONG)) == digest(7, sent)
+    server.disallow_checkpoint()
+    server.disallow_checkpoint()  # twice is fine
+    assert server.statistics().published_step is None
 
 
 def test_an_unsupported_value_fails_on_the_callers_thread(make_transport):
@@ -202,16 +231,37 @@ def test_a_stalled_receiver_is_cut_off_at_the_send_timeout(make_transport, threa
 
 def test_receive_timeout_is_a_checkpoint_timeout(make_transport):
     server, client = make_transport(), make_transport()
-    with pytest.raises(CheckpointTimeout, match="step 7"):
+    with pytest.raises(CheckpointTimeout, match="timed out after 0.5s receiving step 7") as caught:
         client.recv_checkpoint(0, server.metadata(), 7, timedelta(seconds=0.5))
+    assert isinstance(caught.value, urllib.error.URLError) and isinstance(caught.value, RuntimeError)
+
+
+def test_a_zero_receive_timeout_fails_at_once_as_torchfts_urlopen_does(make_transport):
+    server, client = make_transport(), make_transport()
+    server.send_checkpoint([], 5, state_dict(), LONG)
+    with pytest.raises(urllib.error.URLError, match="urlopen error timed out after 0.0s") as caught:
+        client.recv_checkpoint(0, server.metadata(), 5, timedelta(0))
+    assert isinstance(caught.value, CheckpointTimeout)
+    assert client.recv_checkpoint(0, server.metadata(), 5) is not None  # None: the constructor's timeout
+    server.disallow_checkpoint()
+
+
+@pytest.mark.parametrize("timeout", [None, timedelta(0)])
+def test_a_send_without_a_timeout_of_its_own_serves_for_the_constructors(make_transport, timeout):
+    server, client = make_transport(), make_transport()
+    sent = state_dict()
+    server.send_checkpoint([1], 5, sent, timeout)
+    assert digest(5, client.recv_checkpoint(0, server.metadata(), 5, LONG)) == digest(5, sent)
+    server.disallow_checkpoint()
 
 
 def test_connection_refused_is_a_transfer_error(make_transport):
     with socket.socket() as unused:
         unused.bind(("127.0.0.1", 0))
         port = unused.getsockname()[1]
-    with pytest.raises(CheckpointTransferError, match="failed"):
+    with pytest.raises(CheckpointTransferError, match="failed") as caught:
         make_transport().recv_checkpoint(0, f"http://127.0.0.1:{port}/checkpoint", 5, LONG)
+    assert isinstance(caught.value, urllib.error.URLError) and not isinstance(caught.value, TimeoutError)
 
 
 def test_shutdown_answers_held_requests_and_is_idempotent(make_transport, threads):
@@ -427,7 +477,7 @@ def test_striping_from_a_peer_that_serves_another_step_heals_from_the_primary(ma
     second.send_checkpoint([1], 6, sent, timedelta(seconds=1))  # its receiver never comes
     received = make_transport().recv_checkpoint_striped([(0, first.metadata()), (1, second.metadata())], 5, LONG)
     assert digest(5, received) == digest(5, sent)
-    assert any("replica 1" in m and "HTTP 409" in m and "serves step 6" in m for m in caplog.messages)
+    assert any("replica 1" in m and "HTTP 400" in m and "serving 6 but got step=5" in m for m in caplog.messages)
     for server in (first, second):
         server.disallow_checkpoint()
 

@@ -31,7 +31,9 @@ import aiohttp
 from torchft_lite.checkpointing import _checksum
 from torchft_lite.checkpointing import _http_body as _body
 from torchft_lite.checkpointing import _serialization as wire
-from torchft_lite.errors import CheckpointError, CheckpointTimeout, CheckpointTransferError
+from torchft_lite.errors import (
+    CheckpointError, CheckpointHTTPError, CheckpointTransferError, CheckpointURLError, CheckpointURLTimeout,
+)
 
 __all__ = ["DONE_TIMEOUT", "Receiver"]
 
@@ -124,20 +126,20 @@ class Receiver:
             logger.info("received step %d from %s in %.2fs (%.0f MB/s)", step, where, seconds,
                         reader.header.data_bytes / max(seconds, 1e-9) / 1e6)
             return state
+        # Failures of the primary become urllib's errors too (see ``errors``), as torchft's urlopen raises.
         except CheckpointError:
             raise
         except TimeoutError as exc:
-            raise CheckpointTimeout(f"timed out after {timeout:.1f}s receiving step {step} from {where}") from exc
+            raise CheckpointURLTimeout(f"timed out after {timeout:.1f}s receiving step {step} from {where}") from exc
         except _body.HTTPStatusError as exc:
             if exc.status == 504:
-                raise CheckpointTimeout(f"{primary}: {exc.text}") from exc
-            if exc.status in (401, 403):
-                raise CheckpointTransferError(f"{primary} refused the request (HTTP {exc.status}, check the token): "
-                                              f"{exc.text}") from exc
-            raise CheckpointTransferError(f"{primary} answered HTTP {exc.status}: {exc.text}") from exc
+                raise CheckpointURLTimeout(f"{primary}: {exc.text}") from exc
+            hint = " (refused: check the token)" if exc.status in (401, 403) else ""
+            raise CheckpointHTTPError(primary, exc.status, f"{primary} answered{hint}: {exc.text}",
+                                      exc.text.encode()) from exc
         except (OSError, asyncio.IncompleteReadError) as exc:  # refused, reset, unreachable
-            raise CheckpointTransferError(f"receiving step {step} from {primary} failed: "
-                                          f"{type(exc).__name__}: {exc}") from exc
+            raise CheckpointURLError(f"receiving step {step} from {primary} failed: "
+                                     f"{type(exc).__name__}: {exc}") from exc
         finally:
             # Every source of a striped heal waits for this receiver, whether or not it got a range to serve.
             told = heal.joined if len(urls) == 1 else set(urls)

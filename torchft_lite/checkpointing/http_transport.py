@@ -11,7 +11,8 @@ session with ``?session=<id>``; held requests also pass ``?timeout=<seconds>``):
 
 A request for a step not published yet is held until it is (or until its
 timeout: 504). A request for an older step, or one already released by
-:meth:`HTTPTransport.disallow_checkpoint`, gets 409 naming the steps.
+:meth:`HTTPTransport.disallow_checkpoint`, will never be served: 400
+("invalid checkpoint requested, serving N but got step=M", torchft's answer).
 
 ``disallow_checkpoint`` waits until as many receiver sessions as ``dst_ranks``
 have finished: every data byte written to them, a ``done`` report (a receiver
@@ -198,6 +199,8 @@ class HTTPTransport(CheckpointTransport[T]):
         self._plane = control_plane()
         self._snapshot: _Snapshot | None = None
         self._released_step: int | None = None
+        self._last_sent: wire.FlatStateDict | None = None  # for allow_checkpoint
+        self._last_step = -1
         self._early_done: dict[int, dict[str, bool]] = {}  # step -> session -> ok, reported before publishing
         self._held = 0
         self._bytes_served = 0
@@ -217,11 +220,38 @@ class HTTPTransport(CheckpointTransport[T]):
     def port(self) -> int:
         return self._port
 
-    def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: T, timeout: timedelta) -> None:
-        """Publish ``state_dict`` (by reference) as step ``step``; returns without waiting for receivers."""
+    def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: T,
+                        timeout: timedelta | None = None) -> None:
+        """Publish ``state_dict`` (by reference) as step ``step``; returns without waiting for receivers.
+
+        ``timeout`` bounds serving it; None or zero (nothing could be served
+        in no time) means the constructor's. A step still published is
+        released first, as :meth:`disallow_checkpoint` does (torchft lets a
+        send replace the published step).
+        """
         flat = wire.flatten(state_dict)  # refuse unsupported values here, on the caller's thread
-        self._call(self._publish(len(dst_ranks), step, flat, timeout.total_seconds()), self._timeout,
-                   f"publishing step {step}")
+        if self._snapshot is not None:
+            self.disallow_checkpoint()
+        seconds = timeout.total_seconds() if timeout else 0.0
+        self._call(self._publish(len(dst_ranks), step, flat, seconds if seconds > 0 else self._timeout),
+                   self._timeout, f"publishing step {step}")
+        self._last_sent = flat
+
+    def allow_checkpoint(self, step: int) -> None:
+        """Serve the state dict of the last :meth:`send_checkpoint` again, as step ``step`` (torchft's API).
+
+        The caller vouches that the state dict now holds ``step``: it is read
+        as it is when a receiver asks. Another step still published is
+        released first, as :meth:`disallow_checkpoint` does. Before any send,
+        ``None`` is served. No receiver is expected.
+        """
+        snapshot = self._snapshot
+        if snapshot is not None and snapshot.step == step:
+            return
+        if snapshot is not None:
+            self.disallow_checkpoint()
+        flat = self._last_sent if self._last_sent is not None else wire.flatten(None)
+        self._call(self._publish(0, step, flat, self._timeout), self._timeout, f"publishing step {step} again")
 
     def disallow_checkpoint(self) -> None:
         """Wait for the receivers of the published step (at most the send's timeout), then stop serving it."""
@@ -231,11 +261,18 @@ class HTTPTransport(CheckpointTransport[T]):
         self._call(self._release(), snapshot.timeout + 2 * _ABORT_GRACE,
                    f"the receivers of step {snapshot.step} to finish")
 
-    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> T:
-        """Fetch, verify and decode (to CPU) the state dict of ``step`` from the URL ``metadata``."""
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta | None = None) -> T:
+        """Fetch, verify and decode (to CPU) the state dict of ``step`` from the URL ``metadata``.
+
+        ``timeout`` (None: the constructor's) bounds the whole receive; zero
+        fails at once, as in torchft. Failures are ``CheckpointTransferError``;
+        those of the HTTP exchange are also urllib's ``URLError`` (an error
+        status: ``HTTPError``), as torchft's receive raises (see ``errors``).
+        """
         return self.recv_checkpoint_striped([(src_rank, metadata)], step, timeout)
 
-    def recv_checkpoint_striped(self, sources: Sequence[tuple[int, str]], step: int, timeout: timedelta) -> T:
+    def recv_checkpoint_striped(self, sources: Sequence[tuple[int, str]], step: int,
+                                timeout: timedelta | None = None) -> T:
         """Fetch ``step`` from several replicas at once; the result is the first's (the primary's) byte for byte.
 
         The data is cut into ``max(num_chunks, len(sources))`` block-aligned
@@ -250,7 +287,7 @@ class HTTPTransport(CheckpointTransport[T]):
         """
         if not sources:
             raise ValueError("recv_checkpoint_striped needs at least one source")
-        seconds = timeout.total_seconds()
+        seconds = self._timeout if timeout is None else max(0.0, timeout.total_seconds())
         targets = {} if self._state_dict is None else wire.targets_of(self._state_dict())
         urls = [metadata.rstrip("/") + f"/{step}" for _, metadata in sources]
         names = [f"replica {rank} ({url})" for (rank, _), url in zip(sources, urls)]
@@ -264,6 +301,7 @@ class HTTPTransport(CheckpointTransport[T]):
         if self._stopped:
             return
         self._stopped = True
+        self._last_sent = None
         future = self._plane.submit(self._stop())
         if wait:
             try:
@@ -272,6 +310,21 @@ class HTTPTransport(CheckpointTransport[T]):
                 raise CheckpointTimeout(f"timed out stopping the checkpoint server on port {self._port}") from exc
         else:
             future.add_done_callback(_log_failure)
+
+    # torchft's HTTPTransport has these attributes (its tests read them): views of the published snapshot here.
+    @property
+    def _disallowed(self) -> bool:
+        return self._snapshot is None
+
+    @property
+    def _step(self) -> int:
+        """The step served, or last published (-1 before any)."""
+        snapshot = self._snapshot
+        return self._last_step if snapshot is None else snapshot.step
+
+    @property
+    def _checkpoint_lock(self) -> "_ServingLock":
+        return _ServingLock(self)
 
     def statistics(self) -> HTTPTransportStatistics:
         snapshot = self._snapshot
@@ -324,6 +377,7 @@ class HTTPTransport(CheckpointTransport[T]):
             now = asyncio.get_running_loop().time()
             snapshot = self._snapshot = _Snapshot(step, flat, expected, timeout, deadline=now + timeout,
                                                   published_at=now)
+            self._last_step = step
             early = self._early_done.pop(step, {})
             self._early_done = {s: d for s, d in self._early_done.items() if s > step}  # older ones never come
             for session_id, ok in early.items():  # receivers that finished before this publish
@@ -427,12 +481,14 @@ class HTTPTransport(CheckpointTransport[T]):
                         raise web.HTTPServiceUnavailable(text="the checkpoint server is shutting down")
                     if snapshot is not None and snapshot.step == step:
                         return snapshot
+                    # Steps never to be served again: torchft's 400, in its words.
                     if snapshot is not None and step < snapshot.step:
-                        raise web.HTTPConflict(text=f"requested step {step}, but this replica serves step "
-                                                    f"{snapshot.step}")
+                        raise web.HTTPBadRequest(text=f"invalid checkpoint requested, serving {snapshot.step} but "
+                                                      f"got step={step} (an older step is not served again)")
                     if snapshot is None and self._released_step is not None and step <= self._released_step:
-                        raise web.HTTPConflict(text=f"requested step {step}, but this replica has released its "
-                                                    f"checkpoint (last served step {self._released_step})")
+                        raise web.HTTPBadRequest(text=f"invalid checkpoint requested, serving none (released its "
+                                                      f"checkpoint after step {self._released_step}) but got "
+                                                      f"step={step}")
                     remaining = deadline - asyncio.get_running_loop().time()
                     if remaining <= 0:
                         raise web.HTTPGatewayTimeout(text=f"step {step} was not published within {hold:.1f}s")
@@ -584,6 +640,16 @@ async def _flushed(transport: asyncio.BaseTransport | None) -> None:
             and transport.get_write_buffer_size():  # type: ignore[attr-defined]
         await asyncio.sleep(delay)
         delay = min(2 * delay, 0.005)
+
+
+class _ServingLock:
+    """torchft's HTTPTransport holds a lock's write side while nothing may be served; this answers the same."""
+
+    def __init__(self, transport: HTTPTransport) -> None:
+        self._transport = transport
+
+    def w_locked(self) -> bool:
+        return self._transport._snapshot is None
 
 
 def _log_failure(future: concurrent.futures.Future) -> None:
