@@ -208,14 +208,17 @@ class _TimeoutManager:
         settled = threading.Lock()
         done = [False]
 
-        def settle(apply: Callable[[], None]) -> None:
-            with settled:
+        def settle(value: Any = None, error: BaseException | None = None) -> None:
+            with settled:  # the first of the outcome and the timer wins; the other is dropped
                 if done[0]:
                     return
                 done[0] = True
-            apply()
+            if error is not None:
+                timed.set_exception(error)
+            else:
+                timed.set_result(value)
 
-        timer = self.schedule(lambda: settle(lambda: timed.set_exception(_timeout_error(timeout))), timeout)
+        timer = self.schedule(lambda: settle(error=_timeout_error(timeout)), timeout)
         stream = torch.accelerator.current_stream() if torch.accelerator.is_available() else None
 
         def finished(source: Future[T]) -> None:
@@ -224,9 +227,9 @@ class _TimeoutManager:
                 try:
                     value = source.wait()
                 except Exception as exc:
-                    settle(lambda: timed.set_exception(exc))
+                    settle(error=exc)
                 else:
-                    settle(lambda: timed.set_result(value))
+                    settle(value)
 
         fut.add_done_callback(finished)
         return timed

@@ -32,13 +32,11 @@ import asyncio
 import concurrent.futures
 import functools
 import hmac
-import itertools
 import logging
 import math
 import re
 import socket
-import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Coroutine, Iterable, Sequence, TypeVar
 
@@ -46,6 +44,7 @@ from aiohttp import web
 
 from torchft_lite._control_plane import control_plane
 from torchft_lite.checkpointing._http_receive import DONE_TIMEOUT, Receiver
+from torchft_lite.checkpointing._http_serving import Session, Snapshot, flushed, listen, pieces_of, tune
 from torchft_lite.checkpointing import _serialization as wire
 from torchft_lite.checkpointing.transport import CheckpointTransport
 from torchft_lite.errors import CheckpointError, CheckpointTimeout, ConfigError
@@ -55,8 +54,6 @@ __all__ = ["HTTPTransport", "HTTPTransportStatistics"]
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
-_SEND_BUFFER_BYTES = 8 << 20
-_QUEUE_BYTES = 16 << 20  # views of tensor memory the transport may queue before the stream waits
 _ABORT_GRACE = 10.0  # seconds disallow_checkpoint waits for aborted streams and encoding to stop
 _SESSION_ID = re.compile(r"[0-9A-Za-z_-]{1,64}")
 # Done reports kept for steps not published yet: a bound against a flood of them.
@@ -78,91 +75,6 @@ class HTTPTransportStatistics:
     """Receivers of the published step that have finished (succeeded or failed)."""
     bytes_served: int
     """Bytes of state dicts written since the transport started."""
-
-
-@dataclass
-class _Session:
-    """One receiver of one snapshot.
-
-    It is finished once every data byte has been written to it (the snapshot
-    is no longer needed for it), once it reports done, or once a stream of it
-    fails.
-    """
-
-    peer: str
-    bytes_sent: int = 0
-    data_sent: int = 0
-    sent_all: bool = False
-    ok: bool | None = None  # what the receiver reported, or False when a stream failed
-
-    @property
-    def finished(self) -> bool:
-        return self.sent_all or self.ok is not None
-
-    def describe(self) -> str:
-        status = {True: "ok", False: "failed", None: "sent"}[self.ok]
-        return f"{self.peer} {status} {self.bytes_sent}B"
-
-
-@dataclass
-class _Snapshot:
-    """A published state dict: shared by every request for its step."""
-
-    step: int
-    flat: wire.FlatStateDict
-    expected: int
-    timeout: float
-    deadline: float
-    published_at: float
-    sessions: dict[str, _Session] = field(default_factory=dict)
-    finished: int = 0  # sessions finished; a counter, so other threads can read it
-    streams: set[asyncio.Task] = field(default_factory=set)
-    encoding: asyncio.Future | None = None
-    checksums: asyncio.Future | None = None  # every block's sum, packed: one pass shared by every receiver
-    stop_encoding: threading.Event = field(default_factory=threading.Event)
-    closed: bool = False
-
-    def receivers_done(self) -> bool:
-        return self.finished >= self.expected and self.finished == len(self.sessions)
-
-    async def encoded(self) -> wire.EncodedStateDict:
-        """The encoding, started by the first receiver (tensors are read only when someone asks)."""
-        loop = asyncio.get_running_loop()
-        if self.encoding is None:
-            self.encoding = loop.run_in_executor(
-                None, functools.partial(wire.encode, self.step, self.flat, should_stop=self.stop_encoding.is_set))
-        try:
-            return await asyncio.wait_for(asyncio.shield(self.encoding), max(0.0, self.deadline - loop.time()))
-        except TimeoutError as exc:
-            raise web.HTTPGatewayTimeout(text=f"step {self.step} was not encoded within the send timeout") from exc
-
-    async def packed_checksums(self, encoded: wire.EncodedStateDict) -> bytes:
-        """Every block's sum, summed on a worker thread: the event loop goes on serving data meanwhile.
-
-        Blocks this replica has sent were summed as they went out and are not
-        read again; a release stops the pass between two blocks.
-        """
-        loop = asyncio.get_running_loop()
-        if self.checksums is None:
-            self.checksums = loop.run_in_executor(
-                None, functools.partial(encoded.packed_checksums, should_stop=self.stop_encoding.is_set))
-        try:
-            return await asyncio.wait_for(asyncio.shield(self.checksums), max(0.0, self.deadline - loop.time()))
-        except TimeoutError as exc:
-            raise web.HTTPGatewayTimeout(text=f"step {self.step} was not checksummed within the send timeout") \
-                from exc
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    if ":" in host:
-        try:
-            return socket.create_server((host, port), family=socket.AF_INET6, dualstack_ipv6=host == "::")
-        except OSError:
-            if host != "::":
-                raise
-            logger.info("IPv6 unavailable; the checkpoint server listens on 0.0.0.0 instead of ::")
-            host = "0.0.0.0"
-    return socket.create_server((host, port))
 
 
 class HTTPTransport(CheckpointTransport[T]):
@@ -197,7 +109,7 @@ class HTTPTransport(CheckpointTransport[T]):
         self._token = token
         self._state_dict = state_dict
         self._plane = control_plane()
-        self._snapshot: _Snapshot | None = None
+        self._snapshot: Snapshot | None = None
         self._released_step: int | None = None
         self._last_sent: wire.FlatStateDict | None = None  # for allow_checkpoint
         self._last_step = -1
@@ -357,7 +269,7 @@ class HTTPTransport(CheckpointTransport[T]):
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
         await self._runner.setup()
         try:
-            sock = _listen(bind_host, port)
+            sock = listen(bind_host, port)
         except OSError as exc:
             await self._runner.cleanup()
             raise CheckpointError(f"cannot listen on {bind_host}:{port} for checkpoints: {exc}") from exc
@@ -375,13 +287,13 @@ class HTTPTransport(CheckpointTransport[T]):
                 raise CheckpointError(f"step {self._snapshot.step} is still published; "
                                       f"call disallow_checkpoint() before publishing step {step}")
             now = asyncio.get_running_loop().time()
-            snapshot = self._snapshot = _Snapshot(step, flat, expected, timeout, deadline=now + timeout,
+            snapshot = self._snapshot = Snapshot(step, flat, expected, timeout, deadline=now + timeout,
                                                   published_at=now)
             self._last_step = step
             early = self._early_done.pop(step, {})
             self._early_done = {s: d for s, d in self._early_done.items() if s > step}  # older ones never come
             for session_id, ok in early.items():  # receivers that finished before this publish
-                snapshot.sessions[session_id] = _Session(peer="?", ok=ok)
+                snapshot.sessions[session_id] = Session(peer="?", ok=ok)
                 snapshot.finished += 1
             self._changed.notify_all()
         logger.debug("published step %d for %d receivers", step, expected)
@@ -396,7 +308,7 @@ class HTTPTransport(CheckpointTransport[T]):
         finally:  # even when cancelled: the snapshot must not stay readable
             await self._close(snapshot)
 
-    async def _wait_for_receivers(self, snapshot: _Snapshot) -> None:
+    async def _wait_for_receivers(self, snapshot: Snapshot) -> None:
         assert self._changed is not None
         async with self._changed:
             remaining = max(0.0, snapshot.deadline - asyncio.get_running_loop().time())
@@ -406,7 +318,7 @@ class HTTPTransport(CheckpointTransport[T]):
                 logger.warning("step %d: %d of %d receivers finished within the send timeout; aborting %d streams",
                                snapshot.step, snapshot.finished, snapshot.expected, len(snapshot.streams))
 
-    async def _close(self, snapshot: _Snapshot) -> None:
+    async def _close(self, snapshot: Snapshot) -> None:
         """Stop serving ``snapshot``: refuse new requests, abort streams, stop the encoding, then log."""
         assert self._changed is not None
         async with self._changed:
@@ -468,7 +380,7 @@ class HTTPTransport(CheckpointTransport[T]):
             raise web.HTTPBadRequest(text="a session id (1-64 of [0-9A-Za-z_-]) is required")
         return step, session
 
-    async def _snapshot_for(self, step: int, hold: float) -> _Snapshot:
+    async def _snapshot_for(self, step: int, hold: float) -> Snapshot:
         """The published snapshot of ``step``, waiting up to ``hold`` seconds for it to be published."""
         assert self._changed is not None
         deadline = asyncio.get_running_loop().time() + hold
@@ -507,7 +419,7 @@ class HTTPTransport(CheckpointTransport[T]):
             raise web.HTTPBadRequest(text="timeout must be a number of seconds") from exc
         hold = min(hold, self._timeout) if math.isfinite(hold) else self._timeout
         snapshot = await self._snapshot_for(step, hold)
-        session = snapshot.sessions.setdefault(session_id, _Session(peer=request.remote or "?"))
+        session = snapshot.sessions.setdefault(session_id, Session(peer=request.remote or "?"))
         if session.finished:
             raise web.HTTPConflict(text=f"session {session_id} has already finished")
         task = asyncio.current_task()
@@ -526,7 +438,7 @@ class HTTPTransport(CheckpointTransport[T]):
             response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
             response.content_length = length
             await response.prepare(request)
-            _tune(request.transport)
+            tune(request.transport)
             for piece in pieces:  # views of tensor memory, written without a copy
                 if snapshot.closed:
                     raise ConnectionAbortedError(f"step {step} was released mid-stream")
@@ -535,7 +447,7 @@ class HTTPTransport(CheckpointTransport[T]):
                 self._bytes_served += len(piece)
             # Until the kernel has taken every byte, the transport may still hold views of tensor memory:
             # only then may this session count as finished (and the trainer mutate the state dict).
-            await _flushed(request.transport)
+            await flushed(request.transport)
             await response.write_eof()
             session.data_sent += data_bytes
             # Only data finishes a session: a header (of a state dict that has data) or the checksums are asked
@@ -558,25 +470,9 @@ class HTTPTransport(CheckpointTransport[T]):
 
     def _pieces(self, request: web.Request, encoded: wire.EncodedStateDict, part: str,
                 sums: bytes) -> tuple[Iterable[memoryview | bytes], int, int]:
-        """What to write for ``part``: the pieces, their total length, and how many data bytes they hold."""
-        if part == "header":
-            return [encoded.header], len(encoded.header), 0
-        if part == "checksums":
-            return [sums], len(sums), 0
-        if part == "all":
-            body, length = encoded.body()
-            return itertools.chain([encoded.header], body), len(encoded.header) + length, encoded.data_bytes
-        try:
-            start, end = int(request.query["start"]), int(request.query["end"])
-        except (KeyError, ValueError) as exc:
-            raise web.HTTPBadRequest(text="start and end byte offsets are required") from exc
-        try:
-            body, length = encoded.body(start, end)
-        except ValueError as exc:  # outside the data, or not on checksum block boundaries
-            raise web.HTTPBadRequest(text=str(exc)) from exc
-        return body, length, end - start
+        return pieces_of(request, encoded, part, sums)  # a method: tests damage one server's answers
 
-    async def _finish(self, snapshot: _Snapshot, session: _Session, ok: bool | None) -> None:
+    async def _finish(self, snapshot: Snapshot, session: Session, ok: bool | None) -> None:
         """Record that ``session`` has all its data (``ok`` None), reported ``ok``, or failed."""
         assert self._changed is not None
         async with self._changed:
@@ -606,7 +502,7 @@ class HTTPTransport(CheckpointTransport[T]):
             raise web.HTTPConflict(text=f"no receiver session {session_id} for step {step}")
         # A striping receiver that needed no range from this replica (a small state dict has fewer blocks than
         # sources) still reports, so this replica stops waiting for it.
-        session = snapshot.sessions.setdefault(session_id, _Session(peer=request.remote or "?"))
+        session = snapshot.sessions.setdefault(session_id, Session(peer=request.remote or "?"))
         await self._finish(snapshot, session, ok=ok)
         return web.Response(text="ok")
 
@@ -615,31 +511,6 @@ class HTTPTransport(CheckpointTransport[T]):
         newest = max((s for s in (self._released_step, self._snapshot.step if self._snapshot else None)
                       if s is not None), default=None)
         return newest is None or step > newest
-
-
-def _tune(transport: asyncio.BaseTransport | None) -> None:
-    """Big kernel send buffers and a deep write queue: the queue holds views, never copies."""
-    if transport is None:
-        return
-    sock = transport.get_extra_info("socket")
-    if sock is not None:
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SEND_BUFFER_BYTES)
-        except OSError as exc:
-            logger.debug("could not enlarge the send buffer: %r", exc)
-    transport.set_write_buffer_limits(high=_QUEUE_BYTES)  # type: ignore[attr-defined]
-
-
-async def _flushed(transport: asyncio.BaseTransport | None) -> None:
-    """Wait until ``transport`` has handed every queued byte to the kernel (or is closing).
-
-    Duck-typed: uvloop's transports are not registered as ``asyncio.WriteTransport``.
-    """
-    delay = 0.0001
-    while transport is not None and not transport.is_closing() \
-            and transport.get_write_buffer_size():  # type: ignore[attr-defined]
-        await asyncio.sleep(delay)
-        delay = min(2 * delay, 0.005)
 
 
 class _ServingLock:
