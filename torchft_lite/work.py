@@ -4,6 +4,9 @@
 into the training loop. A failure (or a timeout) is reported to the Manager,
 which then votes not to commit the step, and the future resolves with a
 default value (the input tensor) so backward can finish.
+
+``_DummyWork`` (torchft's name) is a c10d ``Work`` already done with a value:
+what a collective with nothing to exchange returns.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from datetime import timedelta
 from typing import Callable, Generic, TypeVar
 
 import torch
+import torch.distributed as dist
 
 __all__ = ["ManagedWork", "DoneWork", "guard_future"]
 
@@ -23,6 +27,31 @@ def completed_future(value: T) -> torch.futures.Future:
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(value)
     return fut
+
+
+class _DummyWork(dist.Work):
+    """A c10d ``Work`` that is already done with ``result``.
+
+    A real ``dist.Work``, so torch (DDP's reducer, functional collectives) can
+    take it; :class:`torchft_lite.process_group.CompletedWork` is its public name.
+    """
+
+    def __init__(self, result: object = None) -> None:
+        super().__init__()
+        self._result = result
+        self._future: torch.futures.Future = completed_future(result)
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return True
+
+    def exception(self) -> None:
+        return None
 
 
 def guard_future(

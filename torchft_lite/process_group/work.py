@@ -20,30 +20,29 @@ import torch
 import torch.distributed as dist
 
 from torchft_lite.errors import CollectiveError, CollectiveTimeout
+from torchft_lite.work import _DummyWork
 
 __all__ = ["CompletedWork", "TrackedWork", "translate_error"]
 
 _TIMEOUT_MARKERS = ("timed out", "timeout")
 
 
-def translate_error(exc: BaseException, what: str, timeout: timedelta) -> CollectiveError:
-    """Turn a torch/gloo/NCCL failure of ``what`` into a CollectiveError (or CollectiveTimeout)."""
+def translate_error(exc: BaseException, what: str, timeout: timedelta, consequence: str = "") -> CollectiveError:
+    """Turn a torch/gloo/NCCL failure of ``what`` into a CollectiveError (or CollectiveTimeout).
+
+    ``consequence`` (what the group did about it, e.g. that it aborted its
+    communicator) ends the message.
+    """
     if isinstance(exc, CollectiveError):
         return exc
     detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if isinstance(exc, TimeoutError) or any(marker in detail.lower() for marker in _TIMEOUT_MARKERS):
         error: CollectiveError = CollectiveTimeout(
-            f"{what} did not finish within {timeout.total_seconds():g}s: {detail}")
+            f"{what} timed out after {timeout.total_seconds():g} seconds: {detail}{consequence}")
     else:
-        error = CollectiveError(f"{what} failed: {type(exc).__name__}: {detail}")
+        error = CollectiveError(f"{what} failed: {type(exc).__name__}: {detail}{consequence}")
     error.__cause__ = exc
     return error
-
-
-def _completed_future(value: Any) -> torch.futures.Future:
-    future: torch.futures.Future = torch.futures.Future()
-    future.set_result(value)
-    return future
 
 
 class TrackedWork(dist.Work):
@@ -179,21 +178,5 @@ class TrackedWork(dist.Work):
         return f"TrackedWork({self._op}, completed={self.is_completed()}, error={self._error!r})"
 
 
-class CompletedWork(dist.Work):
+class CompletedWork(_DummyWork):
     """A Work that is already done with ``result`` (no-op groups, single-member groups)."""
-
-    def __init__(self, result: Any = None) -> None:
-        super().__init__()
-        self._result = result
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        return True
-
-    def get_future(self) -> torch.futures.Future:
-        return _completed_future(self._result)
-
-    def is_completed(self) -> bool:
-        return True
-
-    def exception(self) -> None:
-        return None
