@@ -16,7 +16,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from typing import Any, Coroutine, TypeVar
+from typing import Any, Callable, Coroutine, TypeVar
 
 from lighthouse.thread import new_event_loop
 
@@ -71,6 +71,14 @@ class ControlPlane:
         if not future.done() and future.cancel():  # cancel() is False while the outcome is handed over
             raise TimeoutError(f"timed out after {timeout:.1f}s waiting for {what}")
         return future.result(_HANDOVER)
+
+
+    def call_later(self, delay: float, fn: Callable[[], None]) -> Callable[[], None]:
+        """Run ``fn`` on the loop after ``delay`` seconds; returns a cancel that any thread may call."""
+        handle: list[asyncio.TimerHandle] = []
+        self.loop.call_soon_threadsafe(lambda: handle.append(self.loop.call_later(delay, fn)))
+        # FIFO on the loop: the cancel always runs after the timer was armed.
+        return lambda: self.loop.call_soon_threadsafe(lambda: handle and handle[0].cancel())
 
 
 _lock = threading.Lock()

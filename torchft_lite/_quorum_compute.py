@@ -30,7 +30,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-__all__ = ["QuorumMember", "QuorumResult", "compute_quorum_result", "heal_sources_of", "member_data"]
+__all__ = ["QuorumMember", "QuorumResult", "compute_quorum_result", "heal_sources_of", "member_data", "response_of"]
 
 HEAL_SOURCES_KEY = "heal_sources"
 
@@ -133,6 +133,32 @@ def compute_quorum_result(
         recover_src_replica_ranks=tuple(my_srcs),
         recover_src_manager_addresses=tuple(ordered[src].address for src in my_srcs),
     )
+
+
+def response_of(result: QuorumResult) -> Any:
+    """``result`` as the ``ManagerQuorumResponse`` a rank receives."""
+    from lighthouse.protocol import torchft_pb2 as pb
+
+    response = pb.ManagerQuorumResponse(
+        quorum_id=result.quorum_id,
+        recover_src_manager_address=result.recover_src_manager_address,
+        recover_dst_replica_ranks=result.recover_dst_replica_ranks,
+        store_address=result.store_address,
+        max_step=result.max_step,
+        max_world_size=result.max_world_size,
+        replica_rank=result.replica_rank,
+        replica_world_size=result.replica_world_size,
+        heal=result.heal,
+        commit_failures=result.commit_failures,
+        replica_ids=result.replica_ids,
+        recover_src_replica_ranks=result.recover_src_replica_ranks,
+        recover_src_manager_addresses=result.recover_src_manager_addresses,
+    )
+    if result.recover_src_replica_rank is not None:
+        response.recover_src_replica_rank = result.recover_src_replica_rank
+    if result.max_replica_rank is not None:
+        response.max_replica_rank = result.max_replica_rank
+    return response
 
 
 def heal_sources_of(data: str) -> int:

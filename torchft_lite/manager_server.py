@@ -40,7 +40,7 @@ from lighthouse.h2grpc import GrpcServer
 from lighthouse.h2grpc.server import RpcAbort
 from lighthouse.leases import Broadcast
 from lighthouse.protocol import torchft_pb2 as pb
-from torchft_lite._quorum_compute import QuorumMember, compute_quorum_result, heal_sources_of, member_data
+from torchft_lite._quorum_compute import QuorumMember, compute_quorum_result, heal_sources_of, member_data, response_of
 from torchft_lite.errors import QuorumError, QuorumTimeout
 
 __all__ = ["ManagerServer", "ManagerServerConfig", "EXIT_CODE_KILLED"]
@@ -310,26 +310,7 @@ class ManagerServer:
             )
         except ValueError as exc:
             raise RpcAbort(grpc.StatusCode.INTERNAL, str(exc)) from None
-        response = pb.ManagerQuorumResponse(
-            quorum_id=result.quorum_id,
-            recover_src_manager_address=result.recover_src_manager_address,
-            recover_dst_replica_ranks=result.recover_dst_replica_ranks,
-            store_address=result.store_address,
-            max_step=result.max_step,
-            max_world_size=result.max_world_size,
-            replica_rank=result.replica_rank,
-            replica_world_size=result.replica_world_size,
-            heal=result.heal,
-            commit_failures=result.commit_failures,
-            replica_ids=result.replica_ids,
-            recover_src_replica_ranks=result.recover_src_replica_ranks,
-            recover_src_manager_addresses=result.recover_src_manager_addresses,
-        )
-        if result.recover_src_replica_rank is not None:
-            response.recover_src_replica_rank = result.recover_src_replica_rank
-        if result.max_replica_rank is not None:
-            response.max_replica_rank = result.max_replica_rank
-        return response
+        return response_of(result)
 
     async def local_quorum(self, request: pb.ManagerQuorumRequest, timeout: float) -> pb.ManagerQuorumResponse:
         """:meth:`quorum` for a rank in this process, with the errors a gRPC caller would get."""

@@ -20,7 +20,6 @@ from torch.distributed import TCPStore
 from lighthouse.protocol import torchft_pb2 as pb
 from lighthouse.thread import BackgroundLighthouse
 from tests.conftest import lighthouse_config
-from torchft_lite import _heal
 from torchft_lite.checkpointing import CheckpointTransport
 from torchft_lite.errors import CheckpointTransferError, ManagerTimeout
 from torchft_lite.manager import MEMBER_GONE_GRACE, Manager
@@ -172,7 +171,7 @@ def _heal_two_replicas(lighthouse) -> None:
             state["w"] = sd["w"].clone()
 
         manager = make_manager(lighthouse, FakeProcessGroup(), InMemoryTransport(shelf, name), name, state=state)
-        manager._load_state_dict_fns["default"] = load
+        manager._healer.load_fns["default"] = load
         managers[name] = manager
         manager.start_quorum()
         manager.allreduce(torch.ones(3)).wait()
@@ -277,7 +276,7 @@ def test_a_late_replica_heals_from_two_sources_when_every_member_can_stripe(b_he
                 managers[name].load_state_dict({"step": 5, "batches_committed": 10})
             results = run_steps(managers, 1)
             assert results == {"a": [True], "b": [True], "c": [True]}
-            transports = {name: managers[name]._checkpoint_transport for name in managers}
+            transports = {name: managers[name]._healer.transport for name in managers}
             if b_heal_sources == 2:
                 assert transports["c"].striped_from == [[(0, "a"), (1, "b")]]
                 assert transports["a"].sent_to == [[2]] and transports["b"].sent_to == [[2]]
@@ -294,7 +293,7 @@ def test_a_late_replica_heals_from_two_sources_when_every_member_can_stripe(b_he
 def test_heal_sources_above_one_is_not_advertised_by_a_transport_that_cannot_stripe(lighthouse):
     manager = make_manager(lighthouse, FakeProcessGroup(), InMemoryTransport({}, "a"), "plain", heal_sources=3)
     try:
-        assert manager._server.config.heal_sources == 1
+        assert manager._channel.server.config.heal_sources == 1
     finally:
         manager.shutdown()
 
@@ -303,13 +302,14 @@ def test_a_secondary_source_without_metadata_is_left_out_but_the_primary_is_requ
     manager = make_manager(lighthouse, FakeProcessGroup(), InMemoryTransport({}, "meta-a"), "a", timeout=2.0)
     try:
         run_steps({"a": manager}, 1)  # its ManagerServer now holds rank 0's checkpoint metadata
-        alive, dead = manager._server.address(), "http://127.0.0.1:1"  # nothing listens on port 1
-        # submit, not run: run() reports any TimeoutError as its own, and ManagerTimeout is one
+        alive, dead = manager._channel.server.address(), "http://127.0.0.1:1"  # nothing listens on port 1
         warnings = []
+        healer = manager._healer
+        healer._log = lambda level, msg, *args: warnings.append(msg % args)
+        healer._timeout = 2.0
 
         def ask(sources):
-            return manager._control.submit(_heal.checkpoint_metadata_of(
-                sources, 0, 2.0, warn=lambda msg, *args: warnings.append(msg % args))).result(30)
+            return manager._control.submit(healer._metadata_of(sources, 0)).result(30)
 
         assert ask([(0, alive), (1, dead)]) == [(0, alive, "meta-a")]
         assert len(warnings) == 1 and "without replica 1" in warnings[0]
@@ -323,13 +323,13 @@ def test_default_transport_receives_in_place_into_data_aliases(lighthouse):
     manager = make_manager(lighthouse, FakeProcessGroup(), None, "inplace")
     off = make_manager(lighthouse, FakeProcessGroup(), None, "allocating", heal_in_place=False)
     try:
-        assert manager._checkpoint_transport._state_dict is not None
-        assert off._checkpoint_transport._state_dict is None
+        assert manager._healer.transport._state_dict is not None
+        assert off._healer.transport._state_dict is None
         model = torch.nn.Linear(3, 3)
         manager.register_state_dict_fn("model", model.load_state_dict, model.state_dict)
-        targets = manager._in_place_targets()
+        targets = manager._healer.in_place_targets()
         assert targets["user"]["model"]["weight"].data_ptr() == model.weight.data_ptr()
-        assert set(targets) == set(manager._manager_state_dict()) == {"user", "torchft"}  # the paths a source sends
+        assert set(targets) == set(manager._healer.state_dict()) == {"user", "torchft"}  # the paths a source sends
         # A receive lands while the training thread's backward is still to run (copy_ is what a
         # GPU or non-contiguous target gets): state_dict()'s own tensors share the parameters'
         # version counter and would fail that backward; the aliases don't.
@@ -344,16 +344,16 @@ def test_default_transport_receives_in_place_into_data_aliases(lighthouse):
 
 def fail_first_receive(manager: Manager, calls: list) -> None:
     """The next receive writes part of a tensor in place, then fails, as a connection lost mid-heal would."""
-    real = manager._checkpoint_transport.recv_checkpoint
+    real = manager._healer.transport.recv_checkpoint
 
     def recv_checkpoint(**kw):
         calls.append(kw["src_rank"])
         if len(calls) > 1:
             return real(**kw)
-        manager._in_place_targets()["user"]["default"]["w"][:1] = 99.0
+        manager._healer.in_place_targets()["user"]["default"]["w"][:1] = 99.0
         raise CheckpointTransferError("injected: the connection closed after 4 bytes")
 
-    manager._checkpoint_transport.recv_checkpoint = recv_checkpoint
+    manager._healer.transport.recv_checkpoint = recv_checkpoint
 
 
 def test_a_heal_that_fails_part_way_in_place_stays_behind_and_heals_at_the_next_quorum():
@@ -394,7 +394,7 @@ def test_a_torn_replica_that_a_quorum_makes_up_to_date_fails_stop(in_place):
             if in_place:
                 with pytest.raises(AssertionError, match="ManagerError.*failed heal"):
                     run_steps(alone, 2)
-                assert managers["b"]._checkpoint_transport.statistics().published_step is None  # served nothing
+                assert managers["b"]._healer.transport.statistics().published_step is None  # served nothing
             else:  # an allocating receive never touched the live tensors: b trains on from its own
                 assert True in run_steps(alone, 2)["b"]
         finally:
@@ -483,11 +483,11 @@ def test_a_heal_is_undone_when_another_rank_of_the_group_failed_the_step():
 def member_gone(manager: Manager, replica_id: str = "peer", member: bool = True) -> None:
     """The lighthouse says ``replica_id`` (a member of this step's quorum, if ``member``) has gone (on the loop)."""
     if member:
-        manager._quorum_members = manager._quorum_members | {replica_id}
+        manager._current.members = manager._current.members | {replica_id}
     event = pb.LeaseEvent(kind=pb.LeaseEvent.MEMBER_GONE, replica_id=replica_id, reason="lease ended")
 
     async def deliver() -> None:
-        manager._on_lighthouse_event(event)
+        manager._members.on_event(event)
 
     manager._control.run(deliver(), 10, "the event")
 
@@ -553,15 +553,15 @@ def test_an_event_before_the_quorum_answer_about_a_replica_left_out_of_it_does_n
     pg = FakeProcessGroup()
     manager = make_manager(lighthouse, pg, InMemoryTransport({}, "a"), "early-event")
     gate = threading.Event()
-    original = manager._server.local_quorum
+    original = manager._channel.server.local_quorum
 
     async def held_quorum(*args, **kwargs):
         await asyncio.to_thread(gate.wait, 30)
         return await original(*args, **kwargs)
 
-    manager._server.local_quorum = held_quorum
+    manager._channel.server.local_quorum = held_quorum
     try:
-        manager._quorum_members = frozenset({"early-event", "killed"})  # the previous step's quorum had it
+        manager._current.members = frozenset({"early-event", "killed"})  # the previous step's quorum had it
         manager.start_quorum()
         member_gone(manager, "killed", member=False)
         gate.set()

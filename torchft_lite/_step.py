@@ -1,0 +1,125 @@
+"""One step of the Manager, from ``start_quorum`` to ``should_commit``.
+
+``start_quorum`` creates a :class:`Step`; the next ``start_quorum`` replaces
+it, so nothing of a step is reset by hand. The finished step stays readable
+until then (``num_participants()`` and ``errored()`` answer for it, as in
+torchft).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Participation", "Step", "participation_of", "start_allreduce"]
+
+
+@dataclass(frozen=True)
+class Participation:
+    """Who takes part in a step's collectives."""
+
+    rank: int | None = None
+    """This replica's rank among the participants, None when it sits the step out."""
+    world_size: int = 0
+    """How many replicas the peers average over."""
+
+
+@dataclass(eq=False)
+class Step:
+    """The state of one step. Written by the control-plane loop until ``ready``, then by the training thread."""
+
+    number: int
+    """The Manager's step when the step began."""
+    training_thread: int | None = None
+    """The thread that called ``start_quorum``: state is applied and served only there."""
+    quorum: concurrent.futures.Future | None = None
+    """The whole quorum, heal included (``should_commit`` waits for it)."""
+    ready: concurrent.futures.Future | None = None
+    """The quorum and the process group (collectives wait for it)."""
+    open: bool = False
+    """Between ``start_quorum`` and the end of ``should_commit``."""
+
+    error: BaseException | None = None
+    """The first error: the step will not commit."""
+    participation: Participation = Participation()
+    quorum_id: int | None = None
+    members: frozenset[str] = frozenset()
+    """Replica ids of this step's quorum (empty until it is known)."""
+    gone: dict[str, str] = field(default_factory=dict)
+    """Replica id -> why, every member-gone event since ``start_quorum``."""
+    collectives_ready: bool = False
+    """The process group is configured for this step's quorum."""
+
+    healing: bool = False
+    """A replica behind the max step: it receives the state dict this step."""
+    received: Any = None
+    """The received, not yet applied, state (a ``HealResult``)."""
+    pre_heal_state: dict[str, int] | None = None
+    """The Manager's own state before a heal was applied (restored if the group's step failed)."""
+    torn_at_max_step: bool = False
+    """The state is torn and this quorum makes it up to date: fail stop at the end of the step."""
+
+    send_to: list[int] = field(default_factory=list)
+    """Replica ranks that heal from this one this step."""
+    send_step: int | None = None
+    """The step they expect."""
+    published: bool = False
+    served_before: int | None = None
+    """The transport's ``bytes_served`` when the state was published."""
+
+    work: list[Any] = field(default_factory=list)
+    """Every collective this step started (``ManagedWork``)."""
+
+    def member_gone(self) -> str | None:
+        """Why a member of this step's quorum left, if one did."""
+        members = self.members
+        return next((why for replica_id, why in list(self.gone.items()) if replica_id in members), None)
+
+    def record(self, error: BaseException) -> bool:
+        """Keep ``error`` if it is the step's first; True when it was."""
+        if self.error is not None:
+            return False
+        self.error = error
+        return True
+
+
+def participation_of(response: Any, *, counts_healing: bool, spares_above: int | None) -> Participation:
+    """Who takes part, from the group's quorum answer (a ``ManagerQuorumResponse``).
+
+    ``counts_healing``: a synchronous quorum applies the heal before the
+    forward pass, so every member takes part (torchft's rule); otherwise only
+    the replicas at the max step do. ``spares_above``: with
+    ``FIXED_WITH_SPARES``, only that many take part and the rest contribute zeros.
+    """
+    if counts_healing:
+        rank, size = response.replica_rank, response.replica_world_size
+    else:
+        rank = response.max_replica_rank if response.HasField("max_replica_rank") else None
+        size = response.max_world_size
+    if spares_above is not None:
+        rank = rank if rank is not None and rank < spares_above else None
+        size = min(size, spares_above)
+    return Participation(rank, size)
+
+
+def start_allreduce(pg: Any, tensor: Any, reduce_op: Any, participants: int) -> Any:
+    """Start an allreduce of ``tensor`` on ``pg``, in place; its future yields ``tensor``.
+
+    AVG is a SUM divided by ``participants`` (the replicas the peers count, not
+    the process group's size: healing replicas and spares contribute zeros).
+    """
+    from torch.distributed import ReduceOp
+    from torch.distributed.distributed_c10d import AllreduceOptions
+
+    average = reduce_op == ReduceOp.AVG
+    opts = AllreduceOptions()
+    opts.reduceOp = ReduceOp.SUM if average else reduce_op
+    fut = pg.allreduce([tensor], opts).get_future()
+    if average:
+        def divide(f: Any) -> Any:
+            f.value()  # re-raises a failed collective
+            return tensor.div_(participants)
+
+        return fut.then(divide)
+    return fut.then(lambda f: (f.value(), tensor)[1])
