@@ -1,0 +1,205 @@
+"""The Manager's whole step with the in-memory fakes of ``torchft_lite.testing``: no sockets, no processes.
+
+Every test runs real Managers on threads against an ``InMemoryLighthouse``:
+quorum, heal (sender and receiver), the commit vote, a failed allreduce and a
+torn heal.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+
+from torchft_lite.errors import CheckpointTransferError, ManagerError
+from torchft_lite.manager import Manager
+from torchft_lite.testing import InMemoryLighthouse, InMemoryProcessGroup
+
+
+class Replica:
+    """One replica group: a weight vector, its Manager and its process group."""
+
+    def __init__(self, lighthouse: InMemoryLighthouse, name: str, value: float, **kwargs: Any) -> None:
+        self.weights = torch.full((3,), value)
+        self.pg = InMemoryProcessGroup()
+        self.manager: Manager = lighthouse.manager(
+            name, self.pg, load_state_dict=self.load, state_dict=lambda: {"w": self.weights},
+            min_replica_size=kwargs.pop("min_replica_size", 1), timeout=timedelta(seconds=10), **kwargs,
+        )
+        self.loads = 0
+
+    def load(self, state: dict) -> None:
+        self.loads += 1
+        self.weights = state["w"].clone()
+
+    def step(self, grad: float = 1.0) -> tuple[bool, torch.Tensor]:
+        """One training step: the gradient is averaged over the participants; SGD with lr 1 on commit."""
+        self.manager.start_quorum()
+        g = torch.full((3,), grad)
+        self.manager.allreduce(g).wait()
+        committed = self.manager.should_commit()
+        if committed:
+            self.weights = self.weights - g
+        return committed, g
+
+
+def train(replicas: dict[str, Replica], steps: int, grads: dict[str, float] | None = None) -> dict[str, list[bool]]:
+    """Each replica runs ``steps`` steps on a thread of its own; returns the commit decisions."""
+    results: dict[str, list[bool]] = {name: [] for name in replicas}
+    errors: dict[str, BaseException] = {}
+
+    def run(name: str) -> None:
+        try:
+            for _ in range(steps):
+                results[name].append(replicas[name].step((grads or {}).get(name, 1.0))[0])
+        except BaseException as exc:  # surfaced below
+            errors[name] = exc
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in replicas]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not any(thread.is_alive() for thread in threads), "a training thread hung"
+    if errors:
+        name, exc = next(iter(errors.items()))
+        raise AssertionError(f"{name} raised {exc!r}") from exc
+    return results
+
+
+@pytest.fixture
+def replicas():
+    made: list[Replica] = []
+
+    def make(lighthouse: InMemoryLighthouse, name: str, value: float, **kwargs: Any) -> Replica:
+        made.append(Replica(lighthouse, name, value, **kwargs))
+        return made[-1]
+
+    yield make
+    for replica in made:
+        replica.manager.shutdown()
+
+
+def test_two_replicas_heal_at_step_zero_then_average_their_gradients(replicas):
+    lighthouse = InMemoryLighthouse(min_replicas=2)
+    a, b = replicas(lighthouse, "a", 1.0), replicas(lighthouse, "b", 5.0)
+    assert train({"a": a, "b": b}, 1, grads={"a": 1.0, "b": 3.0}) == {"a": [True], "b": [True]}
+    # init_sync: b (not the primary) took a's weights at step 0 and contributed zeros while healing; both
+    # count at step 0 (torchft's rule), so a's gradient is halved
+    assert b.loads == 1 and a.loads == 0
+    assert torch.equal(a.weights, b.weights) and a.weights.tolist() == [0.5, 0.5, 0.5]
+    assert train({"a": a, "b": b}, 1, grads={"a": 1.0, "b": 3.0}) == {"a": [True], "b": [True]}
+    assert a.weights.tolist() == [-1.5, -1.5, -1.5] == b.weights.tolist()  # minus the average of 1 and 3
+    assert a.manager.current_step() == b.manager.current_step() == 2
+    assert a.manager.num_participants() == 2 and a.manager.batches_committed() == 4
+    assert a.manager._healer.transport.sends == [([1], 0)]  # a served b (replica rank 1) at step 0
+
+
+def test_a_failed_allreduce_is_recorded_and_the_step_is_retried(replicas):
+    lighthouse = InMemoryLighthouse()
+    solo = replicas(lighthouse, "solo", 1.0)
+    solo.pg.fail_next = True
+    committed, _ = solo.step()
+    assert not committed and "injected allreduce failure" in str(solo.manager.errored())
+    assert solo.manager.current_step() == 0 and solo.weights.tolist() == [1.0, 1.0, 1.0]
+    assert solo.step()[0] and solo.manager.current_step() == 1 and solo.manager.errored() is None
+
+
+def test_a_restarted_replica_rejoins_with_min_replica_size_two(replicas):
+    """The healing replica does not count at its heal step; the heal survives that uncommitted step."""
+    lighthouse = InMemoryLighthouse(min_replicas=2)
+    a = replicas(lighthouse, "a", 1.0, min_replica_size=2)
+    a.manager.load_state_dict({"step": 7, "batches_committed": 14})
+    b = replicas(lighthouse, "b", 9.0, min_replica_size=2)
+    assert train({"a": a, "b": b}, 2) == {"a": [False, True], "b": [False, True]}
+    assert a.manager.current_step() == b.manager.current_step() == 8
+    assert torch.equal(a.weights, b.weights)
+
+
+def test_a_killed_replica_leaves_the_survivor_training_alone(replicas):
+    lighthouse = InMemoryLighthouse()
+    a, b = replicas(lighthouse, "a", 1.0), replicas(lighthouse, "b", 1.0)
+    train({"a": a, "b": b}, 2)
+    lighthouse.kill(b.manager.replica_id)
+    assert train({"a": a}, 2) == {"a": [True, True]}
+    assert a.manager.num_participants() == 1 and a.manager.current_step() == 4
+
+
+def test_a_heal_that_fails_leaves_the_replica_behind_and_heals_at_the_next_quorum(replicas):
+    lighthouse = InMemoryLighthouse(min_replicas=2)
+    a, b = replicas(lighthouse, "a", 1.0), replicas(lighthouse, "b", 2.0)
+    transport = b.manager._healer.transport
+    real = transport.recv_checkpoint
+    calls = []
+
+    def fail_once(**kwargs):
+        calls.append(kwargs["step"])
+        if len(calls) == 1:
+            raise CheckpointTransferError("injected: the connection closed")
+        return real(**kwargs)
+
+    transport.recv_checkpoint = fail_once
+    assert train({"a": a, "b": b}, 1) == {"a": [True], "b": [False]}
+    assert b.manager.current_step() == 0 and b.loads == 0
+    assert train({"a": a, "b": b}, 1) == {"a": [True], "b": [True]}  # b heals to step 1 and commits step 1
+    assert calls == [0, 1] and torch.equal(a.weights, b.weights)
+    assert a.manager.current_step() == b.manager.current_step() == 2
+
+
+def test_a_torn_replica_that_a_quorum_makes_up_to_date_fails_stop(replicas):
+    """Its source left after a heal failed part-way: nobody can repair its state, so it must not train on."""
+    lighthouse = InMemoryLighthouse(min_replicas=2)
+    a, b = replicas(lighthouse, "a", 1.0), replicas(lighthouse, "b", 2.0)
+
+    def tear(**kwargs):
+        b.manager._healer.torn = True  # as an in-place receive that wrote part of a tensor
+        raise CheckpointTransferError("injected: lost mid-heal")
+
+    b.manager._healer.transport.recv_checkpoint = tear
+    assert train({"a": a, "b": b}, 1) == {"a": [True], "b": [False]}
+    lighthouse.min_replicas = 1
+    lighthouse.kill(a.manager.replica_id)
+    with pytest.raises(AssertionError, match="ManagerError.*failed heal"):
+        train({"b": b}, 1)
+    assert isinstance(b.manager.errored(), Exception) and b.manager.current_step() == 0
+
+
+def test_a_member_gone_during_a_collective_aborts_it_and_the_step_does_not_commit(replicas):
+    lighthouse = InMemoryLighthouse()
+    a, b = replicas(lighthouse, "a", 1.0), replicas(lighthouse, "b", 1.0)
+    train({"a": a, "b": b}, 1)
+    # b starts its step's quorum with a, then dies before its allreduce: a's allreduce would wait for it
+    started = threading.Event()
+
+    def b_dies() -> None:
+        b.manager.start_quorum()
+        b.manager.wait_quorum()
+        started.set()
+
+    thread = threading.Thread(target=b_dies)
+    thread.start()
+    a.manager.start_quorum()
+    started.wait(30)
+    thread.join(30)
+    work = a.manager.allreduce(torch.ones(3))
+    lighthouse.kill(b.manager.replica_id)
+    work.wait()
+    assert "left the quorum" in str(a.manager.errored()) and a.pg.aborts == 1
+    assert a.manager.should_commit() is False
+    assert train({"a": a}, 1) == {"a": [True]}  # the next quorum is a alone
+
+
+def test_the_commit_vote_is_the_and_of_the_group_and_a_failed_vote_fails_stop(replicas):
+    lighthouse = InMemoryLighthouse()
+    solo = replicas(lighthouse, "solo", 1.0)
+
+    async def broken_vote(*args):
+        raise ConnectionError("the ManagerServer is gone")
+
+    solo.manager._channel.should_commit = broken_vote
+    solo.manager.start_quorum()
+    with pytest.raises(ManagerError, match="commit vote for step 0 failed"):
+        solo.manager.should_commit()

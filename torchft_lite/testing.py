@@ -1,0 +1,314 @@
+"""In-memory fakes: run Managers (and your own training loop) in one process, without sockets.
+
+::
+
+    from torchft_lite.testing import InMemoryLighthouse, InMemoryProcessGroup
+
+    lighthouse = InMemoryLighthouse(min_replicas=2)
+    a = lighthouse.manager("a", InMemoryProcessGroup(), load_state_dict=..., state_dict=..., min_replica_size=2)
+    b = lighthouse.manager("b", InMemoryProcessGroup(), load_state_dict=..., state_dict=..., min_replica_size=2)
+    # train a and b on two threads: quorums, heals and averaged gradients are real, in memory
+    lighthouse.kill(a.replica_id)       # b's collectives in flight are aborted, as by a lost lease
+
+Each replica group has one rank here. The quorum forms once every live
+replica has asked (and at least ``min_replicas``), with the same result a
+real ManagerServer computes (``_quorum_compute``). Heals go through an
+:class:`InMemoryTransport` (state dicts by reference, never copied: load
+functions must copy, as ``load_state_dict`` does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+from torch.distributed import ReduceOp
+
+from lighthouse.protocol import torchft_pb2 as pb
+from torchft_lite._control_plane import ControlPlane
+from torchft_lite._manager_settings import ManagerSettings
+from torchft_lite._manager_wiring import ManagerParts
+from torchft_lite._quorum_compute import QuorumMember, compute_quorum_result, response_of
+from torchft_lite.checkpointing.transport import CheckpointTransport
+from torchft_lite.errors import CheckpointTimeout, CollectiveError, ConfigError, QuorumTimeout
+
+__all__ = ["InMemoryLighthouse", "InMemoryProcessGroup", "InMemoryTransport", "InMemoryWiring"]
+
+
+class InMemoryTransport(CheckpointTransport):
+    """Checkpoints pass by reference through a dict shared by the transports of one lighthouse."""
+
+    def __init__(self, shelf: dict, name: str, condition: threading.Condition) -> None:
+        self.shelf, self.name, self._published = shelf, name, condition
+        self.sends: list[tuple[list[int], int]] = []
+        self.receives: list[tuple[int, int]] = []
+        """(source rank, step) of every receive, for tests."""
+
+    def metadata(self) -> str:
+        return self.name
+
+    def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta) -> None:
+        with self._published:
+            self.sends.append((list(dst_ranks), step))
+            self.shelf[(self.name, step)] = state_dict
+            self._published.notify_all()
+
+    def disallow_checkpoint(self) -> None:
+        with self._published:
+            for key in [key for key in self.shelf if key[0] == self.name]:
+                del self.shelf[key]
+
+    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:
+        self.receives.append((src_rank, step))
+        with self._published:
+            if not self._published.wait_for(lambda: (metadata, step) in self.shelf, timeout.total_seconds()):
+                raise CheckpointTimeout(f"{metadata} did not publish step {step} within {timeout.total_seconds()}s")
+            return self.shelf[(metadata, step)]
+
+    def shutdown(self, wait: bool = True) -> None:
+        self.disallow_checkpoint()
+
+
+@dataclass
+class _World:
+    """The replicas that configured one store prefix, and their collectives in order."""
+
+    size: int
+    ops: dict[int, dict[int, Any]] = field(default_factory=dict)  # op number -> rank -> (tensor, future, op)
+    aborted: str | None = None
+
+
+class InMemoryProcessGroup:
+    """Allreduce across the in-memory replicas of the same quorum (sum, avg, min, max, product).
+
+    ``fail_next`` makes the next allreduce fail; ``abort()`` fails what is in flight.
+    """
+
+    _worlds: dict[str, _World] = {}
+    _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self.fail_next = False
+        self.aborts = 0
+        self.configures: list[tuple[str, int, int]] = []
+        self._world: _World | None = None
+        self._rank = 0
+        self._ops = itertools.count()
+
+    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int) -> None:
+        key = store_addr.rsplit("/", 1)[0]  # one world per quorum, whatever the group rank
+        with self._lock:
+            self._world = self._worlds.setdefault(key, _World(world_size))
+        self._rank, self._ops = rank, itertools.count()
+        self.configures.append((store_addr, rank, world_size))
+
+    def size(self) -> int:
+        return self._world.size if self._world is not None else 0
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        fut: torch.futures.Future = torch.futures.Future()
+        op = getattr(opts, "reduceOp", ReduceOp.SUM)
+        world, op = self._world, getattr(op, "op", op)  # a ReduceOp holds its RedOpType in .op
+        if world is None:
+            raise CollectiveError("allreduce before configure()")
+        if self.fail_next:
+            self.fail_next = False
+            fut.set_exception(CollectiveError("injected allreduce failure"))
+            return _Work(fut)
+        with self._lock:
+            if world.aborted is not None:
+                fut.set_exception(CollectiveError(f"aborted: {world.aborted}"))
+                return _Work(fut)
+            entries = world.ops.setdefault(next(self._ops), {})
+            entries[self._rank] = (tensors, fut, op)
+            if len(entries) < world.size:
+                return _Work(fut)
+            done = list(entries.values())
+        _reduce(done)
+        return _Work(fut)
+
+    def abort(self) -> None:
+        self.aborts += 1
+        with self._lock:
+            world = self._world
+            if world is None:
+                return
+            world.aborted = "aborted by a replica"
+            pending = [fut for entries in world.ops.values() for _, fut, _ in entries.values() if not fut.done()]
+        for fut in pending:
+            fut.set_exception(CollectiveError("the collective was aborted"))
+
+    def errored(self) -> None:
+        return None
+
+
+def _reduce(entries: list[Any]) -> None:
+    op = entries[0][2]
+    for i in range(len(entries[0][0])):
+        stacked = torch.stack([tensors[i] for tensors, _, _ in entries])
+        if op in (ReduceOp.SUM, ReduceOp.AVG):
+            result = stacked.sum(0) / (len(entries) if op == ReduceOp.AVG else 1)
+        elif op == ReduceOp.MAX:
+            result = stacked.max(0).values
+        elif op == ReduceOp.MIN:
+            result = stacked.min(0).values
+        else:
+            result = stacked.prod(0)
+        for tensors, _, _ in entries:
+            tensors[i].copy_(result)
+    for tensors, fut, _ in entries:
+        fut.set_result(tensors)
+
+
+class _Work:
+    def __init__(self, fut: torch.futures.Future) -> None:
+        self._fut = fut
+
+    def get_future(self) -> torch.futures.Future:
+        return self._fut
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        self._fut.wait()
+        return True
+
+
+_LIGHTHOUSES = itertools.count()
+
+
+class InMemoryLighthouse:
+    """Forms quorums for the Managers of this process; see the module docstring."""
+
+    def __init__(self, min_replicas: int = 1) -> None:
+        self.min_replicas = min_replicas
+        self.shelf: dict = {}
+        self.published = threading.Condition()
+        self._channels: dict[str, _Channel] = {}  # live replicas
+        self._asks: dict[str, QuorumMember] = {}
+        self._waiting: dict[str, asyncio.Future] = {}
+        self._last: tuple[str, ...] = ()
+        self._quorum_id = 0
+        self._ids = itertools.count()
+        self.store_address = f"in-memory/{next(_LIGHTHOUSES)}"  # keeps process groups of two lighthouses apart
+
+    def wiring(self) -> "InMemoryWiring":
+        return InMemoryWiring(self)
+
+    def manager(self, replica_id: str, pg: Any, **kwargs: Any) -> Any:
+        """A ``Manager`` wired to this lighthouse (group rank 0 of a one-rank group)."""
+        from torchft_lite.manager import Manager
+
+        settings = dict(rank=0, world_size=1, store_addr="in-memory", store_port=1, lighthouse_addr="in-memory",
+                        hostname="in-memory", preemption_signals=())
+        settings.update(kwargs)
+        return Manager(pg=pg, replica_id=replica_id, wiring=self.wiring(), **settings)
+
+    def kill(self, replica_id: str) -> None:
+        """The replica's lease ends: it leaves, and the others hear it is gone."""
+        self._control().run(self._leave(replica_id, "killed"), 10.0, f"{replica_id} to leave")
+
+    @staticmethod
+    def _control() -> ControlPlane:
+        from torchft_lite._control_plane import control_plane
+
+        return control_plane()
+
+    # ------------------------------------------------------------ on the control-plane loop
+
+    async def _join(self, channel: "_Channel") -> None:
+        self._channels[channel.replica_id] = channel
+
+    async def _leave(self, replica_id: str, why: str) -> None:
+        channel = self._channels.pop(replica_id, None)
+        self._asks.pop(replica_id, None)
+        waiter = self._waiting.pop(replica_id, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(QuorumTimeout(f"{replica_id} left while waiting for a quorum"))
+        if channel is not None:
+            event = pb.LeaseEvent(kind=pb.LeaseEvent.MEMBER_GONE, replica_id=replica_id, reason=why)
+            for other in self._channels.values():
+                for listener in other.listeners:
+                    listener(event)
+        self._maybe_form()
+
+    async def _ask(self, replica_id: str, member: QuorumMember, timeout: float) -> Any:
+        self._asks[replica_id] = member
+        waiter = self._waiting[replica_id] = asyncio.get_running_loop().create_future()
+        self._maybe_form()
+        try:
+            async with asyncio.timeout(timeout):
+                return await waiter
+        except TimeoutError:
+            self._asks.pop(replica_id, None)
+            raise QuorumTimeout(f"in-memory lighthouse: no quorum for {replica_id} within {timeout:.2f}s "
+                                f"(status: Cancelled, message: Timeout expired)") from None
+
+    def _maybe_form(self) -> None:
+        if len(self._asks) < self.min_replicas or set(self._asks) != set(self._channels):
+            return
+        members = [self._asks[replica_id] for replica_id in sorted(self._asks)]
+        ids = tuple(m.replica_id for m in members)
+        if ids != self._last or any(m.commit_failures for m in members):
+            self._quorum_id += 1
+            self._last = ids
+        asks, self._asks = self._asks, {}
+        for replica_id in asks:
+            waiter = self._waiting.pop(replica_id)
+            if not waiter.done():
+                waiter.set_result((self._quorum_id, members))
+
+
+class _Channel:
+    """One replica's :class:`~torchft_lite._group_channel.GroupChannel` to an :class:`InMemoryLighthouse`."""
+
+    def __init__(self, lighthouse: InMemoryLighthouse, replica_id: str) -> None:
+        self.lighthouse, self.replica_id = lighthouse, replica_id
+        self.address = f"in-memory://{replica_id}"
+        self.listeners: list[Callable[[pb.LeaseEvent], None]] = []
+        self.metadata = ""
+
+    async def quorum(self, request: pb.ManagerQuorumRequest, timeout: float) -> pb.ManagerQuorumResponse:
+        self.metadata = request.checkpoint_metadata
+        member = QuorumMember(self.replica_id, self.address, self.lighthouse.store_address, request.step, 1,
+                              request.commit_failures)
+        quorum_id, members = await self.lighthouse._ask(self.replica_id, member, timeout)
+        return response_of(compute_quorum_result(quorum_id, members, self.replica_id, request.group_rank,
+                                                 init_sync=request.init_sync))
+
+    async def should_commit(self, group_rank: int, step: int, vote: bool, timeout: float) -> bool:
+        return vote  # a group of one rank votes alone
+
+    async def peer_metadata(self, address: str, group_rank: int, timeout: float) -> str:
+        for channel in self.lighthouse._channels.values():
+            if channel.address == address:
+                return channel.metadata
+        raise CheckpointTimeout(f"no live replica at {address}")
+
+    async def follow_events(self, listener: Callable[[pb.LeaseEvent], None]) -> None:
+        self.listeners.append(listener)
+
+    async def close(self) -> None:
+        await self.lighthouse._leave(self.replica_id, "shut down")
+
+
+class InMemoryWiring:
+    """Builds a Manager's parts on an :class:`InMemoryLighthouse` (one-rank groups)."""
+
+    def __init__(self, lighthouse: InMemoryLighthouse) -> None:
+        self.lighthouse = lighthouse
+
+    def build(self, settings: ManagerSettings, transport: Any, in_place_targets: Callable[[], Any],
+              control: ControlPlane) -> ManagerParts:
+        if settings.group_world_size != 1:
+            raise ConfigError(f"the in-memory lighthouse runs one-rank groups, got world_size={settings.group_world_size}")
+        lighthouse = self.lighthouse
+        replica_id = f"{settings.replica_id}:{next(lighthouse._ids)}"
+        channel = _Channel(lighthouse, replica_id)
+        control.run(lighthouse._join(channel), 10.0, f"{replica_id} to join the in-memory lighthouse")
+        if transport is None:
+            transport = InMemoryTransport(lighthouse.shelf, replica_id, lighthouse.published)
+        return ManagerParts(channel=channel, replica_id=replica_id, transport=transport, heal_in_place=False)
