@@ -7,6 +7,11 @@ that is behind *receives* it. The Manager drives both sides::
     send_checkpoint(dst_ranks, step, sd, t)     recv_checkpoint(src_rank, metadata, step, t)
     ... forward / backward ...
     disallow_checkpoint()   # before the optimizer mutates sd
+
+Errors derive from what torchft raises (``CheckpointError`` is a
+``RuntimeError``, ``CheckpointTimeout`` also a ``TimeoutError``; see
+``torchft_lite.errors``). ``HTTPTransport`` and ``PGTransport`` also take
+``timeout=None`` (their constructor's), as torchft's ``PGTransport`` does.
 """
 
 from __future__ import annotations
