@@ -10,6 +10,7 @@ worker), which must behave the same from the outside.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import queue
@@ -250,6 +251,90 @@ def test_single_rank_group_lifecycle_in_process(store, kind) -> None:
     pg.shutdown()
     with pytest.raises(CollectiveError, match="before configure"):
         pg.barrier()
+
+
+# ------------------------------------------- formed from reconfigure handles, in threads
+
+
+def test_every_collective_on_three_ranks_formed_from_handles(store, kind) -> None:
+    world = 3
+    pgs = [KINDS[kind](timeout=timedelta(seconds=30)) for _ in range(world)]
+
+    def run(rank: int) -> dict[str, Any]:
+        pg = pgs[rank]
+        process_group.reconfigure_with_store(pg, f"127.0.0.1:{store.port}/handles", rank, world,
+                                             timeout=timedelta(seconds=60))
+        got: dict[str, Any] = {"rank": pg.rank(), "size": pg.size()}
+        a, b = torch.tensor([rank + 1.0]), torch.tensor([10.0 * (rank + 1)])
+        pg.allreduce_coalesced([a, b]).wait()
+        got["allreduce_coalesced"] = [a.item(), b.item()]
+        small, pairs = torch.zeros(world), torch.zeros(2 * world)
+        pg.allgather_into_tensor_coalesced([small, pairs], [torch.tensor([float(rank)]),
+                                                             torch.tensor([float(rank), -1.0])]).wait()
+        got["allgather_into_tensor_coalesced"] = [small.tolist(), pairs.tolist()]
+        received = torch.zeros(world)
+        pg.alltoall_base(received, torch.arange(world, dtype=torch.float) + 10 * rank, [1] * world, [1] * world).wait()
+        got["alltoall_base"] = received.tolist()
+        part = torch.zeros(2)
+        pg.reduce_scatter([part], [[torch.full((2,), float(r)) for r in range(world)]]).get_future().wait()
+        got["reduce_scatter"] = part.tolist()
+        one = torch.zeros(1)
+        pg.reduce_scatter_tensor_coalesced([one], [torch.arange(world, dtype=torch.float)]).wait()
+        got["reduce_scatter_tensor_coalesced"] = one.tolist()
+        got["pending"] = pg.num_active_work() if hasattr(pg, "num_active_work") else 0
+        return got
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(world) as pool:
+            results = list(pool.map(run, range(world)))
+        for rank, got in enumerate(results):
+            assert (got["rank"], got["size"]) == (rank, world)
+            assert got["allreduce_coalesced"] == [6.0, 60.0]
+            assert got["allgather_into_tensor_coalesced"] == [[0.0, 1.0, 2.0], [0.0, -1.0, 1.0, -1.0, 2.0, -1.0]]
+            assert got["alltoall_base"] == [rank + 10.0 * peer for peer in range(world)]
+            assert got["reduce_scatter"] == [3.0 * rank] * 2
+            assert got["reduce_scatter_tensor_coalesced"] == [3.0 * rank]
+            assert got["pending"] == 0
+    finally:
+        for pg in pgs:
+            pg.shutdown()
+    with pytest.raises(OSError, match="handle is closed"):
+        pgs[0].allreduce([torch.ones(1)])
+
+
+def test_reconfigure_with_a_missing_peer_times_out_naming_the_store(kind) -> None:
+    pg = KINDS[kind](timeout=timedelta(seconds=1))
+    opts = process_group.ReconfigureOptions()
+    opts.uuid = 5
+    opts.handles = [pg.get_reconfigure_handle(), json.dumps({"id": "gone", "store": "unused:1", "global_rank": None})]
+    store = json.loads(opts.handles[0])["store"]
+    try:
+        with pytest.raises(CollectiveTimeout, match="timed out after 1 seconds") as caught:
+            pg.reconfigure(opts).wait()
+        assert isinstance(caught.value, RuntimeError) and f"{store}" in str(caught.value)
+        assert "torchft/5" in str(caught.value) and pg.errored() is caught.value
+    finally:
+        pg.shutdown()
+
+
+def test_a_registered_group_serves_torchs_functional_collectives(store) -> None:
+    from torch.distributed import _functional_collectives
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    if dist.is_initialized():
+        pytest.skip("torch's default group belongs to another test")
+    dist.init_process_group(backend="gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        pg = ProcessGroupGloo(timeout=timedelta(seconds=30))
+        assert pg.register("integration-test") is pg
+        process_group.reconfigure_with_store(pg, f"127.0.0.1:{store.port}/registered", 0, 1)
+        assert _resolve_process_group(pg.group_name) is pg
+        tensor = torch.full((3,), 2.0)
+        assert _functional_collectives.all_reduce(tensor, "sum", pg).tolist() == [2.0, 2.0, 2.0]
+        pg.unregister()
+        pg.shutdown()
+    finally:
+        dist.destroy_process_group()
 
 
 # ------------------------------------------------------------------ the worker

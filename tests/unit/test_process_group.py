@@ -18,20 +18,31 @@ from tests.conftest import wait_until_sync
 from torchft_lite import process_group
 from torchft_lite.errors import CollectiveError, CollectiveTimeout, ConfigError
 from torchft_lite.process_group import (
+    CompletedWork,
+    ProcessGroup,
+    ProcessGroupClosed,
     ProcessGroupDummy,
     ProcessGroupNCCL,
     ReconfigurableProcessGroup,
+    ReconfigureOptions,
     StoreAddress,
     parse_store_addr,
+    plan_rendezvous,
 )
-from torchft_lite.process_group import base as base_module
+from torchft_lite.process_group.handles import make_handle
+from torchft_lite.work import _DummyWork
+from torchft_lite.process_group import reconfigurable as reconfigurable_module
 
 
 def test_public_api_is_pinned() -> None:
     assert sorted(process_group.__all__) == [
         "CompletedWork", "ProcessGroup", "ProcessGroupBaby", "ProcessGroupBabyGloo", "ProcessGroupBabyNCCL",
-        "ProcessGroupDummy", "ProcessGroupGloo", "ProcessGroupNCCL", "ReconfigurableProcessGroup", "StoreAddress", "TrackedWork", "parse_store_addr",
+        "ProcessGroupClosed", "ProcessGroupDummy", "ProcessGroupGloo", "ProcessGroupNCCL", "ReconfigurableProcessGroup",
+        "ReconfigureOptions", "Rendezvous", "StoreAddress", "TrackedWork", "create_store_client", "parse_store_addr",
+        "plan_rendezvous", "reconfigure_with_store",
     ]
+    for name in process_group.__all__:
+        assert getattr(process_group, name) is not None
 
 
 @pytest.mark.parametrize("addr, expected", [
@@ -86,19 +97,36 @@ class FakeWork(dist.Work):
 
 
 class FakeBackend:
+    """Records every collective (``calls``: name and arguments) and hands out a FakeWork for it."""
+
     def __init__(self, rank: int, world_size: int, timeout: timedelta) -> None:
         self.rank, self.world_size, self.timeout = rank, world_size, timeout
         self.works: list[FakeWork] = []
         self.options: list[Any] = []
+        self.calls: list[tuple[str, tuple]] = []
+        self.timeouts_set: list[timedelta] = []
         self.aborted = False
         self.fail_next_call: Exception | None = None
 
-    def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> FakeWork:
+    def _record(self, name: str, *args: Any) -> FakeWork:
         if self.fail_next_call is not None:
             raise self.fail_next_call
-        self.options.append(opts)
-        self.works.append(FakeWork(tensors))
+        self.calls.append((name, args))
+        self.options.append(args[-1])
+        self.works.append(FakeWork([a for a in args if isinstance(a, torch.Tensor)]))
         return self.works[-1]
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any) -> FakeWork:
+        return self._record("allreduce", tensors, opts)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("allreduce_coalesced", "allgather_into_tensor_coalesced", "alltoall_base", "reduce_scatter",
+                    "reduce_scatter_tensor_coalesced", "allgather", "broadcast", "barrier"):
+            return lambda *args: self._record(name, *args)
+        raise AttributeError(name)
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self.timeouts_set.append(timeout)
 
     def abort(self) -> None:
         self.aborted = True
@@ -119,7 +147,7 @@ class FakeGroup(ReconfigurableProcessGroup):
 
 @pytest.fixture
 def group(monkeypatch: pytest.MonkeyPatch) -> FakeGroup:
-    monkeypatch.setattr(base_module, "connect_store", lambda address, timeout: None)
+    monkeypatch.setattr(reconfigurable_module, "connect_store", lambda address, timeout: None)
     pg = FakeGroup()
     pg.configure("store:1/torchft/1/0", "replica-a", 0, 2)
     return pg
@@ -225,7 +253,7 @@ def test_abort_errors_the_group_until_configure(group: FakeGroup) -> None:
 
 
 def test_rendezvous_timeout_names_the_store_and_prefix(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(base_module, "connect_store", lambda address, timeout: None)
+    monkeypatch.setattr(reconfigurable_module, "connect_store", lambda address, timeout: None)
 
     class SlowGroup(FakeGroup):
         def _create_backend(self, store: Any, rank: int, world_size: int, timeout: timedelta) -> FakeBackend:
@@ -262,3 +290,168 @@ def test_nccl_group_constructs_but_will_not_configure_without_cuda() -> None:
     assert pg.getBackendName() == "torchft-nccl" and pg.errored() is None
     with pytest.raises(ConfigError, match="CUDA"):
         pg.configure("127.0.0.1:1/torchft/1/0", "replica-a", 0, 1)
+
+
+# ------------------------------------------------------ every collective, and the lifecycle
+
+
+def test_every_collective_reaches_the_backend_with_the_group_timeout_and_reduce_op(group: FakeGroup) -> None:
+    a, b, out = torch.ones(2), torch.ones(2), torch.zeros(4)
+    group.allreduce_coalesced([a, b], dist.ReduceOp.MAX)
+    group.allgather_into_tensor_coalesced([out], [a])
+    group.alltoall_base(out, torch.ones(4), [2, 2], [2, 2])
+    group.reduce_scatter([a], [[b, b]], dist.ReduceOp.MIN)
+    group.reduce_scatter_tensor_coalesced([a], [out])
+    backend = group.backends[0]
+    assert [name for name, _ in backend.calls] == [
+        "allreduce_coalesced", "allgather_into_tensor_coalesced", "alltoall_base", "reduce_scatter",
+        "reduce_scatter_tensor_coalesced"]
+    assert all(opts.timeout == timedelta(seconds=7) for opts in backend.options)
+    assert backend.options[0].reduceOp == dist.ReduceOp.MAX and backend.options[3].reduceOp == dist.ReduceOp.MIN
+    assert backend.options[4].reduceOp == dist.ReduceOp.SUM
+    assert backend.calls[2][1][2:4] == ([2, 2], [2, 2])
+
+
+def test_allreduce_coalesced_takes_options_a_reduce_op_or_nothing(group: FakeGroup) -> None:
+    opts = dist.AllreduceCoalescedOptions()
+    opts.reduceOp, opts.timeout = dist.ReduceOp.PRODUCT, timedelta(seconds=2)
+    group.allreduce_coalesced([torch.ones(1)], opts)
+    group.allreduce_coalesced([torch.ones(1)])
+    first, second = group.backends[0].options
+    assert (first.reduceOp, first.timeout) == (dist.ReduceOp.PRODUCT, timedelta(seconds=2))
+    assert (second.reduceOp, second.timeout) == (dist.ReduceOp.SUM, timedelta(seconds=7))
+    with pytest.raises(TypeError):
+        group.allreduce_coalesced([torch.ones(1)], dist.BroadcastOptions())
+
+
+def test_new_collectives_refuse_strided_tensors_before_the_backend(group: FakeGroup) -> None:
+    strided = torch.ones(4, 4)[:, 0]
+    with pytest.raises(ValueError, match="contiguous"):
+        group.reduce_scatter_tensor_coalesced([torch.zeros(2)], [strided])
+    with pytest.raises(TypeError):
+        group.reduce_scatter([torch.zeros(2)], [torch.ones(2)])  # inputs must be a list of lists
+    assert group.backends[0].calls == [] and group.errored() is None
+
+
+def test_a_failure_says_the_communicator_was_aborted(group: FakeGroup) -> None:
+    work = group.allreduce_coalesced([torch.ones(1)])
+    group.backends[0].works[0].future.set_exception(RuntimeError("Connection closed by peer"))
+    with pytest.raises(RuntimeError, match="Connection closed by peer.*aborted"):
+        work.wait()
+    assert "aborted" in str(group.errored()) and isinstance(group.errored(), RuntimeError)
+
+
+def test_shutdown_closes_the_group_like_a_handle_until_the_next_configure(group: FakeGroup) -> None:
+    group.shutdown()
+    with pytest.raises(ProcessGroupClosed, match="handle is closed") as caught:
+        group.allreduce([torch.ones(1)])
+    assert isinstance(caught.value, OSError) and isinstance(caught.value, CollectiveError)
+    assert group.errored() is None
+    group.configure("store:1/torchft/2/0", "replica-a", 0, 1)
+    group.allreduce([torch.ones(1)])
+
+
+def test_a_configure_timeout_bounds_the_rendezvous_only(group: FakeGroup) -> None:
+    group.configure("store:1/torchft/2/0", "replica-a", 0, 2, timeout=timedelta(seconds=30))
+    backend = group.backends[1]
+    assert backend.timeout == timedelta(seconds=30)  # the rendezvous
+    assert backend.timeouts_set == [timedelta(seconds=7)]  # then the group's own, for send/recv
+    group.allreduce([torch.ones(1)])
+    assert backend.options[-1].timeout == timedelta(seconds=7)
+    with pytest.raises(ConfigError):
+        group.configure("store:1/torchft/3/0", "replica-a", 0, 2, timeout=timedelta(0))
+
+
+def test_an_unsupported_collective_says_so_as_torchft_callers_expect() -> None:
+    class Minimal(ProcessGroup):
+        pass
+
+    with pytest.raises(NotImplementedError, match="Minimal does not support alltoall_base") as caught:
+        Minimal().alltoall_base(torch.zeros(1), torch.zeros(1), [1], [1])
+    assert isinstance(caught.value, RuntimeError)
+
+
+def test_register_needs_torchs_default_group() -> None:
+    if dist.is_initialized():
+        pytest.skip("another test initialized torch's default group")
+    with pytest.raises(ConfigError, match="init_process_group"):
+        ProcessGroupDummy(0, 1).register("x")
+    with pytest.raises(ValueError, match="register"):
+        ProcessGroupDummy(0, 1).group_name  # noqa: B018
+
+
+# ------------------------------------------------------------- reconfigure handles
+
+
+def handle(handle_id: str, port: int = 1, global_rank: int | None = None) -> str:
+    return make_handle(handle_id, f"host-{handle_id}", port, global_rank)
+
+
+def options(handles: list[str], uuid: int = 7, timeout: timedelta | None = None) -> ReconfigureOptions:
+    opts = ReconfigureOptions()
+    opts.uuid, opts.handles, opts.timeout = uuid, handles, timeout
+    return opts
+
+
+def test_a_members_rank_is_the_position_of_its_handle_and_all_meet_on_the_first_store() -> None:
+    opts = options([handle("a", 11, 3), handle("b", 12, 5), handle("c", 13, 9)])
+    plan = plan_rendezvous(opts, "b")
+    assert (plan.store_addr, plan.rank, plan.world_size, plan.uuid) == ("host-a:11/torchft/7", 1, 3, 7)
+    assert plan.global_ranks == [3, 5, 9]
+    assert plan_rendezvous(options([handle("a", 11, 3), handle("b")]), "a").global_ranks is None
+
+
+def test_ipv6_hosts_in_handles_are_bracketed() -> None:
+    plan = plan_rendezvous(options([make_handle("a", "fd00::5", 29500, None)]), "a")
+    assert parse_store_addr(plan.store_addr) == StoreAddress("fd00::5", 29500, "torchft/7")
+
+
+@pytest.mark.parametrize("handles, uuid, match", [
+    ([handle("a"), handle("b")], 7, "appears 0 times"),
+    ([handle("me"), handle("me")], 7, "appears 2 times"),
+    ([], 7, "no handles"),
+    ([handle("me"), "not json"], 7, "not JSON"),
+    ([handle("me"), '{"id": 1, "store": "h:1"}'], 7, "'id' and 'store'"),
+    ([handle("me")], -1, "uuid"),
+])
+def test_bad_handles_are_config_errors(handles: list[str], uuid: int, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        plan_rendezvous(options(handles, uuid), "me")
+
+
+def test_unordered_handles_are_refused_they_would_give_no_rank_order() -> None:
+    with pytest.raises(ConfigError, match="ordered list"):
+        plan_rendezvous(options({handle("me")}), "me")  # type: ignore[arg-type]
+
+
+def test_reconfigure_configures_from_the_handles_with_their_timeout(group: FakeGroup) -> None:
+    group.set_rank_info("replica-b", 0, 1, global_rank=4)
+    opts = options([handle("peer", 21), make_handle(group._handle_id(), "me", 22, 4)], uuid=9,
+                   timeout=timedelta(seconds=30))
+    work = group.reconfigure(opts)
+    assert isinstance(work, _DummyWork) and work.wait()
+    assert (group.rank(), group.size(), str(group._address)) == (1, 2, "host-peer:21/torchft/9")
+    assert group.backends[-1].timeout == timedelta(seconds=30)
+    assert group.supports_reconfigure
+
+
+def test_dummy_reconfigures_from_handles_and_counts() -> None:
+    pg = ProcessGroupDummy(0, 1)
+    pg.reconfigure(options([handle("x"), make_handle(pg._handle_id(), "me", 1, None)]))
+    assert (pg.rank(), pg.size(), pg.reconfigure_count, repr(pg)) == (1, 2, 1, "ProcessGroupDummy()")
+
+
+def test_dummy_collectives_copy_this_ranks_input_and_return_completed_work() -> None:
+    pg = ProcessGroupDummy(1, 2)
+    value = torch.tensor([1.0, 2.0])
+    gathered = torch.zeros(4)
+    works = [pg.allreduce_coalesced([value.clone()]), pg.allgather_into_tensor_coalesced([gathered], [value])]
+    scattered, rows = torch.zeros(2), torch.arange(4.0)
+    works.append(pg.reduce_scatter_tensor_coalesced([scattered], [rows]))
+    listed = torch.zeros(2)
+    works.append(pg.reduce_scatter([listed], [[torch.zeros(2), value]]))
+    moved = torch.zeros(2)
+    works.append(pg.alltoall_base(moved, value, [1, 1], [1, 1]))
+    assert all(isinstance(work, CompletedWork) and isinstance(work, _DummyWork) and work.wait() for work in works)
+    assert gathered.tolist() == [1.0, 2.0, 1.0, 2.0]
+    assert scattered.tolist() == [2.0, 3.0] and listed.tolist() == [1.0, 2.0] and moved.tolist() == [1.0, 2.0]

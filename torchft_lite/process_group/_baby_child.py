@@ -51,7 +51,6 @@ def _warm_up() -> None:
 
 def _build(kind: str, store_addr: str, rank: int, world_size: int, timeout: timedelta, device: int | None) -> Any:
     import torch
-    import torch.distributed as dist
 
     from torchft_lite.process_group.store import connect_store, parse_store_addr
 
@@ -61,36 +60,70 @@ def _build(kind: str, store_addr: str, rank: int, world_size: int, timeout: time
 
         torch.cuda.set_device(device)
         return create_nccl_backend(store, rank, world_size, timeout, device)
-    return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    from torchft_lite.process_group.gloo import create_gloo_group
+
+    return create_gloo_group(store, rank, world_size, timeout)
+
+
+def _regroup(tensors: list, sizes: list[int]) -> list[list]:
+    """The parent's tensor lists, from the flat list they travelled in."""
+    groups, start = [], 0
+    for size in sizes:
+        groups.append(tensors[start:start + size])
+        start += size
+    if start != len(tensors):
+        raise ValueError(f"{len(tensors)} tensors do not make lists of sizes {sizes}")
+    return groups
 
 
 def _start(backend: Any, name: str, tensors: list, args: dict[str, Any]) -> Any:
     """Start one operation on ``backend``; its c10d Work."""
     from torch.distributed import ReduceOp
-    from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, BarrierOptions, BroadcastOptions
+    from torch.distributed.distributed_c10d import (
+        AllgatherOptions,
+        AllreduceCoalescedOptions,
+        AllreduceOptions,
+        AllToAllOptions,
+        BarrierOptions,
+        BroadcastOptions,
+        ReduceScatterOptions,
+    )
 
-    def with_timeout(options: Any) -> Any:
+    def options(factory: Any) -> Any:
+        opts = factory()
         if args.get("timeout", -1) >= 0:
-            options.timeout = timedelta(seconds=args["timeout"])
-        return options
+            opts.timeout = timedelta(seconds=args["timeout"])
+        if "op" in args:
+            opts.reduceOp = getattr(ReduceOp, args["op"])
+        return opts
 
+    groups = _regroup(tensors, args["sizes"])
     if name == "allreduce":
-        options = with_timeout(AllreduceOptions())
-        options.reduceOp = getattr(ReduceOp, args["op"])
-        return backend.allreduce(tensors, options)
+        return backend.allreduce(groups[0], options(AllreduceOptions))
+    if name == "allreduce_coalesced":
+        return backend.allreduce_coalesced(groups[0], options(AllreduceCoalescedOptions))
     if name == "broadcast":
-        options = with_timeout(BroadcastOptions())
-        options.rootRank, options.rootTensor = args["root"], args["root_tensor"]
-        return backend.broadcast(tensors, options)
+        opts = options(BroadcastOptions)
+        opts.rootRank, opts.rootTensor = args["root"], args["root_tensor"]
+        return backend.broadcast(groups[0], opts)
     if name == "allgather":
-        outputs = args["outputs"]
-        return backend.allgather([tensors[1:1 + outputs]], tensors[:1], with_timeout(AllgatherOptions()))
+        return backend.allgather(groups[1:], groups[0], options(AllgatherOptions))
+    if name == "allgather_into_tensor_coalesced":
+        return backend.allgather_into_tensor_coalesced(groups[0], groups[1], options(AllgatherOptions))
+    if name == "alltoall_base":
+        output, input_ = groups[0]
+        return backend.alltoall_base(output, input_, args["output_splits"], args["input_splits"],
+                                     options(AllToAllOptions))
     if name == "barrier":
-        return backend.barrier(with_timeout(BarrierOptions()))
+        return backend.barrier(options(BarrierOptions))
+    if name == "reduce_scatter":
+        return backend.reduce_scatter(groups[0], groups[1:], options(ReduceScatterOptions))
+    if name == "reduce_scatter_tensor_coalesced":
+        return backend.reduce_scatter_tensor_coalesced(groups[0], groups[1], options(ReduceScatterOptions))
     if name == "send":
-        return backend.send(tensors, args["peer"], args["tag"])
+        return backend.send(groups[0], args["peer"], args["tag"])
     if name == "recv":
-        return backend.recv(tensors, args["peer"], args["tag"])
+        return backend.recv(groups[0], args["peer"], args["tag"])
     raise ValueError(f"unknown operation {name!r}")
 
 

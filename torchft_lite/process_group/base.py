@@ -1,55 +1,57 @@
-"""The reconfigurable process group: the contract and the machinery shared by backends.
+"""The process group contract: a :class:`torch.distributed.ProcessGroup` whose membership changes at runtime.
 
 A replica process group spans one rank of every replica group (say group rank 0
-of each) and is rebuilt whenever the quorum changes. ``configure()`` tears down
-the previous communicator and rendezvouses a fresh c10d backend on a store
-prefix unique to the new quorum; collectives then run on that backend until
-the next ``configure()``.
+of each) and is rebuilt whenever the quorum changes, in one of two ways:
 
-Failure model: any failure of a collective -- an exception from the call, or a
-``Work``/future that completes with an error (a dead peer, a timeout) -- is
-translated to :class:`~torchft_lite.errors.CollectiveError` (or
-:class:`~torchft_lite.errors.CollectiveTimeout`) and marks the group errored.
-``errored()`` returns that first error and further collectives fail fast with
-it until the next ``configure()``. Lower layers raise; the Manager decides to
-skip the step.
+- ``configure(store_addr, replica_id, rank, world_size)``: the Manager names
+  the store and this rank;
+- ``reconfigure(opts)`` (torchft's handle API): every member is handed the
+  same ordered list of ``get_reconfigure_handle()`` strings; see
+  :mod:`torchft_lite.process_group.handles`.
 
-Classes here subclass :class:`torch.distributed.ProcessGroup` so an instance can
-be handed to torch APIs that take a process group (``dist.all_reduce(t,
-group=pg)`` dispatches to the Python methods below).
+Classes here subclass :class:`torch.distributed.ProcessGroup`, so an instance
+can be handed to torch APIs that take a process group (``dist.all_reduce(t,
+group=pg)`` dispatches to the Python methods), and ``register()`` makes it
+resolvable by name for torch's functional collectives.
 """
 
 from __future__ import annotations
 
-import atexit
-import logging
 import threading
-import time
-import traceback
-from collections.abc import Callable
+import uuid
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 from torch.distributed.distributed_c10d import (
     AllgatherOptions,
+    AllreduceCoalescedOptions,
     AllreduceOptions,
+    AllToAllOptions,
     BarrierOptions,
     BroadcastOptions,
+    ReduceScatterOptions,
 )
 
 from torchft_lite.errors import CollectiveError, ConfigError
 
-from .store import StoreAddress, connect_store, parse_store_addr
-from .work import TrackedWork, translate_error
+from .handles import RankInfo, ReconfigureOptions, advertised_host, make_handle, plan_rendezvous
+from .work import CompletedWork, translate_error
 
-__all__ = ["DEFAULT_TIMEOUT", "ProcessGroup", "ReconfigurableProcessGroup"]
-
-logger = logging.getLogger(__name__)
+__all__ = ["DEFAULT_TIMEOUT", "ProcessGroup", "ProcessGroupClosed"]
 
 DEFAULT_TIMEOUT = timedelta(seconds=60)
+# Bounds the hosted handle store's own client (it only serves peers).
+_HANDLE_STORE_TIMEOUT = timedelta(seconds=60)
+
+
+class ProcessGroupClosed(CollectiveError, OSError):
+    """A collective on a group that was shut down and not configured since.
+
+    Also an :class:`OSError`, like an operation on a closed handle (torchft
+    raises one there).
+    """
 
 
 def _check_timeout(timeout: timedelta) -> timedelta:
@@ -73,15 +75,24 @@ class ProcessGroup(dist.ProcessGroup):
 
     The rank and size change with every ``configure()``: never cache them.
     Collectives take and return what c10d's do (lists of tensors in, a
-    ``Work`` out); subclasses implement the ones they support.
+    ``Work`` out); one a subclass does not support raises
+    ``NotImplementedError`` ("... does not support <op>").
     """
 
     def __init__(self) -> None:
         # The C++ base wants a fixed rank and size; ours change with every
-        # configure(), so rank() and size() are overridden below.
+        # configure(), so rank() and size() are overridden.
         super().__init__(0, 1)
+        self._handle_id_value = uuid.uuid4().hex
+        self._handle_lock = threading.Lock()
+        self._handle_store: tuple[str, dist.TCPStore] | None = None
+        self._rank_info: RankInfo | None = None
+        self._registered_name: str | None = None
 
-    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int) -> None:
+    # -- membership ----------------------------------------------------------
+
+    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int,
+                  timeout: timedelta | None = None) -> None:
         """Tear down the current communicator and join a new one.
 
         Args:
@@ -90,17 +101,69 @@ class ProcessGroup(dist.ProcessGroup):
             replica_id: this replica group's id, for logs.
             rank: this process's rank in the new group.
             world_size: the number of ranks in the new group.
+            timeout: bounds this rendezvous; None: the group's timeout.
         """
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} does not support configure")
+
+    @property
+    def supports_reconfigure(self) -> bool:
+        """Whether ``reconfigure()`` works (torchft's Manager checks)."""
+        return True
+
+    def set_rank_info(self, replica_id: str, group_rank: int, group_world_size: int,
+                      global_rank: int | None = None) -> None:
+        """Say who this process is: used in logs, and the global rank goes into the handle."""
+        self._rank_info = RankInfo(replica_id, group_rank, group_world_size, global_rank)
+
+    def _handle_id(self) -> str:
+        """This group's id in handles: fixed for the life of the object."""
+        return self._handle_id_value
+
+    def get_reconfigure_handle(self) -> str:
+        """This member's handle (JSON): its id, a TCPStore it hosts, its global rank.
+
+        The store is started on the first call (port 0; advertised as
+        ``TORCHFT_LITE_HOSTNAME`` or the hostname) and kept for the life of
+        the group: when this member is the first in a reconfigure, everyone
+        rendezvouses on it.
+        """
+        with self._handle_lock:
+            if self._handle_store is None:
+                host = advertised_host()
+                try:
+                    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                                          timeout=_HANDLE_STORE_TIMEOUT)
+                except Exception as exc:
+                    raise translate_error(exc, f"hosting the reconfigure store on {host}",
+                                          _HANDLE_STORE_TIMEOUT) from exc
+                self._handle_store = (host, store)
+            host, store = self._handle_store
+        info = self._rank_info
+        return make_handle(self._handle_id(), host, store.port, info.global_rank if info else None)
+
+    def reconfigure(self, opts: ReconfigureOptions) -> dist.Work:
+        """Join the communicator described by ``opts`` (ordered handles and a uuid); blocks until joined.
+
+        This member's rank is the position of its own handle; everyone
+        rendezvouses on the first handle's store. Raises what ``configure()``
+        raises; returns a completed ``Work``.
+        """
+        plan = plan_rendezvous(opts, self._handle_id())
+        info = self._rank_info
+        replica_id = info.replica_id if info is not None else self._handle_id()
+        self.configure(plan.store_addr, replica_id, plan.rank, plan.world_size, timeout=opts.timeout)
+        return CompletedWork()
+
+    # -- state ---------------------------------------------------------------
 
     def rank(self) -> int:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} does not support rank")
 
     def size(self) -> int:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} does not support size")
 
     def getBackendName(self) -> str:
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} does not support getBackendName")
 
     def errored(self) -> Exception | None:
         """The first collective error since the last ``configure()``, or None."""
@@ -108,7 +171,7 @@ class ProcessGroup(dist.ProcessGroup):
 
     def set_timeout(self, timeout: timedelta) -> None:
         """Set the timeout of later collectives and configures."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} does not support set_timeout")
 
     def abort(self) -> None:
         """Abort the communicator; the group is errored until the next ``configure()``."""
@@ -116,322 +179,93 @@ class ProcessGroup(dist.ProcessGroup):
     def shutdown(self) -> None:
         """Release the communicator; collectives fail until the next ``configure()``."""
 
+    # -- registration with torch ---------------------------------------------
+
+    def register(self, name: str) -> "ProcessGroup":
+        """Register this group with torch, so functional collectives and DeviceMesh can resolve it by name.
+
+        Needs torch's default process group (``dist.init_process_group``).
+        Registers a backend ``<backend name>:<name>`` that hands out this very
+        object, and makes a one-rank torch group of it: the group torch
+        returns *is* ``self``, with ``group_name`` set. Call once per name;
+        ``unregister()`` undoes it.
+        """
+        if not dist.is_initialized():
+            raise ConfigError("register() needs torch's default process group: call dist.init_process_group first")
+        backend_name = f"{self.getBackendName()}:{name}"
+        devices = ["cpu", "cuda"] if torch.cuda.is_available() else ["cpu"]
+        dist.Backend.register_backend(backend_name, lambda store, rank, world_size, timeout: self, devices=devices)
+        group = dist.new_group(ranks=[dist.get_rank()], backend=backend_name, group_desc=backend_name,
+                               timeout=DEFAULT_TIMEOUT)  # unused: this group keeps its own timeouts
+        if group is not self:
+            raise CollectiveError(f"registering {backend_name}: torch made a new group instead of using this one")
+        return self
+
+    def unregister(self) -> None:
+        """Remove this group from torch's registry (it must be registered)."""
+        dist.destroy_process_group(self)
+
+    @property
+    def group_name(self) -> str:
+        """The name torch resolves this group by; set by ``register()``."""
+        if self._registered_name is None:
+            raise ValueError(f"{type(self).__name__} has no group name: register() it first")
+        return self._registered_name
+
+    def _set_group_name(self, name: str) -> None:
+        self._registered_name = name  # torch calls this while registering; the C++ base has no backend to name
+
+    # -- collectives ---------------------------------------------------------
+
+    def _unsupported(self, op: str) -> NotImplementedError:
+        return NotImplementedError(f"{type(self).__name__} does not support {op}")
+
     def allreduce(self, tensors: list[torch.Tensor], opts: AllreduceOptions | ReduceOp = ReduceOp.SUM) -> dist.Work:
-        raise NotImplementedError
+        raise self._unsupported("allreduce")
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor],
+                            opts: AllreduceCoalescedOptions | ReduceOp | None = None) -> dist.Work:
+        """Allreduce several tensors as one operation."""
+        raise self._unsupported("allreduce_coalesced")
 
     def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensor: list[torch.Tensor],
                   opts: AllgatherOptions | None = None) -> dist.Work:
-        raise NotImplementedError
+        raise self._unsupported("allgather")
+
+    def allgather_into_tensor_coalesced(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
+                                        opts: AllgatherOptions | None = None) -> dist.Work:
+        """For each input, gather every rank's copy into the matching output (``world_size`` times as long)."""
+        raise self._unsupported("allgather_into_tensor_coalesced")
+
+    def alltoall_base(self, output_buffer: torch.Tensor, input_buffer: torch.Tensor, output_split_sizes: list[int],
+                      input_split_sizes: list[int], opts: AllToAllOptions | None = None) -> dist.Work:
+        raise self._unsupported("alltoall_base")
 
     def broadcast(self, tensor_list: list[torch.Tensor], opts: BroadcastOptions | int = 0) -> dist.Work:
-        raise NotImplementedError
+        raise self._unsupported("broadcast")
 
     def broadcast_one(self, tensor: torch.Tensor, root: int) -> dist.Work:
         """Broadcast one tensor from ``root``."""
         return self.broadcast([tensor], root)
 
     def barrier(self, opts: BarrierOptions | None = None) -> dist.Work:
-        raise NotImplementedError
+        raise self._unsupported("barrier")
+
+    def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
+                       opts: ReduceScatterOptions | ReduceOp | None = None) -> dist.Work:
+        raise self._unsupported("reduce_scatter")
+
+    def reduce_scatter_tensor_coalesced(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
+                                        opts: ReduceScatterOptions | ReduceOp | None = None) -> dist.Work:
+        """For each input (``world_size`` times as long as its output), reduce it and scatter the parts."""
+        raise self._unsupported("reduce_scatter_tensor_coalesced")
 
     def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int = 0) -> dist.Work:
-        raise NotImplementedError
+        raise self._unsupported("send")
 
     def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int = 0) -> dist.Work:
-        raise NotImplementedError
+        raise self._unsupported("recv")
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
-
-def _with_timeout(opts: Any, timeout: timedelta | None) -> Any:
-    # c10d marks an unset per-call timeout with a negative value.
-    if timeout is not None and opts.timeout < timedelta(0):
-        opts.timeout = timeout
-    return opts
-
-
-def _allreduce_options(opts: AllreduceOptions | ReduceOp, timeout: timedelta | None) -> AllreduceOptions:
-    options = AllreduceOptions()
-    if isinstance(opts, AllreduceOptions):
-        options.reduceOp = opts.reduceOp
-        options.timeout = opts.timeout
-    elif isinstance(opts, (ReduceOp, ReduceOp.RedOpType)):
-        options.reduceOp = opts
-    else:
-        raise TypeError(f"allreduce opts must be AllreduceOptions or ReduceOp, got {type(opts).__name__}")
-    return _with_timeout(options, timeout)
-
-
-def _broadcast_options(opts: BroadcastOptions | int, timeout: timedelta | None) -> BroadcastOptions:
-    options = BroadcastOptions()
-    if isinstance(opts, BroadcastOptions):
-        options.rootRank = opts.rootRank
-        options.rootTensor = opts.rootTensor
-        options.timeout = opts.timeout
-    elif isinstance(opts, int) and not isinstance(opts, bool):
-        options.rootRank = opts
-    else:
-        raise TypeError(f"broadcast opts must be BroadcastOptions or a root rank, got {type(opts).__name__}")
-    return _with_timeout(options, timeout)
-
-
-def _copy_options(opts: Any, factory: Callable[[], Any], timeout: timedelta | None) -> Any:
-    options = factory()
-    if opts is not None:
-        options.timeout = opts.timeout
-    return _with_timeout(options, timeout)
-
-
-# Teardown threads still destroying a communicator, with the time they may take.
-_teardowns: dict[threading.Thread, float] = {}
-_teardowns_lock = threading.Lock()
-# Beyond the collective timeout, for the destructor itself.
-_TEARDOWN_GRACE_S = 5.0
-
-
-def _teardown(holder: list[Any], name: str) -> None:
-    try:
-        if hasattr(holder[0], "abort"):
-            try:
-                holder[0].abort()
-            except Exception:  # the communicator is dropped below either way
-                logger.warning("aborting an old %s communicator failed", name, exc_info=True)
-        holder.clear()  # runs the destructor (without the GIL): closes the connections, joins gloo's threads
-    finally:
-        with _teardowns_lock:
-            _teardowns.pop(threading.current_thread(), None)
-
-
-def _start_teardown(holder: list[Any], name: str, timeout: timedelta) -> None:
-    thread = threading.Thread(target=_teardown, args=(holder, name), name="torchft_lite-pg-teardown", daemon=True)
-    with _teardowns_lock:
-        _teardowns[thread] = time.monotonic() + timeout.total_seconds() + _TEARDOWN_GRACE_S
-    thread.start()
-
-
-@atexit.register
-def _finish_teardowns() -> None:
-    """At exit, let pending teardowns finish (bounded): a gloo backend destroyed
-    mid-destructor by interpreter shutdown aborts the process (std::terminate)."""
-    with _teardowns_lock:
-        pending = list(_teardowns.items())
-    for thread, deadline in pending:
-        thread.join(max(0.0, deadline - time.monotonic()))
-        if thread.is_alive():
-            logger.warning("a process group teardown did not finish before exit")
-
-
-class ReconfigurableProcessGroup(ProcessGroup):
-    """A :class:`ProcessGroup` over a c10d backend rebuilt by every ``configure()``.
-
-    Subclasses provide :meth:`_create_backend`. State (backend, errored,
-    rank/size) is guarded by one lock; ``configure()`` calls are serialized by
-    another so a slow rendezvous never blocks ``errored()`` or ``abort()``.
-    """
-
-    def __init__(self, timeout: timedelta = DEFAULT_TIMEOUT) -> None:
-        super().__init__()
-        self._timeout = _check_timeout(timeout)
-        self._lock = threading.Lock()
-        self._configure_lock = threading.Lock()
-        self._backend: Any = None
-        self._errored: CollectiveError | None = None
-        # Bumped by every configure(): a Work of an older communicator that
-        # fails late must not mark the new one errored.
-        self._generation = 0
-        self._rank = 0
-        self._world_size = 1
-        self._replica_id = ""
-        self._address: StoreAddress | None = None
-
-    # -- backend hooks -------------------------------------------------------
-
-    def _create_backend(self, store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> Any:
-        """Build the c10d backend; blocks until ``world_size`` ranks joined ``store``."""
-        raise NotImplementedError
-
-    def _open_store(self, address: StoreAddress, timeout: timedelta) -> Any:
-        """What :meth:`_create_backend` rendezvouses on: a client of the store at ``address``, by default."""
-        return connect_store(address, timeout)
-
-    def _wait_work(self, work: dist.Work, timeout: timedelta) -> None:
-        """Block until ``work`` is done, at most ``timeout``; raise its error."""
-        work.wait(timeout)
-
-    def _op_timeout(self) -> timedelta | None:
-        """The timeout put in a collective's options (None: leave it to the backend)."""
-        return self._timeout
-
-    def _watch(self, work: TrackedWork) -> None:
-        """Called with every collective started (a backend without its own timeouts arms one here)."""
-
-    # -- lifecycle -----------------------------------------------------------
-
-    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int) -> None:
-        address = parse_store_addr(store_addr)
-        _check_rank(rank, world_size)
-        with self._configure_lock:
-            with self._lock:
-                self._generation += 1
-                generation = self._generation
-                old, self._backend = [self._backend], None
-                self._errored = None
-                self._rank, self._world_size = rank, world_size
-                self._replica_id, self._address = replica_id, address
-                timeout = self._timeout
-            self._retire(old)
-            logger.info("replica %s: configuring %s rank %s/%s on %s", replica_id, self.getBackendName(), rank,
-                        world_size, address)
-            try:
-                store = self._open_store(address, timeout)
-                backend = self._create_backend(store, rank, world_size, timeout)
-            except ConfigError:
-                raise
-            except Exception as exc:
-                what = (f"{self.getBackendName()} rendezvous of {world_size} ranks on store "
-                        f"{address.host}:{address.port} prefix {address.prefix!r}")
-                error = translate_error(exc, what, timeout)
-                with self._lock:
-                    if generation == self._generation and self._errored is None:
-                        self._errored = error
-                raise error from exc
-            with self._lock:
-                self._backend = backend
-        logger.info("replica %s: %s configured, rank %s/%s", replica_id, self.getBackendName(), rank, world_size)
-
-    def abort(self) -> None:
-        with self._lock:
-            old, self._backend = [self._backend], None
-            if self._errored is None:
-                self._errored = CollectiveError(f"{self.getBackendName()} was aborted; configure() it again")
-        self._discard(old)
-
-    def shutdown(self) -> None:
-        with self._lock:
-            old, self._backend = [self._backend], None
-        self._discard(old)
-
-    def _retire(self, holder: list[Any]) -> None:
-        """Drop the backend a new ``configure()`` replaces (by default: aborted, like any other)."""
-        self._discard(holder)
-
-    def _discard(self, holder: list[Any]) -> None:
-        """Abort the backend in the one-element list ``holder`` and drop it, on another thread.
-
-        Never blocks the caller, which may be the training thread or a
-        backend's own worker thread (a future callback): destroying a gloo
-        backend joins its worker threads, which waits for an in-flight
-        collective -- up to its timeout when a peer is alive but stuck. The
-        caller hands over its only reference inside the list.
-        """
-        if holder[0] is not None:
-            _start_teardown(holder, self.getBackendName(), self._timeout)
-
-    # -- state ---------------------------------------------------------------
-
-    def rank(self) -> int:
-        return self._rank
-
-    def size(self) -> int:
-        return self._world_size
-
-    def errored(self) -> Exception | None:
-        return self._errored
-
-    def set_timeout(self, timeout: timedelta) -> None:
-        timeout = _check_timeout(timeout)
-        with self._lock:
-            self._timeout = timeout
-            backend = self._backend
-        if backend is not None and hasattr(backend, "set_timeout"):
-            backend.set_timeout(timeout)  # the default for send/recv, which take no options
-
-    def _describe(self) -> str:
-        where = f" on {self._address}" if self._address is not None else ""
-        return f"{self.getBackendName()} rank {self._rank}/{self._world_size}{where}"
-
-    def _record_failure(self, generation: int, op: str, exc: BaseException, timeout: timedelta) -> CollectiveError:
-        """Translate ``exc``; if it came from the current communicator, mark the group errored and drop it.
-
-        Dropping the communicator closes its connections, so peers blocked on
-        this rank fail at once instead of at their timeout: one rank that sees
-        the dead peer fails the whole group quickly. (For NCCL the abort also
-        releases kernels stuck on the dead peer.)
-        """
-        traceback.clear_frames(exc.__traceback__)  # finished frames there may hold the backend
-        error = translate_error(exc, f"{op} on {self._describe()}", timeout)
-        with self._lock:
-            first = generation == self._generation and self._errored is None
-            if first:
-                self._errored = error
-                old, self._backend = [self._backend], None
-        if first:
-            logger.warning("replica %s: %s", self._replica_id, error)
-            self._discard(old)
-        return error
-
-    # -- collectives ---------------------------------------------------------
-
-    @staticmethod
-    def _check_tensors(op: str, tensors: list[torch.Tensor]) -> None:
-        """Refuse what c10d would get wrong silently: gloo reduces a strided tensor as if it were contiguous."""
-        for tensor in tensors:
-            if not isinstance(tensor, torch.Tensor):
-                raise TypeError(f"{op} takes tensors, got {type(tensor).__name__}")
-            if not tensor.is_contiguous():
-                raise ValueError(f"{op} needs contiguous tensors; got one of shape {tuple(tensor.shape)} with "
-                                 f"strides {tensor.stride()} (pass tensor.contiguous() and copy the result back)")
-
-    def _run(self, op: str, call: Callable[[Any], dist.Work]) -> dist.Work:
-        with self._lock:
-            backend, generation, timeout, errored = self._backend, self._generation, self._timeout, self._errored
-        if errored is not None:
-            raise CollectiveError(f"{op} refused: {self._describe()} is errored until the next configure(): "
-                                  f"{errored}") from errored
-        if backend is None:
-            raise CollectiveError(f"{op} called on {type(self).__name__} before configure()")
-        try:
-            work = call(backend)
-        except Exception as exc:
-            failure = exc
-        else:
-            tracked = TrackedWork(work, op=op, timeout=timeout, wait=self._wait_work,
-                                  on_error=lambda exc, waited: self._record_failure(generation, op, exc, waited))
-            self._watch(tracked)
-            return tracked
-        # The error is kept (errored()) with its traceback, which holds this
-        # frame: it must not pin the communicator this failure drops.
-        del backend
-        raise self._record_failure(generation, op, failure, timeout) from failure
-
-    def allreduce(self, tensors: list[torch.Tensor], opts: AllreduceOptions | ReduceOp = ReduceOp.SUM) -> dist.Work:
-        self._check_tensors("allreduce", tensors)
-        options = _allreduce_options(opts, self._op_timeout())
-        return self._run("allreduce", lambda backend: backend.allreduce(tensors, options))
-
-    def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensor: list[torch.Tensor],
-                  opts: AllgatherOptions | None = None) -> dist.Work:
-        self._check_tensors("allgather", [t for ts in output_tensors for t in ts] + list(input_tensor))
-        options = _copy_options(opts, AllgatherOptions, self._op_timeout())
-        return self._run("allgather", lambda backend: backend.allgather(output_tensors, input_tensor, options))
-
-    def broadcast(self, tensor_list: list[torch.Tensor], opts: BroadcastOptions | int = 0) -> dist.Work:
-        self._check_tensors("broadcast", tensor_list)
-        options = _broadcast_options(opts, self._op_timeout())
-        return self._run("broadcast", lambda backend: backend.broadcast(tensor_list, options))
-
-    def barrier(self, opts: BarrierOptions | None = None) -> dist.Work:
-        options = _copy_options(opts, BarrierOptions, self._op_timeout())
-        return self._run("barrier", lambda backend: backend.barrier(options))
-
-    def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int = 0) -> dist.Work:
-        self._check_tensors("send", tensors)
-        return self._run(f"send to rank {dst_rank}", lambda backend: backend.send(tensors, dst_rank, tag))
-
-    def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int = 0) -> dist.Work:
-        self._check_tensors("recv", tensors)
-        return self._run(f"recv from rank {src_rank}", lambda backend: backend.recv(tensors, src_rank, tag))
-
-    def __repr__(self) -> str:
-        state = "errored" if self._errored is not None else ("configured" if self._backend is not None else "idle")
-        return f"{type(self).__name__}({state}, rank={self._rank}, size={self._world_size}, store={self._address})"

@@ -3,16 +3,11 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
-from torch.distributed.distributed_c10d import (
-    AllgatherOptions,
-    AllreduceOptions,
-    BarrierOptions,
-    BroadcastOptions,
-)
 
 from .base import ProcessGroup, _check_rank
 from .work import CompletedWork
@@ -20,12 +15,22 @@ from .work import CompletedWork
 __all__ = ["ProcessGroupDummy"]
 
 
+def _fill(output: torch.Tensor, tensor: torch.Tensor) -> None:
+    """Copy ``tensor`` into ``output`` end to end, as often as it fits (once when their sizes match)."""
+    source, target = tensor.reshape(-1), output.view(-1)
+    step = source.numel()
+    for start in range(0, target.numel() - step + 1, step) if step else ():
+        target[start:start + step].copy_(source)
+
+
 class ProcessGroupDummy(ProcessGroup):
-    """Every collective completes at once and leaves its tensors unchanged.
+    """Every collective completes at once, as if this rank were alone.
 
     ``rank`` and ``world`` are only reported by ``rank()`` and ``size()`` (a
     later ``configure()`` replaces them); nothing is exchanged, so an
-    allreduce returns each rank's own values. ``configure()`` touches no store.
+    allreduce returns each rank's own values and a gather or scatter copies
+    this rank's input into the output. ``configure()`` touches no store.
+    Every collective returns a :class:`CompletedWork`.
     """
 
     def __init__(self, rank: int, world: int) -> None:
@@ -34,9 +39,15 @@ class ProcessGroupDummy(ProcessGroup):
         self._rank = rank
         self._world = world
         self.configure_count = 0
-        """How many times ``configure()`` was called (tests read it)."""
+        """How many times ``configure()`` (or ``reconfigure()``) was called (tests read it)."""
 
-    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int) -> None:
+    @property
+    def reconfigure_count(self) -> int:
+        """torchft's name for :attr:`configure_count`."""
+        return self.configure_count
+
+    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int,
+                  timeout: timedelta | None = None) -> None:
         _check_rank(rank, world_size)
         self._rank, self._world = rank, world_size
         self.configure_count += 1
@@ -53,27 +64,51 @@ class ProcessGroupDummy(ProcessGroup):
     def set_timeout(self, timeout: timedelta) -> None:
         pass
 
-    def allreduce(self, tensors: list[torch.Tensor], opts: AllreduceOptions | ReduceOp = ReduceOp.SUM) -> dist.Work:
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = ReduceOp.SUM) -> dist.Work:
+        return CompletedWork(tensors)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         return CompletedWork(tensors)
 
     def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensor: list[torch.Tensor],
-                  opts: AllgatherOptions | None = None) -> dist.Work:
+                  opts: Any = None) -> dist.Work:
         for outputs, tensor in zip(output_tensors, input_tensor):
             for output in outputs:
                 output.copy_(tensor)
         return CompletedWork(output_tensors)
 
-    def broadcast(self, tensor_list: list[torch.Tensor], opts: BroadcastOptions | int = 0) -> dist.Work:
+    def allgather_into_tensor_coalesced(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
+                                        opts: Any = None) -> dist.Work:
+        for output, tensor in zip(output_tensors, input_tensors):
+            _fill(output, tensor)  # every rank's part is this rank's input
+        return CompletedWork(output_tensors)
+
+    def alltoall_base(self, output_buffer: torch.Tensor, input_buffer: torch.Tensor, output_split_sizes: list[int],
+                      input_split_sizes: list[int], opts: Any = None) -> dist.Work:
+        output_buffer.copy_(input_buffer)
+        return CompletedWork([output_buffer])
+
+    def broadcast(self, tensor_list: list[torch.Tensor], opts: Any = 0) -> dist.Work:
         return CompletedWork(tensor_list)
 
-    def barrier(self, opts: BarrierOptions | None = None) -> dist.Work:
+    def barrier(self, opts: Any = None) -> dist.Work:
         return CompletedWork()
+
+    def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
+                       opts: Any = None) -> dist.Work:
+        for output, inputs in zip(output_tensors, input_tensors):
+            output.copy_(inputs[min(self._rank, len(inputs) - 1)])  # this rank's part, unreduced
+        return CompletedWork(output_tensors)
+
+    def reduce_scatter_tensor_coalesced(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
+                                        opts: Any = None) -> dist.Work:
+        for output, tensor in zip(output_tensors, input_tensors):
+            parts = tensor.reshape(-1).split(output.numel())
+            output.view(-1).copy_(parts[min(self._rank, len(parts) - 1)])  # this rank's part, unreduced
+        return CompletedWork(output_tensors)
 
     def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int = 0) -> dist.Work:
         return CompletedWork()
 
     def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int = 0) -> dist.Work:
         return CompletedWork(tensors)
-
-    def __repr__(self) -> str:
-        return f"ProcessGroupDummy(rank={self._rank}, size={self._world})"

@@ -4,11 +4,20 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
-from .base import DEFAULT_TIMEOUT, ReconfigurableProcessGroup
+from .base import DEFAULT_TIMEOUT
+from .reconfigurable import ReconfigurableProcessGroup, as_process_group
 
-__all__ = ["ProcessGroupGloo"]
+__all__ = ["ProcessGroupGloo", "create_gloo_group"]
+
+
+def create_gloo_group(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> dist.ProcessGroup:
+    """A connected gloo communicator (CPU tensors), fronted by a torch ProcessGroup for every collective."""
+    backend = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    devices = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)  # gloo stages CUDA tensors through the host
+    return as_process_group(store, rank, world_size, backend, dist.ProcessGroup.BackendType.GLOO, devices)
 
 
 class ProcessGroupGloo(ReconfigurableProcessGroup):
@@ -27,8 +36,8 @@ class ProcessGroupGloo(ReconfigurableProcessGroup):
     def __init__(self, timeout: timedelta = DEFAULT_TIMEOUT) -> None:
         super().__init__(timeout)
 
-    def _create_backend(self, store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> dist.ProcessGroupGloo:
-        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    def _create_backend(self, store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> dist.ProcessGroup:
+        return create_gloo_group(store, rank, world_size, timeout)
 
     def getBackendName(self) -> str:
         return "torchft-gloo"

@@ -24,7 +24,8 @@ import torch.distributed as dist
 
 from torchft_lite.errors import CollectiveTimeout, ConfigError
 
-from .base import DEFAULT_TIMEOUT, ReconfigurableProcessGroup
+from .base import DEFAULT_TIMEOUT
+from .reconfigurable import ReconfigurableProcessGroup, as_process_group
 from .work import TrackedWork
 
 __all__ = ["ProcessGroupNCCL", "check_nccl", "create_nccl_backend", "creating_thread_device"]
@@ -110,8 +111,12 @@ def creating_thread_device() -> int:
 
 
 def create_nccl_backend(store: dist.Store, rank: int, world_size: int, timeout: timedelta,
-                        device: int) -> dist.Backend:
-    """A connected NCCL communicator on CUDA ``device`` whose own timeout never fires before ours."""
+                        device: int) -> dist.ProcessGroup:
+    """A connected NCCL communicator on CUDA ``device`` whose own timeout never fires before ours.
+
+    Fronted by a torch ProcessGroup, which has every collective (the
+    backend's own binding lacks the coalesced tensor ones).
+    """
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = timeout * _NCCL_TIMEOUT_FACTOR
     # Non-blocking communicators can be aborted while another thread is
@@ -120,7 +125,7 @@ def create_nccl_backend(store: dist.Store, rank: int, world_size: int, timeout: 
     backend = dist.ProcessGroupNCCL(store, rank, world_size, options)
     # Connect now, inside configure()'s timeout, not lazily in the first collective.
     backend.eager_connect_single_device(torch.device("cuda", device))
-    return backend
+    return as_process_group(store, rank, world_size, backend, dist.ProcessGroup.BackendType.NCCL, ("cuda",))
 
 
 class ProcessGroupNCCL(ReconfigurableProcessGroup):
@@ -144,12 +149,17 @@ class ProcessGroupNCCL(ReconfigurableProcessGroup):
     def getBackendName(self) -> str:
         return "torchft-nccl"
 
-    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int) -> None:
+    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int,
+                  timeout: timedelta | None = None) -> None:
         check_nccl()
-        super().configure(store_addr, replica_id, rank, world_size)
+        super().configure(store_addr, replica_id, rank, world_size, timeout)
 
-    def _create_backend(self, store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> dist.Backend:
+    def _create_backend(self, store: dist.Store, rank: int, world_size: int,
+                        timeout: timedelta) -> dist.ProcessGroup:
         return create_nccl_backend(store, rank, world_size, timeout, self._device)
+
+    def _set_backend_timeout(self, backend: dist.ProcessGroup, timeout: timedelta) -> None:
+        backend.set_timeout(timeout * _NCCL_TIMEOUT_FACTOR)  # NCCL's own stays behind our watchdog
 
     def _op_timeout(self) -> timedelta | None:
         return None  # the watchdog enforces ours; see the module docstring
