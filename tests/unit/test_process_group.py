@@ -36,8 +36,9 @@ from torchft_lite.process_group import reconfigurable as reconfigurable_module
 
 def test_public_api_is_pinned() -> None:
     assert sorted(process_group.__all__) == [
-        "CompletedWork", "ProcessGroup", "ProcessGroupBaby", "ProcessGroupBabyGloo", "ProcessGroupBabyNCCL",
-        "ProcessGroupClosed", "ProcessGroupDummy", "ProcessGroupGloo", "ProcessGroupNCCL", "ReconfigurableProcessGroup",
+        "CompletedWork", "ErrorSwallowingProcessGroupWrapper", "FakeProcessGroupWrapper", "ManagedProcessGroup",
+        "ProcessGroup", "ProcessGroupBaby", "ProcessGroupBabyGloo", "ProcessGroupBabyNCCL", "ProcessGroupClosed",
+        "ProcessGroupDummy", "ProcessGroupGloo", "ProcessGroupNCCL", "ProcessGroupWrapper", "ReconfigurableProcessGroup",
         "ReconfigureOptions", "Rendezvous", "StoreAddress", "TrackedWork", "create_store_client", "parse_store_addr",
         "plan_rendezvous", "reconfigure_with_store",
     ]

@@ -4,6 +4,8 @@
 backend per ``configure()`` (or ``reconfigure()``, torchft's handle API);
 ``ProcessGroupBabyGloo`` and ``ProcessGroupBabyNCCL`` run that backend in a
 child process, so an abort is a kill; ``ProcessGroupDummy`` exchanges nothing;
+the wrappers (``ProcessGroupWrapper``, ``ErrorSwallowingProcessGroupWrapper``,
+``FakeProcessGroupWrapper``, ``ManagedProcessGroup``) forward to another group.
 All of them subclass :class:`torch.distributed.ProcessGroup`.
 
 ``create_store_client`` and ``reconfigure_with_store`` are defined here rather
@@ -28,9 +30,19 @@ from .nccl import ProcessGroupNCCL
 from .reconfigurable import ReconfigurableProcessGroup
 from .store import StoreAddress, parse_store_addr
 from .work import CompletedWork, TrackedWork
+from .wrappers import (
+    ErrorSwallowingProcessGroupWrapper,
+    FakeProcessGroupWrapper,
+    ManagedProcessGroup,
+    ProcessGroupWrapper,
+    _ErrorSwallowingWork,
+)
 
 __all__ = [
     "CompletedWork",
+    "ErrorSwallowingProcessGroupWrapper",
+    "FakeProcessGroupWrapper",
+    "ManagedProcessGroup",
     "ProcessGroup",
     "ProcessGroupBaby",
     "ProcessGroupBabyGloo",
@@ -39,6 +51,7 @@ __all__ = [
     "ProcessGroupDummy",
     "ProcessGroupGloo",
     "ProcessGroupNCCL",
+    "ProcessGroupWrapper",
     "ReconfigurableProcessGroup",
     "ReconfigureOptions",
     "Rendezvous",
@@ -50,7 +63,7 @@ __all__ = [
     "reconfigure_with_store",
 ]
 
-# torchft's private name, for code written against torchft.
+# torchft's private name, for code written against torchft (as is _ErrorSwallowingWork, imported above).
 _rendezvous = plan_rendezvous
 
 _RECONFIGURE_TIMEOUT = timedelta(seconds=60)
