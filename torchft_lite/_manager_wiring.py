@@ -18,7 +18,7 @@ from torchft_lite._control_plane import ControlPlane
 from torchft_lite._group_channel import ClientChannel, GroupChannel, ServerChannel
 from torchft_lite._healer import stripes
 from torchft_lite._manager_settings import ManagerSettings
-from torchft_lite.errors import TorchFTError
+from torchft_lite.errors import ManagerTimeout
 
 __all__ = ["DefaultWiring", "ManagerParts", "ManagerWiring"]
 
@@ -90,7 +90,7 @@ class DefaultWiring:
                 address = store.get(prefix + MANAGER_ADDR_KEY).decode()
                 replica_id = store.get(prefix + REPLICA_ID_KEY).decode()
             except RuntimeError as exc:  # the store's own timeout (DistStoreError)
-                raise TorchFTError(
+                raise ManagerTimeout(
                     f"group rank {s.group_rank}: group rank 0 did not publish its ManagerServer address in the "
                     f"TCPStore at {s.store_address} within {s.connect_timeout:.0f}s"
                 ) from exc
