@@ -12,13 +12,14 @@ TORCH_SPEC ?= torch==2.13.0
 # replace torch; a failure to get it only skips those comparisons.
 TORCHFT_SPEC ?= torchft-nightly==2026.10.26
 
-.PHONY: all venv test test-fast demo proto bench bench-ddp bench-recovery bench-heal browser clean help
+.PHONY: all venv test test-fast compat demo proto bench bench-ddp bench-recovery bench-heal browser clean help
 
 all: test
 
 help:
 	@echo "make test    set up .venv and run the whole test suite"
 	@echo "make demo    set up .venv and run the demo (lighthouse + replica groups)"
+	@echo "make compat  run the tests shipped in torchft's wheel on torchft and on torchft_lite; print a table"
 	@echo "make proto   regenerate lighthouse/protocol from proto/torchft.proto"
 	@echo "make bench   run benchmarks/lighthouse_bench.py (ours and torchft's)"
 	@echo "make bench-ddp  run benchmarks/ddp_overhead_bench.py (Manager step overhead vs plain gloo DDP)"
@@ -49,6 +50,20 @@ test: $(STAMP) browser
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow and not browser"
+
+# torchft's own test files, read from its installed wheel, run once on torchft and
+# once on torchft_lite (tests/compat/run.py --help). torchft imports OpenTelemetry
+# and its PGTransport needs numpy; neither is ours, so only this target installs
+# them. Skipped (exit 0) where torchft can't be installed; where it can, a broken
+# harness fails the target, failing torchft_lite tests don't (see the report).
+COMPAT_ARGS ?=
+compat: $(STAMP)
+	-$(BIN)/python -m pip install --quiet "opentelemetry-sdk>=1.39" "opentelemetry-exporter-otlp-proto-http>=1.39" numpy
+	@if $(BIN)/python -m pip install --quiet --no-deps "$(TORCHFT_SPEC)"; then \
+	  $(BIN)/python -m tests.compat.run --require-torchft $(COMPAT_ARGS); \
+	else \
+	  echo "note: $(TORCHFT_SPEC) unavailable; make compat skipped"; \
+	fi
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py

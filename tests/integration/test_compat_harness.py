@@ -1,0 +1,98 @@
+"""The ``make compat`` harness: its torchft alias package and its list of excluded tests."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.compat.cases import EXCLUDED, FILES
+from tests.compat.pytest_process import ALIAS_DIR, REPO
+from tests.compat.run import find_wheel_dir
+
+pytestmark = pytest.mark.integration
+
+WHEEL = find_wheel_dir()
+needs_torchft = pytest.mark.skipif(
+    WHEEL is None, reason="torchft is not installed: make compat runs the test files of its wheel")
+
+
+def run_with_alias(code: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ALIAS_DIR), str(REPO)])}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_alias_imports_torchft_lite_under_the_torchft_name() -> None:
+    result = run_with_alias("""
+        import torchft, torchft.manager, torchft_lite, torchft_lite.manager
+        from torchft.manager import Manager
+        assert torchft is torchft_lite
+        assert Manager is torchft_lite.manager.Manager
+        assert torchft_lite.manager.__spec__.name == "torchft_lite.manager"
+        # torchft's Rust extension stands for torchft_lite.coordination, whether or not that exists yet.
+        try:
+            import torchft._torchft as rust
+        except ModuleNotFoundError as exc:
+            assert exc.name == "torchft_lite.coordination", exc.name
+        else:
+            assert rust.__name__ == "torchft_lite.coordination", rust.__name__
+        # A module torchft_lite lacks is missing, exactly as for a user.
+        try:
+            import torchft.no_such_module
+        except ModuleNotFoundError as exc:
+            assert exc.name == "torchft_lite.no_such_module", exc.name
+        else:
+            raise AssertionError("the alias made up a module")
+    """)
+    assert result.returncode == 0, result.stderr
+
+
+@needs_torchft
+def test_alias_loads_test_code_from_the_wheel() -> None:
+    result = run_with_alias(f"""
+        import torchft.data_test, torchft_lite.data
+        assert torchft.data_test.__file__ == {str(WHEEL / "data_test.py")!r}, torchft.data_test.__file__
+        assert torchft.data_test.DistributedSampler is torchft_lite.data.DistributedSampler
+    """)
+    assert result.returncode == 0, result.stderr
+
+
+@needs_torchft
+def test_files_in_scope_are_in_the_wheel() -> None:
+    assert [file for file in FILES if not (WHEEL / file).is_file()] == []
+
+
+def _test_methods(tree: ast.Module, class_name: str) -> set[str]:
+    """Methods of ``class_name`` and of its bases defined in the same file."""
+    classes = {node.name: node for node in tree.body if isinstance(node, ast.ClassDef)}
+    methods, pending = set(), [class_name]
+    while pending:
+        node = classes.get(pending.pop())
+        if node is None:
+            continue
+        methods |= {item.name for item in node.body if isinstance(item, ast.FunctionDef)}
+        pending += [base.id for base in node.bases if isinstance(base, ast.Name)]
+    return methods
+
+
+@needs_torchft
+def test_excluded_tests_exist_in_the_wheel() -> None:
+    missing = []
+    for test_id, reason in EXCLUDED.items():
+        file, class_name, method = test_id.split("::")
+        path = WHEEL / file
+        if not reason or not path.is_file() or method not in _test_methods(ast.parse(path.read_text()), class_name):
+            missing.append(test_id)
+    assert missing == [], "EXCLUDED names tests the wheel does not have (or gives no reason)"
+
+
+def test_project_test_run_collects_nothing_from_the_harness() -> None:
+    result = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "tests/compat"],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 5, result.stdout + result.stderr  # 5: no tests collected
