@@ -5,6 +5,10 @@ comm hook replaces its allreduce with ``manager.allreduce`` across replica
 groups. Its own process group is a private one-rank gloo group (DDP needs one
 to construct); the Manager syncs initial weights (``init_sync``), so DDP's
 start-up broadcast has nothing to do.
+
+``PureDistributedDataParallel`` does without torch's reducer: one
+``manager.allreduce`` per gradient, as each is accumulated. Simple, and slow
+for real models.
 """
 
 from __future__ import annotations
@@ -18,10 +22,12 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.nn import parallel
 
+from torchft_lite.work import ManagedWork
+
 if TYPE_CHECKING:
     from torchft_lite.manager import Manager
 
-__all__ = ["DistributedDataParallel"]
+__all__ = ["DistributedDataParallel", "PureDistributedDataParallel"]
 
 
 def _single_rank_group() -> ProcessGroup:
@@ -44,4 +50,54 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
 
 def _comm_hook(manager, bucket):  # unannotated: DDP rejects string annotations here
     """Average the bucket across replica groups through ``manager`` (a torch future of the bucket)."""
-    return manager.allreduce(bucket.buffer()).get_future()
+    return _bucket_future(manager.allreduce(bucket.buffer()), bucket.buffer())
+
+
+def _completed(value: Any) -> torch.futures.Future:
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result(value)
+    return future
+
+
+def _bucket_future(work: Any, bucket: torch.Tensor) -> torch.futures.Future:
+    """The future DDP waits on for one bucket, from whatever ``Manager.allreduce`` returned.
+
+    Ours (:class:`~torchft_lite.work.ManagedWork`) has a future that never
+    raises and needs no waiting here, so communication overlaps backward.
+    A torchft-style managed work builds its future chain only in ``wait()``,
+    which returns False after reporting a failure to its manager: then the
+    bucket is handed back as it is (the step will not commit) instead of
+    failing backward. Its future is a lazy proxy; the real future inside it
+    is the one DDP can wait on.
+    """
+    if isinstance(work, ManagedWork):
+        return work.get_future()
+    if not work.wait():
+        return _completed(bucket)
+    future = work.get_future()
+    inner = getattr(future, "_fut", None)
+    return inner if isinstance(inner, torch.futures.Future) else future
+
+
+class PureDistributedDataParallel(nn.Module):
+    """``module`` with each gradient allreduced through ``manager`` as soon as it is accumulated.
+
+    No reducer and no buckets: one ``manager.allreduce`` per parameter per
+    backward, each averaged in place when it completes (the Manager's
+    futures never raise; ``should_commit`` waits for them). Prefer
+    :class:`DistributedDataParallel` for real models.
+    """
+
+    def __init__(self, manager: "Manager", module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+        def allreduce_grad(param: torch.Tensor) -> None:
+            if param.grad is not None:
+                manager.allreduce(param.grad)
+
+        for param in module.parameters():
+            param.register_post_accumulate_grad_hook(allreduce_grad)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
