@@ -21,11 +21,10 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from torchft_lite._manager_settings import HOSTNAME_ENV
 from torchft_lite.errors import ConfigError
 
 __all__ = ["RankInfo", "ReconfigureOptions", "Rendezvous", "advertised_host", "make_handle", "plan_rendezvous"]
-
-HOSTNAME_ENV = "TORCHFT_LITE_HOSTNAME"
 
 try:  # torch >= 2.14 has native process group reconfiguration and its own options
     from torch._C._distributed_c10d import ReconfigureOptions  # type: ignore[attr-defined]
