@@ -20,7 +20,7 @@ _EXPORTS = {
     "LighthouseConfig": "lighthouse.config",
     "LighthouseError": "lighthouse.client",
     "LighthouseServer": "lighthouse.server",
-    "LighthouseStatistics": "lighthouse.server",
+    "LighthouseStatistics": "lighthouse.view",
     "LighthouseTimeout": "lighthouse.client",
     "Member": "lighthouse.quorum",
     "QuorumConfig": "lighthouse.quorum",

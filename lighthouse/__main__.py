@@ -16,7 +16,7 @@ import sys  # noqa: E402
 
 from lighthouse.config import LighthouseConfig  # noqa: E402
 from lighthouse.server import LighthouseServer  # noqa: E402
-from lighthouse.thread import new_event_loop  # noqa: E402
+from lighthouse.rpc.loop import new_event_loop  # noqa: E402
 
 logger = logging.getLogger("lighthouse")
 

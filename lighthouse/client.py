@@ -1,7 +1,8 @@
 """An asyncio client for ``LighthouseService`` (ours or torchft's).
 
 Torch-free, so the demo, the benchmark and the ManagerServer share it. Every
-call takes a timeout; gRPC errors are translated at this boundary.
+call takes a timeout; gRPC errors are translated at this boundary. The channel
+under it is the RPC kit's (:mod:`lighthouse.rpc.channel`).
 """
 
 from __future__ import annotations
@@ -11,19 +12,7 @@ import asyncio
 import grpc
 
 from lighthouse.protocol import torchft_pb2 as pb
-
-CHANNEL_OPTIONS = [
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-    # A restarted lighthouse (or ManagerServer) is back within a second or two;
-    # gRPC's default reconnect backoff grows to minutes and would keep the
-    # channel down long after it returned.
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-]
+from lighthouse.rpc.channel import UnaryChannel
 
 
 class LighthouseError(Exception):
@@ -36,58 +25,6 @@ class LighthouseError(Exception):
 
 class LighthouseTimeout(LighthouseError, TimeoutError):
     """A lighthouse call did not finish within its timeout."""
-
-
-def grpc_target(address: str) -> str:
-    """'http://host:port' (torchft's form) or 'host:port' -> a gRPC target."""
-    for scheme in ("http://", "https://", "grpc://"):
-        if address.startswith(scheme):
-            return address[len(scheme):].rstrip("/")
-    return address
-
-
-class UnaryChannel:
-    """A lazily opened gRPC channel with cached unary callables for one service.
-
-    Create and use it on a single event loop. Shared by this module's
-    ``LighthouseClient`` and torchft_lite's ManagerService client.
-    """
-
-    service = ""
-
-    def __init__(self, address: str) -> None:
-        self.address = address
-        self._channel: grpc.aio.Channel | None = None
-        self._calls: dict[str, grpc.aio.UnaryUnaryMultiCallable] = {}
-
-    def _open(self) -> grpc.aio.Channel:
-        if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(grpc_target(self.address), options=CHANNEL_OPTIONS)
-        return self._channel
-
-    def _call(self, method: str, request_cls, response_cls) -> grpc.aio.UnaryUnaryMultiCallable:
-        call = self._calls.get(method)
-        if call is None:
-            call = self._open().unary_unary(
-                f"/{self.service}/{method}",
-                request_serializer=request_cls.SerializeToString,
-                response_deserializer=response_cls.FromString,
-            )
-            self._calls[method] = call
-        return call
-
-    def _stream_call(self, method: str, request_cls, response_cls) -> grpc.aio.UnaryStreamMultiCallable:
-        return self._open().unary_stream(
-            f"/{self.service}/{method}",
-            request_serializer=request_cls.SerializeToString,
-            response_deserializer=response_cls.FromString,
-        )
-
-    async def close(self) -> None:
-        if self._channel is not None:
-            channel, self._channel = self._channel, None
-            self._calls.clear()
-            await channel.close()
 
 
 class LighthouseClient(UnaryChannel):

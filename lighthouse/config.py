@@ -13,8 +13,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from lighthouse.addresses import split_host_port
 from lighthouse.quorum import QuorumConfig
+from lighthouse.rpc.addresses import split_host_port
 
 ADMIN_TOKEN_ENV = "TORCHFT_LITE_ADMIN_TOKEN"
 DEFAULT_BIND = "[::]:29510"
@@ -54,7 +54,7 @@ class LighthouseConfig:
     kill_timeout: float = 10.0
     """Timeout of the Kill RPC the dashboard sends to a replica's manager."""
     grpc_engine: str = "native"
-    """'native': the lighthouse's own h2c gRPC server (lighthouse/h2grpc, about 2.5x
+    """'native': the lighthouse's own h2c gRPC server (lighthouse/rpc/h2grpc, about 2.5x
     less server CPU per round than grpc.aio); 'grpcio': grpc.aio."""
 
     def __post_init__(self) -> None:

@@ -14,20 +14,17 @@ import hmac
 import importlib.resources
 import json
 import logging
-from typing import TYPE_CHECKING
 
 import grpc
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from lighthouse.client import grpc_target
-from lighthouse.config import ADMIN_TOKEN_ENV, split_host_port
-from lighthouse.h2grpc.server import dual_stack_socket
+from lighthouse.config import ADMIN_TOKEN_ENV
 from lighthouse.metrics import build_registry
 from lighthouse.protocol import torchft_pb2 as pb
-
-if TYPE_CHECKING:
-    from lighthouse.server import LighthouseServer
+from lighthouse.rpc.addresses import grpc_target
+from lighthouse.rpc.sites import start_site
+from lighthouse.view import LighthouseView
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +36,7 @@ def _error(status: int, message: str, **headers: str) -> web.Response:
 
 
 class _Handlers:
-    def __init__(self, server: "LighthouseServer") -> None:
+    def __init__(self, server: LighthouseView) -> None:
         self.server = server
         self.registry = build_registry(server)
         self.dashboard = (importlib.resources.files("lighthouse") / "static" / "dashboard.html").read_bytes()
@@ -117,7 +114,7 @@ class _Handlers:
         return web.json_response({"killed": replica_id, "address": member.address, "msg": msg})
 
 
-async def start_http(server: "LighthouseServer", bind: str) -> tuple[web.AppRunner, int]:
+async def start_http(server: LighthouseView, bind: str) -> tuple[web.AppRunner, int]:
     """Start the HTTP site on ``bind``; returns the runner (for cleanup) and the bound port."""
     handlers = _Handlers(server)
     app = web.Application(client_max_size=64 * 1024)
@@ -128,18 +125,7 @@ async def start_http(server: "LighthouseServer", bind: str) -> tuple[web.AppRunn
         web.get("/healthz", handlers.healthz),
         web.post("/api/replicas/{replica_id}/kill", handlers.kill),
     ])
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
-    await runner.setup()
-    host, port = split_host_port(bind)
     try:
-        if host in ("", "::"):  # every interface, IPv4 clients included (see dual_stack_socket)
-            site = web.SockSite(runner, dual_stack_socket(port))
-        else:
-            site = web.TCPSite(runner, host, port, reuse_address=True)
-        await site.start()
+        return await start_site(app, bind)
     except OSError as exc:
-        await runner.cleanup()
         raise OSError(f"lighthouse could not bind HTTP to {bind}: {exc}") from exc
-    sockets = site._server.sockets if site._server is not None else []  # aiohttp has no public getter
-    bound_port = sockets[0].getsockname()[1] if sockets else port
-    return runner, bound_port

@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:
-    from lighthouse.server import LighthouseServer
+from lighthouse.view import LighthouseView
 
 
 class _StatisticsCollector(Collector):
     """Reads ``server.statistics()`` at scrape time."""
 
-    def __init__(self, server: "LighthouseServer") -> None:
+    def __init__(self, server: LighthouseView) -> None:
         self._server = server
 
     def collect(self) -> Iterator[Metric]:
@@ -53,7 +52,7 @@ class _StatisticsCollector(Collector):
         yield status
 
 
-def build_registry(server: "LighthouseServer") -> CollectorRegistry:
+def build_registry(server: LighthouseView) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=True)
     registry.register(_StatisticsCollector(server))
     formation = Histogram(

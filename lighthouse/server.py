@@ -16,63 +16,27 @@ import logging
 import math
 import socket
 import time
-from dataclasses import dataclass
 from typing import AsyncIterator, Callable
 
 import grpc
 from google.protobuf.message import DecodeError
 
-from lighthouse.config import LighthouseConfig, split_host_port
+from lighthouse.config import LighthouseConfig
 from lighthouse.fencing import QuorumIdStore
-from lighthouse.h2grpc import GrpcServer
-from lighthouse.leases import Broadcast, LeaseTable
+from lighthouse.leases import LeaseTable
 from lighthouse.protocol import torchft_pb2 as pb
 from lighthouse.quorum import Decision, IssuedQuorum, Member, QuorumState, Status
+from lighthouse.rpc.addresses import split_host_port
+from lighthouse.rpc.broadcast import Broadcast
+from lighthouse.rpc.engines import Service, start_service
+from lighthouse.rpc.h2grpc import GrpcServer
+from lighthouse.view import LighthouseStatistics
 
 logger = logging.getLogger(__name__)
 
 SERVICE = "torchft.LighthouseService"
 MAX_REPLICA_ID_LEN = 1024
 MAX_FAILURE_BACKLOG = 1024
-GRPC_OPTIONS = [  # for --grpc-engine grpcio
-    ("grpc.so_reuseport", 0),  # a second lighthouse on the same port must fail, not share it
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
-    ("grpc.max_receive_message_length", 16 * 1024 * 1024),
-    # Since grpcio 1.82 the core sheds calls (as a bare CANCELLED, before any
-    # handler runs) once more than 1000 are queued for the Python server; a round
-    # of N Quorum calls plus heartbeats exceeds that at N~1000.
-    ("grpc.server.max_pending_requests", 100_000),
-    ("grpc.server.max_pending_requests_hard_limit", 200_000),
-]
-
-
-def _identity(data: bytes) -> bytes:
-    return data
-
-
-@dataclass(frozen=True)
-class LighthouseStatistics:
-    """A snapshot of what the lighthouse is doing (read by /api/status and /metrics)."""
-
-    quorum_id: int
-    quorum_members: int
-    quorum_age: float | None
-    participants: int
-    healthy_participants: int
-    heartbeating_replicas: int
-    status: str
-    reason: str
-    quorums_issued: int
-    quorum_id_changes: int
-    quorum_requests: int
-    heartbeats: int
-    invalid_requests: int
-    expired_replicas: int
-    leases_held: int
-    leases_ended: int
-    last_formation_seconds: float | None
-    uptime: float
 
 
 class LighthouseServer:
@@ -162,25 +126,10 @@ class LighthouseServer:
             await task
 
     async def _bind(self) -> None:
-        if self.config.grpc_engine == "grpcio":
-            server = grpc.aio.server(options=GRPC_OPTIONS)
-            server.add_generic_rpc_handlers((self._grpc_handlers(),))
-            try:
-                self._grpc_port = server.add_insecure_port(self.config.bind)
-            except RuntimeError as exc:
-                raise OSError(f"lighthouse could not bind gRPC to {self.config.bind}: {exc} (address in use?)") from exc
-            await server.start()
-        else:
-            server = GrpcServer()
-            for method, handler in self._unary_methods().items():
-                server.add_unary(f"/{SERVICE}/{method}", handler)
-            server.add_server_stream(f"/{SERVICE}/SubscribeFailures", self._rpc_subscribe_failures)
-            server.add_server_stream(f"/{SERVICE}/Lease", self._rpc_lease)
-            host, port = split_host_port(self.config.bind)
-            try:
-                self._grpc_port = await server.start(host, port)
-            except OSError as exc:
-                raise OSError(f"lighthouse could not bind gRPC to {self.config.bind}: {exc}") from exc
+        try:
+            server, self._grpc_port = await start_service(self._service(), self.config.bind, self.config.grpc_engine)
+        except OSError as exc:
+            raise OSError(f"lighthouse could not bind gRPC to {self.config.bind}: {exc}") from exc
         self._grpc = server
         if self.config.http_bind is not None:
             from lighthouse.http import start_http  # aiohttp is only needed with HTTP on
@@ -247,20 +196,13 @@ class LighthouseServer:
 
     # ------------------------------------------------------------ gRPC
 
-    def _unary_methods(self) -> dict[str, Callable]:
-        return {"Quorum": self._rpc_quorum, "Heartbeat": self._rpc_heartbeat, "GetConfig": self._rpc_get_config}
-
-    def _grpc_handlers(self) -> grpc.GenericRpcHandler:
-        """The same handlers for the grpc.aio engine (requests and responses stay bytes)."""
-        handlers = {
-            name: grpc.unary_unary_rpc_method_handler(fn, request_deserializer=_identity, response_serializer=_identity)
-            for name, fn in self._unary_methods().items()
-        }
-        for name, stream in (("SubscribeFailures", self._rpc_subscribe_failures), ("Lease", self._rpc_lease)):
-            handlers[name] = grpc.unary_stream_rpc_method_handler(
-                stream, request_deserializer=_identity, response_serializer=_identity
-            )
-        return grpc.method_handlers_generic_handler(SERVICE, handlers)
+    def _service(self) -> Service:
+        """The handlers, for either engine (requests and responses stay bytes)."""
+        return Service(
+            SERVICE,
+            unary={"Quorum": self._rpc_quorum, "Heartbeat": self._rpc_heartbeat, "GetConfig": self._rpc_get_config},
+            server_streams={"SubscribeFailures": self._rpc_subscribe_failures, "Lease": self._rpc_lease},
+        )
 
     async def _invalid(self, context: grpc.aio.ServicerContext, message: str) -> None:
         self._counts["invalid_requests"] += 1

@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import asdict
-from typing import TYPE_CHECKING
 
 from lighthouse.protocol import torchft_pb2 as pb
 from lighthouse.quorum import QuorumState
-
-if TYPE_CHECKING:
-    from lighthouse.server import LighthouseServer
+from lighthouse.view import LighthouseView
 
 
 def _member_row(member: pb.QuorumMember | None, replica_id: str) -> dict:
@@ -29,7 +26,7 @@ def _member_row(member: pb.QuorumMember | None, replica_id: str) -> dict:
 
 
 def build_status(
-    server: "LighthouseServer",
+    server: LighthouseView,
     state: QuorumState,
     known: dict[str, pb.QuorumMember],
     now: float,

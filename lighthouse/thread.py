@@ -10,24 +10,14 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, TypeVar
+from typing import Any, Awaitable, Callable, TypeVar
 
-if TYPE_CHECKING:  # the server is imported when a lighthouse starts: trainers import this module for new_event_loop
-    from lighthouse.config import LighthouseConfig
-    from lighthouse.server import LighthouseServer
+from lighthouse.config import LighthouseConfig
+from lighthouse.rpc.loop import new_event_loop
+from lighthouse.server import LighthouseServer
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
-
-
-def new_event_loop() -> asyncio.AbstractEventLoop:
-    """A uvloop event loop, or asyncio's default where uvloop is missing."""
-    try:
-        import uvloop
-    except ImportError:  # uvloop is a dependency, but don't die without it
-        logger.warning("uvloop not installed; using the default asyncio event loop")
-        return asyncio.new_event_loop()
-    return uvloop.new_event_loop()
 
 
 class BackgroundLighthouse:
@@ -48,8 +38,6 @@ class BackgroundLighthouse:
 
         async def main() -> None:
             try:
-                from lighthouse.server import LighthouseServer
-
                 self.server = LighthouseServer(self.config, **self._server_kwargs)
                 await self.server.serve(lambda: self._started.set_result(None))
             except BaseException as exc:

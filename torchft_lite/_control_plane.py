@@ -18,7 +18,7 @@ import logging
 import threading
 from typing import Any, Callable, Coroutine, TypeVar
 
-from lighthouse.thread import new_event_loop
+from lighthouse.rpc.loop import new_event_loop
 
 __all__ = ["ControlPlane", "control_plane"]
 

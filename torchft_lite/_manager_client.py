@@ -16,8 +16,8 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 
 import grpc  # noqa: E402
 
-from lighthouse.client import UnaryChannel  # noqa: E402
 from lighthouse.protocol import torchft_pb2 as pb  # noqa: E402
+from lighthouse.rpc.channel import UnaryChannel  # noqa: E402
 from torchft_lite.errors import ManagerError, ManagerTimeout, QuorumError, QuorumTimeout  # noqa: E402
 
 __all__ = ["ManagerClient"]

@@ -35,11 +35,10 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from lighthouse.client import LighthouseClient
-from lighthouse.addresses import split_host_port
-from lighthouse.h2grpc import GrpcServer
-from lighthouse.h2grpc.server import RpcAbort
-from lighthouse.leases import Broadcast
 from lighthouse.protocol import torchft_pb2 as pb
+from lighthouse.rpc.addresses import split_host_port
+from lighthouse.rpc.broadcast import Broadcast
+from lighthouse.rpc.h2grpc import GrpcServer, RpcAbort
 from torchft_lite._quorum_compute import QuorumMember, compute_quorum_result, heal_sources_of, member_data, response_of
 from torchft_lite.errors import QuorumError, QuorumTimeout
 

@@ -45,10 +45,10 @@ import pytest
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
-from lighthouse.h2grpc import wire
+from lighthouse.rpc.h2grpc import wire
 from lighthouse.protocol import torchft_pb2 as pb
 from lighthouse.server import MAX_REPLICA_ID_LEN, LighthouseServer
-from lighthouse.thread import new_event_loop
+from lighthouse.rpc.loop import new_event_loop
 from tests.conftest import WAIT, FakeManager, lighthouse_config
 from torchft_lite.manager_server import ManagerServer, ManagerServerConfig
 
@@ -289,7 +289,7 @@ def test_lighthouse_rpcs_answer_absurd_messages_clearly(engine):
     with server_loop() as loop, lighthouse_on(loop, grpc_engine=engine) as lighthouse, \
             channel_to(lighthouse.grpc_port) as channel:
         before = rss_bytes()
-        limit = 4 * 1024 * 1024 if engine == "native" else 16 * 1024 * 1024  # GrpcServer's, GRPC_OPTIONS'
+        limit = 4 * 1024 * 1024 if engine == "native" else 16 * 1024 * 1024  # GrpcServer's, GRPCIO_OPTIONS'
 
         @settings(FUZZ, max_examples=100)
         @given(rpc_message=lighthouse_messages)

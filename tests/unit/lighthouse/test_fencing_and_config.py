@@ -1,7 +1,8 @@
 import pytest
 
-from lighthouse.config import LighthouseConfig, split_host_port
+from lighthouse.config import LighthouseConfig
 from lighthouse.fencing import QuorumIdStore
+from lighthouse.rpc.addresses import split_host_port
 
 
 class TestQuorumIdStore:

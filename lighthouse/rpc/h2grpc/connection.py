@@ -1,8 +1,8 @@
 """One HTTP/2 (h2c, prior knowledge) server connection carrying gRPC calls.
 
 An ``asyncio.Protocol``: frames are parsed as bytes arrive, complete requests
-are handed to the server (``GrpcServer.dispatch``) and answers are written
-back respecting the peer's flow-control windows and frame size. Only what a
+are handed to its owner (a :class:`ConnectionOwner`, the ``GrpcServer``) and answers are
+written back respecting the peer's flow-control windows and frame size. Only what a
 gRPC server needs is implemented: no server push, no client streaming, no
 HTTP/1.1 (a peer that does not start with the HTTP/2 preface is disconnected).
 """
@@ -12,45 +12,37 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
-from collections import deque
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import hpack
 
-from lighthouse.h2grpc import wire
-from lighthouse.h2grpc.wire import ProtocolError
-
-if TYPE_CHECKING:
-    from lighthouse.h2grpc.server import GrpcServer
+from lighthouse.rpc.h2grpc import wire
+from lighthouse.rpc.h2grpc.streams import STREAM_RECV_WINDOW, Stream
+from lighthouse.rpc.h2grpc.wire import ProtocolError
 
 logger = logging.getLogger(__name__)
 
 CONN_RECV_WINDOW = 16 * 1024 * 1024
-STREAM_RECV_WINDOW = 4 * 1024 * 1024
 MAX_HEADER_BLOCK = 64 * 1024
 MAX_HEADER_LIST = 16 * 1024
 
 
-class Stream:
-    __slots__ = ("id", "headers", "body", "received", "recv_window", "send_window", "pending", "trailers", "task",
-                 "request_done", "response_started")
+class ConnectionOwner(Protocol):
+    """What a connection needs from the server that accepted it; declared here so this module imports no server."""
 
-    def __init__(self, stream_id: int, send_window: int, recv_window: int = STREAM_RECV_WINDOW) -> None:
-        self.id = stream_id
-        self.headers: dict[bytes, bytes] = {}
-        self.body = bytearray()
-        self.received = 0  # request body bytes, counted in the connection's in-flight total until the stream ends
-        self.recv_window = recv_window
-        self.send_window = send_window
-        self.pending: deque[memoryview] = deque()  # DATA payload not yet sent
-        self.trailers: bytes | None = None  # HEADERS frame to send once pending is empty
-        self.task: asyncio.Task | None = None
-        self.request_done = False
-        self.response_started = False
+    connections: set[H2Connection]  # a connection adds itself when made and leaves when lost
+    protocol_errors: int  # counted up by a connection closed for the peer's protocol error
+    max_concurrent_streams: int
+    max_request_bytes: int  # of one call
+    max_connection_request_bytes: int  # of the calls one connection holds open together
+    handshake_timeout: float  # seconds a new connection has to send the HTTP/2 preface
+
+    def dispatch(self, connection: H2Connection, stream: Stream) -> None: ...  # a whole request: start its call
+    def reject_oversized(self, connection: H2Connection, stream: Stream, details: str | None = None) -> None: ...
 
 
 class H2Connection(asyncio.Protocol):
-    def __init__(self, server: "GrpcServer") -> None:
+    def __init__(self, server: ConnectionOwner) -> None:
         self.server = server
         self.transport: asyncio.Transport | None = None
         self.peer = "unknown"
@@ -91,15 +83,8 @@ class H2Connection(asyncio.Protocol):
         self.server.connections.add(self)
         loop = asyncio.get_running_loop()
         self._handshake_timer = loop.call_later(self.server.handshake_timeout, self._handshake_expired)
-        self._write(
-            wire.settings_frame({
-                wire.SETTINGS_MAX_CONCURRENT_STREAMS: self.server.max_concurrent_streams,
-                wire.SETTINGS_INITIAL_WINDOW_SIZE: self._stream_window,
-                wire.SETTINGS_MAX_HEADER_LIST_SIZE: MAX_HEADER_LIST,
-                wire.SETTINGS_ENABLE_PUSH: 0,
-            })
-            + wire.window_update(0, CONN_RECV_WINDOW - wire.DEFAULT_WINDOW)
-        )
+        self._write(wire.server_settings(self.server.max_concurrent_streams, self._stream_window, MAX_HEADER_LIST,
+                                         CONN_RECV_WINDOW))
 
     def _handshake_expired(self) -> None:
         if not self._preface_seen and self.transport is not None:

@@ -5,7 +5,7 @@ project's 2-core machine, the lighthouse on grpc.aio spends 2.3-2.9x the server
 CPU per round of this server (115 vs 40 ms at 300 replica groups, 508 vs 177 ms
 at 1000; a bare prototype measured 230-320 vs ~75 us per call), which decides
 whether a lighthouse keeps up with 1000 replica groups. (grpc.aio also sheds calls as CANCELLED once more than
-1000 are queued, since grpcio 1.82; lighthouse/server.py raises that limit for
+1000 are queued, since grpcio 1.82; lighthouse/rpc/engines.py raises that limit for
 the grpcio engine.) The lighthouse serves tiny requests and identical
 responses, which this server handles with one write per answer.
 
@@ -20,14 +20,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from lighthouse.h2grpc import wire
-from lighthouse.h2grpc.connection import H2Connection, Stream
+from lighthouse.rpc.addresses import dual_stack_socket
+from lighthouse.rpc.h2grpc import wire
+from lighthouse.rpc.h2grpc.connection import H2Connection
+from lighthouse.rpc.h2grpc.streams import Stream
 
 logger = logging.getLogger(__name__)
 
@@ -210,22 +211,3 @@ class GrpcServer:
         else:
             connection.trailers_only(stream, _status_block(code, details, trailers_only=True))
 
-
-def dual_stack_socket(port: int) -> socket.socket:
-    """A listening-ready TCP socket on every interface: IPv6 with IPv4 mapped, else IPv4 only."""
-    try:
-        sock = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
-    except OSError:  # no IPv6 on this host
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        address: tuple = ("0.0.0.0", port)
-    else:
-        sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        address = ("::", port)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-    except OSError as exc:
-        sock.close()
-        raise OSError(exc.errno, f"could not bind [::]:{port}: {exc.strerror or exc}") from exc
-    sock.setblocking(False)
-    return sock

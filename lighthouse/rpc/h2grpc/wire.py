@@ -80,6 +80,16 @@ def settings_frame(settings: dict[int, int]) -> bytes:
     return frame(SETTINGS, 0, 0, b"".join(struct.pack(">HI", k, v) for k, v in settings.items()))
 
 
+def server_settings(max_streams: int, stream_window: int, max_header_list: int, connection_window: int) -> bytes:
+    """A server's first frames: its SETTINGS (no push), then the connection window opened to ``connection_window``."""
+    return settings_frame({
+        SETTINGS_MAX_CONCURRENT_STREAMS: max_streams,
+        SETTINGS_INITIAL_WINDOW_SIZE: stream_window,
+        SETTINGS_MAX_HEADER_LIST_SIZE: max_header_list,
+        SETTINGS_ENABLE_PUSH: 0,
+    }) + window_update(0, connection_window - DEFAULT_WINDOW)
+
+
 def parse_settings(payload: bytes) -> list[tuple[int, int]]:
     if len(payload) % 6:
         raise ProtocolError("SETTINGS length is not a multiple of 6", FRAME_SIZE_ERROR)

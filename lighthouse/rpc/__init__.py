@@ -1,0 +1,19 @@
+"""The RPC kit: the gRPC and HTTP pieces both servers are built from.
+
+The lighthouse (``lighthouse.server``) and torchft_lite's ManagerServer serve
+and call gRPC with the same parts; they live here, below both, and import
+nothing of either (no quorum rules, no lighthouse config, no torch):
+
+* ``h2grpc``: the small h2c gRPC server (``GrpcServer``), ``RpcAbort`` and
+  ``RpcContext``, and the HTTP/2 framing under them.
+* ``engines``: a service as plain handler functions, served by ``h2grpc`` or
+  by grpc.aio.
+* ``channel``: ``UnaryChannel``, the client side's lazily opened channel.
+* ``broadcast``: ``Broadcast``, items fanned out to every open server stream.
+* ``addresses``: ``HOST:PORT`` parsing, gRPC targets, dual-stack listening sockets.
+* ``sites``: an aiohttp site on a ``HOST:PORT``.
+* ``loop``: ``new_event_loop``, the uvloop loop every control-plane thread runs.
+
+Import the submodules: this package imports none of them, so a trainer that
+needs only the event loop does not load the server engine.
+"""

@@ -1,0 +1,63 @@
+"""A running lighthouse as its HTTP side sees it: the status page, /metrics and the admin kill.
+
+Those modules take a :class:`LighthouseView` (``LighthouseServer`` is one)
+rather than importing the server, which imports them to start HTTP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+from lighthouse.config import LighthouseConfig
+from lighthouse.protocol import torchft_pb2 as pb
+
+__all__ = ["LighthouseStatistics", "LighthouseView"]
+
+
+@dataclass(frozen=True)
+class LighthouseStatistics:
+    """A snapshot of what the lighthouse is doing (read by /api/status and /metrics)."""
+
+    quorum_id: int
+    quorum_members: int
+    quorum_age: float | None
+    participants: int
+    healthy_participants: int
+    heartbeating_replicas: int
+    status: str
+    reason: str
+    quorums_issued: int
+    quorum_id_changes: int
+    quorum_requests: int
+    heartbeats: int
+    invalid_requests: int
+    expired_replicas: int
+    leases_held: int
+    leases_ended: int
+    last_formation_seconds: float | None
+    uptime: float
+
+
+class LighthouseView(Protocol):
+    """What the HTTP side reads and asks of a lighthouse; every call on the lighthouse's event loop."""
+
+    config: LighthouseConfig
+
+    @property
+    def grpc_port(self) -> int: ...
+
+    @property
+    def http_port(self) -> int | None: ...
+
+    def statistics(self) -> LighthouseStatistics:
+        """Counters and the current decision, now."""
+
+    def add_formation_observer(self, observe: Callable[[float], None]) -> None:
+        """Call ``observe(seconds)`` with the formation time of each issued quorum."""
+
+    def snapshot(self) -> dict:
+        """Everything the dashboard shows, as plain JSON-able data."""
+
+    def known_member(self, replica_id: str) -> pb.QuorumMember | None:
+        """The last Quorum request of a replica still worth showing (None for one the lighthouse forgot)."""
