@@ -45,7 +45,7 @@ from torchft_lite._quorum_round import QuorumRounds
 from torchft_lite._step import Step, start_allreduce
 from torchft_lite.errors import CollectiveError, ManagerError, ManagerTimeout, QuorumError, QuorumTimeout
 from torchft_lite.watchdog import Watchdog, WatchdogConfig
-from torchft_lite.work import DoneWork, ManagedWork, guard_future
+from torchft_lite.work import DoneWork, ManagedWork, _ManagedWork, guard_future  # noqa: F401  (torchft's name)
 
 __all__ = ["Manager", "WorldSizeMode"]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 from datetime import timedelta
-from typing import Callable, Generic, TypeVar
+from typing import Any, Callable, Generic, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -138,3 +138,39 @@ class DoneWork(ManagedWork[T]):
 
     def __init__(self, value: T) -> None:
         super().__init__(completed_future(value))
+
+
+class _ManagedWork(dist.Work):
+    """torchft's name: a process group's ``work`` whose failure goes to ``manager``, never to the caller.
+
+    ``wait()`` reports an error with ``manager.report_error`` and returns False
+    (the step will not commit); the future yields ``value`` whatever happened.
+    ``Manager.allreduce`` returns a :class:`ManagedWork`, bounded by the
+    Manager's timeout; this class is for code that wraps its own collectives,
+    as torchft's internals and tests do.
+    """
+
+    def __init__(self, manager: Any, work: dist.Work, value: object) -> None:
+        super().__init__()
+        self._manager, self._work, self._value = manager, work, value
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        try:
+            if timeout is None:
+                self._work.wait()
+            else:
+                self._work.wait(timeout)
+        except Exception as exc:
+            self._manager.report_error(exc)
+            return False
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        def settle(fut: torch.futures.Future) -> object:
+            try:
+                fut.value()
+            except Exception as exc:
+                self._manager.report_error(exc)
+            return self._value
+
+        return self._work.get_future().then(settle)
