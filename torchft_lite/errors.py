@@ -7,7 +7,8 @@
     ├── QuorumError (also RuntimeError)      the group could not get a quorum
     │   └── QuorumTimeout (also TimeoutError)
     ├── CollectiveError (also RuntimeError)  a collective on the replica process group failed
-    │   └── CollectiveTimeout (also TimeoutError)
+    │   ├── CollectiveTimeout (also TimeoutError)
+    │   └── ProcessGroupClosed (also OSError)  used after shutdown(), before the next configure()
     ├── CheckpointError (also RuntimeError)  a live checkpoint could not be served or loaded
     │   └── CheckpointTransferError          the transfer itself failed (network, checksum, step)
     │       ├── CheckpointTimeout (also TimeoutError)
@@ -39,6 +40,7 @@ __all__ = [
     "QuorumTimeout",
     "CollectiveError",
     "CollectiveTimeout",
+    "ProcessGroupClosed",
     "CheckpointError",
     "CheckpointTransferError",
     "CheckpointTimeout",
@@ -72,6 +74,14 @@ class CollectiveError(TorchFTError, RuntimeError):
 
 class CollectiveTimeout(CollectiveError, TimeoutError):
     """A collective did not finish within its timeout."""
+
+
+class ProcessGroupClosed(CollectiveError, OSError):
+    """A collective on a group that was shut down and not configured since.
+
+    Also an :class:`OSError`, like an operation on a closed handle (torchft
+    raises one there).
+    """
 
 
 class CheckpointError(TorchFTError, RuntimeError):

@@ -34,7 +34,7 @@ from torch.distributed.distributed_c10d import (
     ReduceScatterOptions,
 )
 
-from torchft_lite.errors import CollectiveError, ConfigError
+from torchft_lite.errors import CollectiveError, ConfigError, ProcessGroupClosed
 
 from .handles import RankInfo, ReconfigureOptions, advertised_host, make_handle, plan_rendezvous
 from .work import CompletedWork, translate_error
@@ -44,14 +44,6 @@ __all__ = ["DEFAULT_TIMEOUT", "ProcessGroup", "ProcessGroupClosed"]
 DEFAULT_TIMEOUT = timedelta(seconds=60)
 # Bounds the hosted handle store's own client (it only serves peers).
 _HANDLE_STORE_TIMEOUT = timedelta(seconds=60)
-
-
-class ProcessGroupClosed(CollectiveError, OSError):
-    """A collective on a group that was shut down and not configured since.
-
-    Also an :class:`OSError`, like an operation on a closed handle (torchft
-    raises one there).
-    """
 
 
 def _check_timeout(timeout: timedelta) -> timedelta:
