@@ -71,6 +71,16 @@ class LighthouseConfig:
         if self.admin_token is not None and not self.admin_token.strip():
             raise ValueError("admin_token must not be empty; leave it unset to disable admin actions")
 
+    def advertised(self) -> dict[str, str]:
+        """What ``GetConfig`` answers: the quorum settings under torchft's flag names (milliseconds)."""
+        return {
+            "min_replicas": str(self.min_replicas),
+            "join_timeout_ms": str(round(self.join_timeout * 1000)),
+            "quorum_tick_ms": str(round(self.quorum_tick * 1000)),
+            "heartbeat_timeout_ms": str(round(self.heartbeat_timeout * 1000)),
+            "implementation": "torchft_lite",
+        }
+
     def quorum_config(self) -> QuorumConfig:
         return QuorumConfig(
             min_replicas=self.min_replicas,

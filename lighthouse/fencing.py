@@ -6,12 +6,14 @@ already used. Without a state directory the first id is seeded from wall-clock
 milliseconds: ids only grow by one per membership change, far slower than one
 per millisecond. With a state directory the last issued id is also kept on disk
 (written atomically before it is handed out), which covers a clock that steps
-back; the seed is the larger of the two.
+back; the seed is the larger of the two. The directory also keeps the highest
+step a quorum reached, and only it can tell a restart from a first start.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from pathlib import Path
@@ -34,9 +36,16 @@ class QuorumIdStore:
         self._path = None if state_dir is None else Path(state_dir) / STATE_FILE
         self._wall_clock = wall_clock
         self._last_saved: int | None = None
+        self._kept_step, self._kept_at = 0, -math.inf  # see keep_max_step
         self.earlier_quorum_id: int | None = None
         """The last id an earlier incarnation issued, as read by :meth:`initial`;
         None without a state directory or when none was ever issued with it."""
+
+    @property
+    def restart_evidence(self) -> str | None:
+        """Why this start is a restart (see README, "Beyond torchft"); None for a first start."""
+        earlier = self.earlier_quorum_id
+        return None if earlier is None else f"its state dir holds quorum id {earlier}"
 
     def initial(self) -> int:
         """The id to seed the quorum state with (the first issued is one more)."""
@@ -77,13 +86,24 @@ class QuorumIdStore:
         except FileNotFoundError:
             return 0
         try:
-            return int(text)
+            self._kept_step = int(text)
         except ValueError:
             raise ValueError(f"{path} does not hold a step (got {text[:40]!r}); fix or remove it") from None
+        return self._kept_step
 
     def save_max_step(self, step: int) -> None:
         if self._path is not None:
             _write_atomically(self._path.with_name(MAX_STEP_FILE), step)
+
+    def keep_max_step(self, step: int, now: float, *, force: bool = False) -> None:
+        """Save ``step`` when it is a new high, at most once a second (``now``: monotonic seconds) unless ``force``.
+
+        A slightly stale value still stops replicas at step 0 from redoing
+        history after a restart, without an fsync per step.
+        """
+        if step > self._kept_step and (force or now - self._kept_at >= 1.0):
+            self.save_max_step(step)
+            self._kept_step, self._kept_at = step, now
 
 
 def _write_atomically(path: Path, value: int) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import socket
 import time
 from typing import AsyncIterator, Callable
@@ -58,13 +57,9 @@ class LighthouseServer:
         self._wall_clock = wall_clock
         self._ids = QuorumIdStore(config.state_dir, wall_clock)
         seed = self._ids.initial()
-        # Only the state dir can tell a restart from a first start (see README, "Beyond torchft").
-        earlier = self._ids.earlier_quorum_id
-        self._restart_evidence = None if earlier is None else f"its state dir holds quorum id {earlier}"
+        self._restart_evidence = self._ids.restart_evidence
         self._state = QuorumState(config.quorum_config(), last_quorum_id=seed, started_at=clock(),
                                   max_step=self._ids.initial_max_step(), restart_evidence=self._restart_evidence)
-        self._saved_max_step = self._state.max_step
-        self._max_step_saved_at = -math.inf
         self._waiters: dict[str, list[asyncio.Future[bytes]]] = {}
         # Last Quorum request of each replica still worth showing (heartbeating,
         # participating or in the last quorum); pruned with them.
@@ -152,7 +147,7 @@ class LighthouseServer:
 
     async def _shutdown(self) -> None:
         self._stopping = True  # lease streams ending now are our doing, not their replicas dying
-        self._save_max_step(force=True)
+        self._ids.keep_max_step(self._state.max_step, self._clock(), force=True)
         for futures in self._waiters.values():
             for fut in futures:
                 if not fut.done():
@@ -268,15 +263,7 @@ class LighthouseServer:
 
     async def _rpc_get_config(self, data: bytes, context: grpc.aio.ServicerContext) -> bytes:
         await self._parse(pb.LighthouseConfigRequest, data, context)
-        c = self.config
-        values = {
-            "min_replicas": str(c.min_replicas),
-            "join_timeout_ms": str(round(c.join_timeout * 1000)),
-            "quorum_tick_ms": str(round(c.quorum_tick * 1000)),
-            "heartbeat_timeout_ms": str(round(c.heartbeat_timeout * 1000)),
-            "implementation": "torchft_lite",
-        }
-        return pb.LighthouseConfigResponse(config_data=values).SerializeToString()
+        return pb.LighthouseConfigResponse(config_data=self.config.advertised()).SerializeToString()
 
     async def _rpc_subscribe_failures(self, data: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         await self._parse(pb.SubscribeFailuresRequest, data, context)
@@ -390,15 +377,7 @@ class LighthouseServer:
             logger.debug("quorum %d reissued with %d members after %.3fs", quorum.quorum_id, len(ids), formation)
         for replica_id in previous - ids:
             self._prune_known(replica_id)
-        self._save_max_step(force=False)
-
-    def _save_max_step(self, force: bool) -> None:
-        # At most once a second: a slightly stale value still stops replicas at
-        # step 0 from redoing history after a restart, without an fsync per step.
-        step, now = self._state.max_step, self._clock()
-        if step > self._saved_max_step and (force or now - self._max_step_saved_at >= 1.0):
-            self._ids.save_max_step(step)
-            self._saved_max_step, self._max_step_saved_at = step, now
+        self._ids.keep_max_step(self._state.max_step, self._clock())
 
     def _on_expired(self, expired: list[str]) -> None:
         self._counts["expired_replicas"] += len(expired)

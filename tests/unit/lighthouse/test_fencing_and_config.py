@@ -32,6 +32,26 @@ class TestQuorumIdStore:
         restarted.initial()
         assert restarted.earlier_quorum_id == 42
 
+    def test_restart_evidence_names_the_stored_id(self, tmp_path):
+        first = QuorumIdStore(tmp_path)
+        first.initial()
+        assert first.restart_evidence is None
+        first.save(42)
+        restarted = QuorumIdStore(tmp_path, wall_clock=lambda: 0.0)
+        restarted.initial()
+        assert restarted.restart_evidence == "its state dir holds quorum id 42"
+
+    def test_max_step_is_kept_once_a_second_unless_forced(self, tmp_path):
+        store = QuorumIdStore(tmp_path)
+        assert store.initial_max_step() == 0
+        store.keep_max_step(5, now=10.0)
+        store.keep_max_step(7, now=10.5)  # within the second: not written
+        assert QuorumIdStore(tmp_path).initial_max_step() == 5
+        store.keep_max_step(7, now=10.5, force=True)
+        assert QuorumIdStore(tmp_path).initial_max_step() == 7
+        store.keep_max_step(6, now=20.0)  # not a new high
+        assert QuorumIdStore(tmp_path).initial_max_step() == 7
+
     def test_corrupt_state_file_is_a_clear_error(self, tmp_path):
         (tmp_path / "last_quorum_id").write_text("garbage")
         with pytest.raises(ValueError, match="does not hold a quorum id"):
