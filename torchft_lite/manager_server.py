@@ -18,9 +18,10 @@ It serves torchft's ``ManagerService`` to the ranks of its own group (and
   group's ranks.
 
 It also heartbeats the lighthouse every ``heartbeat_interval`` and holds a
-lease on it (a ``Lease`` stream, closed first on stop, so the lighthouse drops
-the group at once when this process dies or leaves). It runs on the
-control-plane event loop and uses the lighthouse package's h2c gRPC server.
+lease on it (:class:`~torchft_lite._lighthouse_link.LighthouseLink`: a
+``Lease`` stream, closed first on stop, so the lighthouse drops the group at
+once when this process dies or leaves). It runs on the control-plane event
+loop and serves with the RPC kit's h2c gRPC server (``lighthouse.rpc``).
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ from google.protobuf.message import DecodeError
 from lighthouse.client import LighthouseClient
 from lighthouse.protocol import torchft_pb2 as pb
 from lighthouse.rpc.addresses import split_host_port
-from lighthouse.rpc.broadcast import Broadcast
 from lighthouse.rpc.h2grpc import GrpcServer, RpcAbort
+from torchft_lite._lighthouse_link import LighthouseLink
 from torchft_lite._quorum_compute import QuorumMember, compute_quorum_result, heal_sources_of, member_data, response_of
 from torchft_lite.errors import QuorumError, QuorumTimeout
 
@@ -142,14 +143,9 @@ class ManagerServer:
         self._vote_round: _VoteRound | None = None
         self._checkpoint_metadata: dict[int, str] = {}
         self._tasks: set[asyncio.Task] = set()
-        self._heartbeat_task: asyncio.Task | None = None
-        self._lease_task: asyncio.Task | None = None
-        self._event_listeners: list[Callable[[pb.LeaseEvent], None]] = []
-        self._event_streams = Broadcast(256)
-        self.lease_held = False
+        self._link = LighthouseLink(self._lighthouse, config.replica_id, config.heartbeat_interval)
         self._quorums = 0
         self._quorum_failures = 0
-        self._heartbeat_failures = 0
         self._last_quorum_id: int | None = None
 
     # ------------------------------------------------------------ lifecycle
@@ -157,9 +153,7 @@ class ManagerServer:
     async def start(self) -> None:
         host, port = split_host_port(self.config.bind)
         self._port = await self._grpc.start(host, port)
-        loop = asyncio.get_running_loop()
-        self._heartbeat_task = loop.create_task(self._heartbeat_loop())
-        self._lease_task = loop.create_task(self._lease_loop())
+        self._link.start()
         logger.info("[%s] ManagerServer listening on %s for %d rank(s)",
                     self.config.replica_id, self.address(), self.config.world_size)
 
@@ -173,11 +167,7 @@ class ManagerServer:
 
     async def stop(self) -> None:
         """Leave: the lease closes first, so the lighthouse drops this group at once."""
-        for task in (self._lease_task, self._heartbeat_task):
-            if task is not None:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-        self._lease_task = self._heartbeat_task = None
+        await self._link.stop()
         for task in list(self._tasks):
             task.cancel()
         if self._tasks:
@@ -185,79 +175,26 @@ class ManagerServer:
         await self._grpc.stop(grace=1.0)
         await self._lighthouse.close()
 
+    @property
+    def lease_held(self) -> bool:
+        """Whether the lighthouse holds this group's lease now."""
+        return self._link.lease_held
+
     def statistics(self) -> ManagerServerStatistics:
         return ManagerServerStatistics(
-            self._quorums, self._quorum_failures, self._heartbeat_failures, self._last_quorum_id
+            self._quorums, self._quorum_failures, self._link.heartbeat_failures, self._last_quorum_id
         )
 
-    # ------------------------------------------------------------ heartbeats
-
-    async def _heartbeat_loop(self) -> None:
-        interval = self.config.heartbeat_interval
-        failing = False
-        while True:
-            try:
-                await self._lighthouse.heartbeat(self.config.replica_id, timeout=max(interval * 10, 1.0))
-                if failing:
-                    logger.info("[%s] lighthouse heartbeats succeed again", self.config.replica_id)
-                failing = False
-            except Exception as exc:  # never let the heartbeat loop die: the group would look dead
-                self._heartbeat_failures += 1
-                if not failing:  # log the first failure of a streak, not every one
-                    logger.warning("[%s] heartbeat failed: %s", self.config.replica_id, exc)
-                failing = True
-            await asyncio.sleep(interval)
-
-    # ------------------------------------------------------------ lease and events
+    # ------------------------------------------------------------ lighthouse events
 
     def add_event_listener(self, listener: Callable[[pb.LeaseEvent], None]) -> None:
         """Call ``listener(event)`` on this loop for every lighthouse event (group rank 0's Manager)."""
-        self._event_listeners.append(listener)
-
-    async def _lease_loop(self) -> None:
-        """Hold a lease on the lighthouse, reconnecting when it breaks; relay its events."""
-        replica_id = self.config.replica_id
-        backoff = 0.1
-        while True:
-            call = self._lighthouse.lease(replica_id)
-            try:
-                async for event in call:
-                    if event.kind == pb.LeaseEvent.GRANTED:
-                        if not self.lease_held:
-                            logger.info("[%s] lease held on the lighthouse", replica_id)
-                        self.lease_held, backoff = True, 0.1
-                        continue
-                    logger.info("[%s] lighthouse: %s left quorum %d (%s)", replica_id, event.replica_id,
-                                event.quorum_id, event.reason)
-                    self._relay(event)
-                logger.warning("[%s] lease stream ended by the lighthouse; reconnecting", replica_id)
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-                    logger.info("[%s] the lighthouse has no Lease RPC (torchft's?): failures are detected "
-                                "by heartbeat expiry only", replica_id)
-                    return
-                if self.lease_held:
-                    logger.warning("[%s] lease lost (%s); reconnecting", replica_id, exc.code().name)
-            except Exception:  # never let the lease loop die silently
-                logger.exception("[%s] lease loop failed; reconnecting", replica_id)
-            finally:
-                call.cancel()
-            self.lease_held = False
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 2.0)
-
-    def _relay(self, event: pb.LeaseEvent) -> None:
-        for listener in self._event_listeners:
-            try:
-                listener(event)
-            except Exception:  # one listener's bug must not stop the others
-                logger.exception("[%s] event listener failed", self.config.replica_id)
-        self._event_streams.publish(event.SerializeToString())
+        self._link.add_event_listener(listener)
 
     async def _rpc_events(self, data: bytes, context):
         request = _parse(pb.ManagerEventsRequest, data)
         self._check_rank(request.group_rank, "ManagerEventsRequest.group_rank")
-        async for event in self._event_streams.subscribe():
+        async for event in self._link.events.subscribe():
             yield event
 
     # ------------------------------------------------------------ Quorum
