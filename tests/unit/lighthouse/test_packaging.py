@@ -15,6 +15,22 @@ def test_lighthouse_never_imports_torch():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
+def test_the_rpc_kit_imports_neither_server():
+    # Both servers build on lighthouse.rpc; it must not import either back (nor torch).
+    code = (
+        "import importlib, pkgutil, sys, lighthouse.rpc\n"
+        "for module in pkgutil.walk_packages(lighthouse.rpc.__path__, 'lighthouse.rpc.'):\n"
+        "    importlib.import_module(module.name)\n"
+        "print(' '.join(sorted(sys.modules)))"
+    )
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                            timeout=120).stdout.split()
+    assert "lighthouse.rpc.h2grpc.connection" in loaded and "lighthouse.rpc.engines" in loaded
+    outside = [m for m in loaded if m.split(".")[0] in ("torch", "torchft_lite")
+               or (m.startswith("lighthouse.") and not m.startswith("lighthouse.rpc"))]
+    assert outside == []
+
+
 def test_generated_protocol_code_is_not_stale():
     stale = generate.stale_files()
     assert not stale, "run `make proto`; stale files:\n" + "\n".join(stale)
