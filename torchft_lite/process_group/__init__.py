@@ -21,7 +21,7 @@ from datetime import timedelta
 
 from torch.distributed import PrefixStore, Store, TCPStore
 
-from .baby import ProcessGroupBaby, ProcessGroupBabyGloo, ProcessGroupBabyNCCL
+from .child_process import ProcessGroupBaby, ProcessGroupBabyGloo, ProcessGroupBabyNCCL
 from .base import ProcessGroup, ProcessGroupClosed
 from .dummy import ProcessGroupDummy
 from .gloo import ProcessGroupGloo

@@ -1,6 +1,6 @@
-"""The child side of a subprocess process group (see :mod:`torchft_lite.process_group.baby`).
+"""The child side of a subprocess process group (see :mod:`torchft_lite.process_group.child_process`).
 
-``python -m torchft_lite.process_group._baby_child KIND FD``: FD is this end
+``python -m torchft_lite.process_group._child_main KIND FD``: FD is this end
 of a socket pair to the parent. The parent first sends its multiprocessing
 authentication key (raw bytes); this process answers ``("ready",)`` once torch
 is imported and a first store client made (see :func:`_warm_up`). Then, any
@@ -26,7 +26,8 @@ import warnings
 from datetime import timedelta
 from typing import Any
 
-logger = logging.getLogger("torchft_lite.process_group.baby.child")
+# Run as __main__: named as it would be when imported.
+logger = logging.getLogger("torchft_lite.process_group._child_main")
 
 
 def _warm_up() -> None:
@@ -49,7 +50,8 @@ def _warm_up() -> None:
         logger.warning("warming up the store client failed: %s", exc)
 
 
-def _build(kind: str, store_addr: str, rank: int, world_size: int, timeout: timedelta, device: int | None) -> Any:
+def _build_backend(kind: str, store_addr: str, rank: int, world_size: int, timeout: timedelta,
+                   device: int | None) -> Any:
     import torch
 
     from torchft_lite.process_group.store import connect_store, parse_store_addr
@@ -76,7 +78,7 @@ def _regroup(tensors: list, sizes: list[int]) -> list[list]:
     return groups
 
 
-def _start(backend: Any, name: str, tensors: list, args: dict[str, Any]) -> Any:
+def _start_op(backend: Any, name: str, tensors: list, args: dict[str, Any]) -> Any:
     """Start one operation on ``backend``; its c10d Work."""
     from torch.distributed import ReduceOp
     from torch.distributed.distributed_c10d import (
@@ -198,7 +200,7 @@ def main(argv: list[str]) -> None:
                 started.put(None)
             backend, started, generation = None, None, new_generation
             try:
-                backend = _build(kind, store_addr, rank, world_size, timedelta(seconds=timeout_s), device)
+                backend = _build_backend(kind, store_addr, rank, world_size, timedelta(seconds=timeout_s), device)
             except BaseException as exc:
                 answer: tuple = ("configure_failed", generation, type(exc).__name__, _first_line(exc))
             else:
@@ -220,7 +222,7 @@ def main(argv: list[str]) -> None:
                                                             f"this process no longer holds"))
             continue
         try:
-            work: Any = _start(backend, name, tensors, args)
+            work: Any = _start_op(backend, name, tensors, args)
         except BaseException as exc:
             work = exc
         started.put((op_id, work, tensors))

@@ -1,6 +1,6 @@
 """The parent's side of a subprocess process group: one child interpreter, and the operations forwarded to it.
 
-:class:`_Child` owns the child (``python -m torchft_lite.process_group._baby_child``),
+:class:`_Child` owns the child (``python -m torchft_lite.process_group._child_main``),
 its socket and the thread reading its answers. :class:`_ChildBackend` stands
 in for a c10d backend: each collective becomes one message naming the
 operation, the tensors (shared, not copied; see :func:`_share`) and plain
@@ -32,7 +32,7 @@ from torchft_lite.errors import CollectiveError, CollectiveTimeout, ConfigError
 
 __all__ = ["_Child", "_ChildBackend", "_ChildWork"]
 
-logger = logging.getLogger("torchft_lite.process_group.baby")
+logger = logging.getLogger(__name__)
 _KILL_WAIT_S = 10.0
 # Beyond the rendezvous timeout, for the child's answer to arrive.
 _CONFIGURE_GRACE_S = 5.0
@@ -47,7 +47,7 @@ def _reduce_op_name(op: Any) -> str:
 
 
 class _Child:
-    """One child interpreter (``python -m torchft_lite.process_group._baby_child``), its socket and its reader.
+    """One child interpreter (``python -m torchft_lite.process_group._child_main``), its socket and its reader.
 
     Every message from the child goes through one reader thread: ``ready``
     (torch imported), the outcome of each ``configure`` (by generation), and
@@ -63,7 +63,7 @@ class _Child:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
         try:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "torchft_lite.process_group._baby_child", kind, str(theirs.fileno())],
+                [sys.executable, "-m", "torchft_lite.process_group._child_main", kind, str(theirs.fileno())],
                 pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, env=env)
         except BaseException:
             ours.close()

@@ -46,7 +46,7 @@ from typing import Any
 
 from torchft_lite.errors import CollectiveError, CollectiveTimeout, ConfigError
 
-from ._baby_parent import _Child, _ChildBackend
+from ._child_link import _Child, _ChildBackend
 from .base import DEFAULT_TIMEOUT
 from .nccl import _DeadlineWatchdog, check_nccl, creating_thread_device
 from .reconfigurable import ReconfigurableProcessGroup
@@ -79,7 +79,7 @@ class ProcessGroupBaby(ReconfigurableProcessGroup):
         self._spare: _Child | None = None
         self._reusable: _Child | None = None  # the child of a communicator retired healthy
         self._children_lock = threading.Lock()
-        self._watchdog = _DeadlineWatchdog(name=f"torchft_lite-{self._KIND}-baby-watchdog")
+        self._watchdog = _DeadlineWatchdog(name=f"torchft_lite-{self._KIND}-subprocess-watchdog")
         self._device = creating_thread_device()  # configure() runs on another thread, whose device is 0
         if self._can_run():
             self._start_spare()  # warming up while the trainer starts: the first configure takes it
@@ -196,7 +196,7 @@ class ProcessGroupBaby(ReconfigurableProcessGroup):
 
 
 class ProcessGroupBabyGloo(ProcessGroupBaby):
-    """gloo in a child process (CPU tensors). See :mod:`torchft_lite.process_group.baby`."""
+    """gloo in a child process (CPU tensors). See :mod:`torchft_lite.process_group.child_process`."""
 
     _KIND = "gloo"
 
