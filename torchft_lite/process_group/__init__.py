@@ -29,7 +29,7 @@ from .handles import ReconfigureOptions, Rendezvous, plan_rendezvous
 from .nccl import ProcessGroupNCCL
 from .reconfigurable import ReconfigurableProcessGroup
 from .store import StoreAddress, parse_store_addr
-from .work import CompletedWork, TrackedWork
+from .tracked_work import CompletedWork, TrackedWork
 from .wrappers import (
     ErrorSwallowingProcessGroupWrapper,
     FakeProcessGroupWrapper,

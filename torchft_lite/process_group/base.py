@@ -37,7 +37,7 @@ from torch.distributed.distributed_c10d import (
 from torchft_lite.errors import CollectiveError, ConfigError, ProcessGroupClosed
 
 from .handles import RankInfo, ReconfigureOptions, advertised_host, make_handle, plan_rendezvous
-from .work import CompletedWork, translate_error
+from .tracked_work import CompletedWork, translate_error
 
 __all__ = ["DEFAULT_TIMEOUT", "ProcessGroup", "ProcessGroupClosed"]
 

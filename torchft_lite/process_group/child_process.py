@@ -51,7 +51,7 @@ from .base import DEFAULT_TIMEOUT
 from .nccl import _DeadlineWatchdog, check_nccl, creating_thread_device
 from .reconfigurable import ReconfigurableProcessGroup
 from .store import StoreAddress
-from .work import TrackedWork
+from .tracked_work import TrackedWork
 
 __all__ = ["ProcessGroupBaby", "ProcessGroupBabyGloo", "ProcessGroupBabyNCCL"]
 

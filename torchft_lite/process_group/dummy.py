@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from .base import ProcessGroup, _check_rank
-from .work import CompletedWork
+from .tracked_work import CompletedWork
 
 __all__ = ["ProcessGroupDummy"]
 

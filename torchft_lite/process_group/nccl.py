@@ -26,7 +26,7 @@ from torchft_lite.errors import CollectiveTimeout, ConfigError
 
 from .base import DEFAULT_TIMEOUT
 from .reconfigurable import ReconfigurableProcessGroup, as_process_group
-from .work import TrackedWork
+from .tracked_work import TrackedWork
 
 __all__ = ["ProcessGroupNCCL", "check_nccl", "create_nccl_backend", "creating_thread_device"]
 

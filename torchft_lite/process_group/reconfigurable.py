@@ -33,7 +33,7 @@ from torchft_lite.errors import CollectiveError, ConfigError
 from . import _options
 from .base import DEFAULT_TIMEOUT, ProcessGroup, ProcessGroupClosed, _check_rank, _check_timeout
 from .store import StoreAddress, connect_store, parse_store_addr
-from .work import TrackedWork, translate_error
+from .tracked_work import TrackedWork, translate_error
 
 __all__ = ["ReconfigurableProcessGroup", "as_process_group"]
 

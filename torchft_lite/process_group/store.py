@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from torchft_lite.errors import ConfigError
 
-from .work import translate_error
+from .tracked_work import translate_error
 
 __all__ = ["StoreAddress", "connect_store", "parse_store_addr"]
 

@@ -29,7 +29,7 @@ from torchft_lite.errors import CollectiveError, ConfigError
 
 from .base import DEFAULT_TIMEOUT, ProcessGroup, _check_timeout
 from .handles import ReconfigureOptions
-from .work import CompletedWork
+from .tracked_work import CompletedWork
 
 if TYPE_CHECKING:
     from torchft_lite.manager import Manager
