@@ -56,6 +56,7 @@ class Settings:
     test_timeout: float
     file_timeout: float
     run_deadline: float  # time.monotonic() by which every file must be done
+    isolate_network: bool = False
 
 
 def _stop(proc: subprocess.Popen, token: str) -> None:
@@ -110,6 +111,11 @@ def run_pytest(side: str, file: str, skip: dict[str, list[str]], settings: Setti
         command += ["-k", settings.keyword]
     if collect_only:
         command.append("--collect-only")
+    if settings.isolate_network:
+        # A network namespace of its own with only loopback up: torchft's tests bind
+        # fixed ports (19530 and up), which collide with any other run on the machine.
+        unshare = ["unshare", "--net"] + (["--map-root-user"] if os.geteuid() != 0 else [])
+        command = [*unshare, "sh", "-c", 'ip link set lo up && exec "$@"', "sh", *command]
     path = [str(PLUGIN_DIR)]
     if side == "torchft_lite":
         path = [str(ALIAS_DIR), str(PLUGIN_DIR), str(REPO)]

@@ -99,7 +99,8 @@ def run_side(side: str, file: str, settings: Settings, collect_only: bool = Fals
             run.broken = f"pytest failed (exit {attempt.rc}: internal or usage error):\n{attempt.log_tail}"
             break
         if attempt.collect_error is not None or (attempt.collected is None and attempt.killed is None):
-            run.collect_error = attempt.collect_error or f"pytest ended (exit {attempt.rc}) before collecting"
+            last_line = (attempt.log_tail.strip().splitlines() or [""])[-1]
+            run.collect_error = attempt.collect_error or f"pytest ended (exit {attempt.rc}) before collecting: {last_line}"
             break
         if attempt.killed is None and attempt.finished:
             break
@@ -247,6 +248,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--report", type=Path, default=REPO / "build" / "compat" / "report.txt", metavar="PATH",
                         help="where to write every test's outcome per side with the first line of its error "
                              "(default: build/compat/report.txt)")
+    parser.add_argument("--isolate-network", action="store_true",
+                        help="run each pytest in a network namespace of its own (Linux `unshare --net`, as root "
+                             "or with user namespaces; needs `ip`, and the hostname must resolve to loopback): "
+                             "torchft's manager_integ_test.py binds fixed ports 19530+, so two runs on one "
+                             "machine collide without it (default: off)")
     parser.add_argument("--require-torchft", action="store_true",
                         help="exit 1 instead of 0 when torchft is not installed (make compat passes it "
                              "when torchft could be installed)")
@@ -269,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     reports = []
     with tempfile.TemporaryDirectory(prefix="torchft-compat-") as workdir:
         settings = Settings(wheel_dir, Path(workdir), args.keyword, args.test_timeout, args.file_timeout,
-                            begin + args.total_timeout)
+                            begin + args.total_timeout, args.isolate_network)
         print(f"compat: {torchft_version()} from {wheel_dir}; sides: {', '.join(sides)}", flush=True)
         for file in files:
             report = run_file(file, sides, settings)
