@@ -30,7 +30,7 @@ from torch.distributed import ReduceOp
 
 from torchft_lite.errors import CollectiveError, ConfigError
 
-from . import _options
+from . import _collective_options
 from .base import DEFAULT_TIMEOUT, ProcessGroup, ProcessGroupClosed, _check_rank, _check_timeout
 from .store import StoreAddress, connect_store, parse_store_addr
 from .tracked_work import TrackedWork, translate_error
@@ -285,7 +285,8 @@ class ReconfigurableProcessGroup(ProcessGroup):
 
     # -- collectives ---------------------------------------------------------
 
-    def _run(self, op: str, call: Callable[[Any], dist.Work]) -> dist.Work:
+    def _start_collective(self, op: str, call: Callable[[Any], dist.Work]) -> dist.Work:
+        """Start ``call(backend)`` on the current communicator; its Work, tracked (a failure errors the group)."""
         with self._lock:
             backend, generation, timeout, errored = self._backend, self._generation, self._timeout, self._errored
             shut_down = self._shut_down
@@ -314,70 +315,74 @@ class ReconfigurableProcessGroup(ProcessGroup):
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = ReduceOp.SUM) -> dist.Work:
         tensors = _tensor_list("allreduce", tensors)
         _check_tensors("allreduce", tensors)
-        options = _options.allreduce_options(opts, self._op_timeout())
-        return self._run("allreduce", lambda backend: backend.allreduce(tensors, options))
+        options = _collective_options.allreduce_options(opts, self._op_timeout())
+        return self._start_collective("allreduce", lambda backend: backend.allreduce(tensors, options))
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         tensors = _tensor_list("allreduce_coalesced", tensors)
         _check_tensors("allreduce_coalesced", tensors)
-        options = _options.allreduce_coalesced_options(opts, self._op_timeout())
-        return self._run("allreduce_coalesced", lambda backend: backend.allreduce_coalesced(tensors, options))
+        options = _collective_options.allreduce_coalesced_options(opts, self._op_timeout())
+        return self._start_collective("allreduce_coalesced", lambda backend: backend.allreduce_coalesced(
+            tensors, options))
 
     def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensor: list[torch.Tensor],
                   opts: Any = None) -> dist.Work:
         _check_tensors("allgather", _flat(output_tensors) + _tensor_list("allgather", input_tensor))
-        options = _options.allgather_options(opts, self._op_timeout())
-        return self._run("allgather", lambda backend: backend.allgather(output_tensors, input_tensor, options))
+        options = _collective_options.allgather_options(opts, self._op_timeout())
+        return self._start_collective("allgather", lambda backend: backend.allgather(
+            output_tensors, input_tensor, options))
 
     def allgather_into_tensor_coalesced(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
                                         opts: Any = None) -> dist.Work:
         op = "allgather_into_tensor_coalesced"
         _check_tensors(op, _tensor_list(op, output_tensors) + _tensor_list(op, input_tensors))
-        options = _options.allgather_options(opts, self._op_timeout())
-        return self._run(op, lambda backend: backend.allgather_into_tensor_coalesced(output_tensors, input_tensors,
-                                                                                     options))
+        options = _collective_options.allgather_options(opts, self._op_timeout())
+        return self._start_collective(op, lambda backend: backend.allgather_into_tensor_coalesced(
+            output_tensors, input_tensors, options))
 
     def alltoall_base(self, output_buffer: torch.Tensor, input_buffer: torch.Tensor, output_split_sizes: list[int],
                       input_split_sizes: list[int], opts: Any = None) -> dist.Work:
         _check_tensors("alltoall_base", [output_buffer, input_buffer])
-        options = _options.alltoall_options(opts, self._op_timeout())
-        return self._run("alltoall_base", lambda backend: backend.alltoall_base(
+        options = _collective_options.alltoall_options(opts, self._op_timeout())
+        return self._start_collective("alltoall_base", lambda backend: backend.alltoall_base(
             output_buffer, input_buffer, list(output_split_sizes), list(input_split_sizes), options))
 
     def broadcast(self, tensor_list: list[torch.Tensor], opts: Any = 0) -> dist.Work:
         tensor_list = _tensor_list("broadcast", tensor_list)
         _check_tensors("broadcast", tensor_list)
-        options = _options.broadcast_options(opts, self._op_timeout())
-        return self._run("broadcast", lambda backend: backend.broadcast(tensor_list, options))
+        options = _collective_options.broadcast_options(opts, self._op_timeout())
+        return self._start_collective("broadcast", lambda backend: backend.broadcast(tensor_list, options))
 
     def barrier(self, opts: Any = None) -> dist.Work:
-        options = _options.barrier_options(opts, self._op_timeout())
-        return self._run("barrier", lambda backend: backend.barrier(options))
+        options = _collective_options.barrier_options(opts, self._op_timeout())
+        return self._start_collective("barrier", lambda backend: backend.barrier(options))
 
     def reduce_scatter(self, output_tensors: list[torch.Tensor], input_tensors: list[list[torch.Tensor]],
                        opts: Any = None) -> dist.Work:
         _check_tensors("reduce_scatter", _tensor_list("reduce_scatter", output_tensors) + _flat(input_tensors))
-        options = _options.reduce_scatter_options(opts, self._op_timeout())
-        return self._run("reduce_scatter", lambda backend: backend.reduce_scatter(output_tensors, input_tensors,
-                                                                                  options))
+        options = _collective_options.reduce_scatter_options(opts, self._op_timeout())
+        return self._start_collective("reduce_scatter", lambda backend: backend.reduce_scatter(
+            output_tensors, input_tensors, options))
 
     def reduce_scatter_tensor_coalesced(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
                                         opts: Any = None) -> dist.Work:
         op = "reduce_scatter_tensor_coalesced"
         _check_tensors(op, _tensor_list(op, output_tensors) + _tensor_list(op, input_tensors))
-        options = _options.reduce_scatter_options(opts, self._op_timeout())
-        return self._run(op, lambda backend: backend.reduce_scatter_tensor_coalesced(output_tensors, input_tensors,
-                                                                                     options))
+        options = _collective_options.reduce_scatter_options(opts, self._op_timeout())
+        return self._start_collective(op, lambda backend: backend.reduce_scatter_tensor_coalesced(
+            output_tensors, input_tensors, options))
 
     def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int = 0) -> dist.Work:
         tensors = _tensor_list("send", tensors)
         _check_tensors("send", tensors)
-        return self._run(f"send to rank {dst_rank}", lambda backend: backend.send(tensors, dst_rank, tag))
+        return self._start_collective(f"send to rank {dst_rank}",
+                                      lambda backend: backend.send(tensors, dst_rank, tag))
 
     def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int = 0) -> dist.Work:
         tensors = _tensor_list("recv", tensors)
         _check_tensors("recv", tensors)
-        return self._run(f"recv from rank {src_rank}", lambda backend: backend.recv(tensors, src_rank, tag))
+        return self._start_collective(f"recv from rank {src_rank}",
+                                      lambda backend: backend.recv(tensors, src_rank, tag))
 
     def __repr__(self) -> str:
         state = "errored" if self._errored is not None else ("configured" if self._backend is not None else "idle")
