@@ -18,6 +18,10 @@ FILES: tuple[str, ...] = (
     "checkpointing/pg_transport_test.py",
     "lighthouse_test.py",
     "manager_integ_test.py",
+    # Features that landed after the first eight:
+    "futures_test.py",
+    "local_sgd_test.py",
+    "local_sgd_integ_test.py",
 )
 
 # Test id (file::Class::method) -> why it is not run. Only tests that read
@@ -25,14 +29,10 @@ FILES: tuple[str, ...] = (
 # just because torchft_lite fails it today. An id also covers the cases
 # @parameterized.expand generates from it (method_0_..., method_1_...).
 EXCLUDED: dict[str, str] = {
-    "checkpointing/http_transport_test.py::TestHTTPTransport::test_checkpoint_server_locking":
-        "asserts on HTTPTransport's private lock and fields (_checkpoint_lock, _disallowed, _step)",
     "process_group_test.py::ProcessGroupTest::test_reconfigure_baby_process_group":
         "asserts on the baby group's private child handles (_future_thread, _future_pipe, _p)",
     "process_group_test.py::ProcessGroupTest::test_nccl_timeouts":
         "patches the stream_timeout/context_timeout helpers in torchft.process_group's namespace",
-    "process_group_test.py::CreateStoreClientTest::test_parses_addr":
-        "patches TCPStore/PrefixStore in torchft.process_group's namespace, i.e. torchft's module layout",
 }
 
 

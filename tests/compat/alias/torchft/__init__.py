@@ -6,9 +6,11 @@ a finder that resolves every ``torchft.X`` as follows:
 
 * torchft's Rust extension ``torchft._torchft`` and ``torchft.coordination`` are
   ``torchft_lite.coordination``;
-* test code shipped inside torchft's wheel (modules named ``*_test``,
-  ``*_bench`` or ``_test_utils``, and the ``torchft._test`` package) is loaded
-  from the wheel's own files, so that its imports come back through this alias;
+* test code shipped inside torchft's wheel (modules named ``*_test`` or
+  ``_test_utils``, and the ``torchft._test`` package) is loaded from the
+  wheel's own files, so that its imports come back through this alias
+  (benchmarks such as ``checkpointing.http_transport_bench`` are API torchft's
+  tests call: they come from torchft_lite like any other module);
 * anything else is ``torchft_lite.X``.
 
 ``torchft`` itself is the ``torchft_lite`` module. Nothing is implemented here:
@@ -40,7 +42,7 @@ def target_name(name: str) -> str:
 def is_wheel_test_code(name: str) -> bool:
     """Whether ``name`` is test code that ships in torchft's wheel."""
     parts = name.split(".")
-    return "_test" in parts or parts[-1] == "_test_utils" or parts[-1].endswith(("_test", "_bench"))
+    return "_test" in parts or parts[-1] == "_test_utils" or parts[-1].endswith("_test")
 
 
 def _wheel_package_dir() -> str | None:
