@@ -17,6 +17,12 @@ HTTPTransport when ``torchft`` imports; our PGTransport over gloo; and a plain
 gloo send/recv of the same tensors (the ceiling for PG). Prints a table, then
 one JSON line last.
 
+``--receiver`` picks the HTTP client our receiving side heals through: ``lean``
+(the package's own, whose sockets read straight into tensor memory) or
+``aiohttp`` (aiohttp's client, its chunks copied into the same tensors; see
+``benchmarks/_aiohttp_heal_client.py``). Everything else about the receive is
+the same code, so running both compares the two clients alone.
+
 The raw TCP pair stays up for the whole run and moves the bytes once right
 after every step of every other case. Each case's ``vs tcp`` is the median of
 its steps' speed relative to that neighbouring ceiling step, and the targets
@@ -33,6 +39,7 @@ reuses memory it freed; the first pays for the first touch of every page.
 
     python -m benchmarks.heal_bench                 # 1 GiB, 5 steps per case
     python -m benchmarks.heal_bench --size-mb 64 --steps 2 --cases ours-0,tcp
+    python -m benchmarks.heal_bench --receiver aiohttp --cases ours-0-inplace,ours-4-inplace
 """
 
 from __future__ import annotations
@@ -55,6 +62,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 ALL_CASES = ("tcp", "tcp-sum64", "ours-0", "ours-4", "ours-0-inplace", "ours-4-inplace", "torchft-0", "torchft-4", "pg-ours",
              "pg-ours-inplace", "pg-gloo")
+RECEIVERS = ("lean", "aiohttp")
 TIMEOUT = timedelta(seconds=300)
 
 
@@ -160,6 +168,10 @@ class Role:
         if self.kind == "ours":
             from torchft_lite.checkpointing import HTTPTransport
 
+            if self.side == "receiver" and self.args.receiver == "aiohttp":
+                from benchmarks._aiohttp_heal_client import use_aiohttp_for_heals
+
+                use_aiohttp_for_heals()
             local = (lambda: self.state) if self.in_place and self.side == "receiver" else None
             return HTTPTransport(TIMEOUT, num_chunks=self.chunks, hostname="127.0.0.1", bind_host="127.0.0.1",
                                  state_dict=local)
@@ -240,8 +252,9 @@ def child_main(case: str, side: str, args: argparse.Namespace) -> None:
     """Answer the parent's commands, one JSON line each, until ``exit``."""
     role = Role(case, side, args)
     def reply(**fields: Any) -> None:
-        times = os.times()  # CPU seconds of all threads so far: the parent takes differences
-        print(json.dumps(dict(fields, cpu=times.user + times.system)), flush=True)
+        # CPU seconds of all threads so far (the parent takes differences), to the nanosecond: os.times() counts
+        # 10 ms ticks, which a small transfer can fit between.
+        print(json.dumps(dict(fields, cpu=time.process_time())), flush=True)
 
     for line in sys.stdin:
         command = json.loads(line)
@@ -270,7 +283,8 @@ def child_main(case: str, side: str, args: argparse.Namespace) -> None:
 class Child:
     def __init__(self, case: str, side: str, args: argparse.Namespace) -> None:
         command = [sys.executable, "-W", "ignore", "-m", "benchmarks.heal_bench", "--role", f"{case}:{side}",
-                   "--size-mb", str(args.size_mb), "--tensor-mb", str(args.tensor_mb)]
+                   "--size-mb", str(args.size_mb), "--tensor-mb", str(args.tensor_mb),
+                   "--receiver", args.receiver]
         env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         self.name = f"{case}:{side}"
         self.log = tempfile.TemporaryFile()  # stderr (torchft's server logs every request there)
@@ -394,6 +408,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", default=",".join(ALL_CASES),
                         help="comma-separated subset of " + ",".join(ALL_CASES) + " (tcp, the ceiling, always runs)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for any one answer")
+    parser.add_argument("--receiver", choices=RECEIVERS, default="lean",
+                        help="the HTTP client our cases heal through: the package's lean one, or aiohttp's")
     parser.add_argument("--role", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.role:
@@ -432,7 +448,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"first transfer (a fresh receiver, as a restarted replica): ours vs loopback {first['ours_vs_loopback']}, "
           f"vs torchft {first['ours_vs_torchft']}; allocating: {first['ours_allocating_vs_loopback']} / "
           f"{first['ours_allocating_vs_torchft']}; PG vs plain gloo {first['pg_ours_vs_gloo']}")
-    print("ours is the best in-place case, as the Manager heals")
+    print(f"ours is the best in-place case, as the Manager heals; our receiver heals through the {args.receiver} "
+          f"HTTP client")
     print(json.dumps(result))
     return 0
 
@@ -487,6 +504,7 @@ def summary(results: dict, args: argparse.Namespace, skipped: list[str]) -> dict
         }
     main_view = ratios["all_steps"]
     return {"bench": "heal", "size_mb": args.size_mb, "tensor_mb": args.tensor_mb, "steps": args.steps,
+            "receiver": args.receiver,
             "gbps": gbps, "vs_tcp": views["all_steps"], "first_vs_tcp": views["first_transfer"], **main_view,
             "first_transfer": ratios["first_transfer"],
             "gbps_ratios": {"ours_vs_loopback": _ratio(gbps.get(main_view["ours_case"]), gbps["tcp"]),

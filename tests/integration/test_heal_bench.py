@@ -45,9 +45,21 @@ def test_the_ceiling_runs_even_when_not_asked_for():
     assert set(result["gbps"]) == {"tcp", "ours-0-inplace"}
 
 
+def test_our_cases_can_heal_through_aiohttps_client():
+    """The comparison the lean heal client is kept on: the same heal, received through aiohttp's client."""
+    run = subprocess.run([sys.executable, "-W", "ignore", "-m", "benchmarks.heal_bench", "--size-mb", "8",
+                          "--steps", "1", "--cases", "ours-0-inplace,ours-4", "--receiver", "aiohttp",
+                          "--timeout", "120"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-4000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["receiver"] == "aiohttp"
+    assert set(result["gbps"]) == {"tcp", "ours-0-inplace", "ours-4"}
+    assert all(value > 0 for value in result["vs_tcp"].values())
+
+
 def test_help_explains_the_flags():
     run = subprocess.run([sys.executable, "-W", "ignore", "-m", "benchmarks.heal_bench", "--help"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0
-    for flag in ("--size-mb", "--tensor-mb", "--steps", "--cases", "--timeout"):
+    for flag in ("--size-mb", "--tensor-mb", "--steps", "--cases", "--timeout", "--receiver"):
         assert flag in run.stdout
