@@ -9,16 +9,14 @@ gradients over the participants; ``should_commit`` (from ``Optimizer.step``)
 applies a received state dict on the training thread, collects the group's
 votes, and advances the step only on commit.
 
-Where things live: a step's state is a :class:`~torchft_lite._step.Step`
-(replaced by each ``start_quorum``); heals are the
-:class:`~torchft_lite._healer.Healer`'s; the group's ManagerServer is reached
-through a :class:`~torchft_lite._group_channel.GroupChannel` that a wiring
-(``_manager_wiring.DefaultWiring``, or ``torchft_lite.testing.InMemoryWiring``)
-builds.
+Where things live: a step's state is a ``_step.Step`` (replaced by each
+``start_quorum``); heals are the ``_healer.Healer``'s; the ManagerServer is
+reached through a ``_group_channel.GroupChannel`` that a wiring builds
+(``_manager_wiring.DefaultWiring``, or ``testing.InMemoryWiring``).
 
 Failures never raise into the training loop: the first error of a step is
-recorded (:meth:`Manager.report_error`), logged once, and the step is not
-committed. Only exceeding ``max_retries`` consecutive failed commits raises.
+recorded (:meth:`Manager.report_error`), logged once, and the step does not
+commit. Only more than ``max_retries`` consecutive failed commits raise.
 """
 
 from __future__ import annotations
@@ -183,6 +181,10 @@ class Manager:
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
         self._step = int(state_dict["step"])
         self._batches_committed = int(state_dict["batches_committed"])
+
+    def _manager_state_dict(self) -> dict[str, Any]:
+        """What a heal carries (torchft's name, which its tests and tools read): user state and ours."""
+        return self._healer.state_dict()
 
     # ------------------------------------------------------------ quorum
 
