@@ -162,9 +162,8 @@ class Manager:
         self._preemption = PreemptionSignals(preemption_signals, self._on_preemption_signal)
         # A process group that keeps its communicator in a child process starts that child now; join the
         # first quorum once it can configure, not with a rendezvous that waits for an interpreter to start.
-        wait_warm = getattr(pg, "wait_warm", None)
-        if wait_warm is not None:
-            wait_warm(timedelta(seconds=s.connect_timeout))
+        if hasattr(pg, "wait_warm"):
+            pg.wait_warm(timedelta(seconds=s.connect_timeout))
         self._log(logging.INFO, "manager ready (group rank %d of %d, ManagerServer %s)",
                   s.group_rank, s.group_world_size, self._channel.address)
 
