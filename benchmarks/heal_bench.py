@@ -237,7 +237,7 @@ class Role:
 
 
 def _bytes_of(tensor) -> memoryview:
-    from torchft_lite.checkpointing._serialization import byte_view
+    from torchft_lite.checkpointing._format import byte_view
 
     return byte_view(tensor)
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from torchft_lite.checkpointing import HTTPTransport, _cuda
-from torchft_lite.checkpointing import _serialization as wire
+from torchft_lite.checkpointing import _decode, _encode
 
 pytestmark = [
     pytest.mark.gpu,
@@ -61,5 +61,5 @@ def test_an_http_heal_of_gpu_state_lands_in_the_gpu_targets():
 
 def test_encode_reads_gpu_tensors_through_the_recovery_stream():
     state = {"w": torch.arange(10, dtype=torch.float32, device="cuda")}
-    step, decoded = wire.decode_bytes(wire.encode_to_bytes(1, state))
+    step, decoded = _decode.decode_bytes(_encode.encode_to_bytes(1, state))
     assert step == 1 and torch.equal(decoded["w"], torch.arange(10, dtype=torch.float32))

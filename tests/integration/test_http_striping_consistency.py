@@ -24,7 +24,7 @@ import torch
 
 from tests.conftest import WAIT
 from torchft_lite.checkpointing import HTTPTransport, _checksum, _http_receive
-from torchft_lite.checkpointing import _serialization as wire
+from torchft_lite.checkpointing import _encode, _format, _header_difference
 
 pytestmark = pytest.mark.integration
 
@@ -50,13 +50,13 @@ def patient(monkeypatch):
 def checksum_passes(monkeypatch):
     """How many times a server summed its whole snapshot for ``/checksums``."""
     calls = []
-    honest = wire.EncodedStateDict.packed_checksums
+    honest = _encode.EncodedStateDict.packed_checksums
 
     def counting(self, *args, **kwargs):
         calls.append(self.step)
         return honest(self, *args, **kwargs)
 
-    monkeypatch.setattr(wire.EncodedStateDict, "packed_checksums", counting)
+    monkeypatch.setattr(_encode.EncodedStateDict, "packed_checksums", counting)
     return calls
 
 
@@ -74,7 +74,7 @@ def state_dict() -> dict:
 
 def digest(step: int, state) -> str:
     """Of the whole encoding: every tensor's bytes, dtype and shape, and every non-tensor leaf."""
-    return hashlib.sha256(wire.encode_to_bytes(step, state)).hexdigest()
+    return hashlib.sha256(_encode.encode_to_bytes(step, state)).hexdigest()
 
 
 def sources(*servers: HTTPTransport) -> list[tuple[int, str]]:
@@ -95,24 +95,25 @@ def release_all(threads, *servers: HTTPTransport) -> None:
         released.result(WAIT)
 
 
-def layout(state) -> tuple[int, wire.Blocks]:
+def layout(state) -> tuple[int, _format.Blocks]:
     """``(bytes of the prefix and header, the checksum blocks)`` of ``state``'s encoding."""
-    blob = wire.encode_to_bytes(5, state)
-    length, crc = wire.unpack_prefix(blob[:wire.PREFIX_SIZE])
-    return wire.PREFIX_SIZE + length, wire.parse_header(blob[wire.PREFIX_SIZE:wire.PREFIX_SIZE + length], crc).blocks
+    blob = _encode.encode_to_bytes(5, state)
+    length, crc = _format.unpack_prefix(blob[:_format.PREFIX_SIZE])
+    header_end = _format.PREFIX_SIZE + length
+    return header_end, _format.parse_header(blob[_format.PREFIX_SIZE:header_end], crc).blocks
 
 
-def answer_bytes(blocks: wire.Blocks, ranges) -> int:
+def answer_bytes(blocks: _format.Blocks, ranges) -> int:
     """Bytes of the answers to data requests for ``ranges``: the data and one sum per block."""
     return sum(end - start + len(blocks.covering(start, end)) * _checksum.SUM_BYTES for start, end in ranges)
 
 
-def primary_ranges(blocks: wire.Blocks, sources: int) -> list[tuple[int, int]]:
+def primary_ranges(blocks: _format.Blocks, sources: int) -> list[tuple[int, int]]:
     """The ranges the primary serves unless a secondary fails: range ``i`` goes to source ``i % sources``."""
     return blocks.split(sources)[::sources]
 
 
-def span(blocks: wire.Blocks, block: int) -> tuple[int, int]:
+def span(blocks: _format.Blocks, block: int) -> tuple[int, int]:
     start, end, _ = blocks.spans[block]
     return start, end
 
@@ -453,12 +454,12 @@ def test_checksums_are_every_blocks_sum_and_leave_the_session_open(make_transpor
     base = f"{server.metadata()}/5"
     status, body = request(f"{base}/checksums?session=s1", token="s3cret")
     assert status == 200
-    blob = wire.encode_to_bytes(5, sent)
-    header_length, _ = wire.unpack_prefix(blob[:wire.PREFIX_SIZE])
-    data_end = wire.PREFIX_SIZE + header_length + sum(t.numel() * t.element_size()
-                                                      for t in wire.flatten(sent).tensors)
+    blob = _encode.encode_to_bytes(5, sent)
+    header_length, _ = _format.unpack_prefix(blob[:_format.PREFIX_SIZE])
+    data_end = _format.PREFIX_SIZE + header_length + sum(t.numel() * t.element_size()
+                                                      for t in _encode.flatten(sent).tensors)
     assert body == blob[data_end:]  # the trailer a whole-stream receiver gets
-    assert len(_checksum.unpack(body)) == 6 + len(wire.flatten(sent).tensors) - 1  # big spans six blocks
+    assert len(_checksum.unpack(body)) == 6 + len(_encode.flatten(sent).tensors) - 1  # big spans six blocks
     assert server.statistics().receivers_finished == 0  # asking for sums finishes nothing
     assert request(f"{base}/done?session=s1&ok=1", token="s3cret", method="POST")[0] == 200
     assert server.statistics().receivers_finished == 1
@@ -495,10 +496,10 @@ def test_checksums_of_a_released_step_are_refused(make_transport):
 # ---------------------------------------------------------------- describing a header difference
 
 
-def header_of(step: int, state: dict) -> wire.Header:
-    blob = wire.encode_to_bytes(step, state)
-    length, crc = wire.unpack_prefix(blob[:wire.PREFIX_SIZE])
-    return wire.parse_header(blob[wire.PREFIX_SIZE:wire.PREFIX_SIZE + length], crc)
+def header_of(step: int, state: dict) -> _format.Header:
+    blob = _encode.encode_to_bytes(step, state)
+    length, crc = _format.unpack_prefix(blob[:_format.PREFIX_SIZE])
+    return _format.parse_header(blob[_format.PREFIX_SIZE:_format.PREFIX_SIZE + length], crc)
 
 
 @pytest.mark.parametrize("other, expected", [
@@ -513,4 +514,4 @@ def header_of(step: int, state: dict) -> wire.Header:
 ])
 def test_a_header_difference_is_named(other, expected):
     mine = header_of(5, {"a": torch.ones(2), "b": [1, 2.5]})
-    assert expected in wire.header_difference(mine, header_of(*other))
+    assert expected in _header_difference.header_difference(mine, header_of(*other))

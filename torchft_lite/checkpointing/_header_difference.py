@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torchft_lite.checkpointing._serialization import Header, Path, _decode, _decode_key, format_path
+from torchft_lite.checkpointing._format import Header, Path, decode_key, decode_tree, format_path
 
 __all__ = ["header_difference"]
 
@@ -46,8 +46,8 @@ def _node_difference(mine: Any, theirs: Any, path: Path) -> str | None:
         return None
     (tag, value), (their_tag, their_value) = mine, theirs
     if tag == their_tag == "dict":
-        keys = [_decode_key(key, path) for key, _ in value]
-        if keys != [_decode_key(key, path) for key, _ in their_value]:
+        keys = [decode_key(key, path) for key, _ in value]
+        if keys != [decode_key(key, path) for key, _ in their_value]:
             return f"structure: the keys at {format_path(path)} differ"
         pairs = zip(keys, value, their_value)
         children = ((path + (key,), a, b) for key, (_, a), (_, b) in pairs)
@@ -72,5 +72,5 @@ def _shown(node: Any, path: Path) -> str:
         return f"<DTensor {list(layout.shape)} ({placements}) on {layout.mesh.device_type} mesh " \
                f"{list(layout.mesh.shape)}>"
 
-    text = repr(_decode(node, path, leaf))
+    text = repr(decode_tree(node, path, leaf))
     return text if len(text) <= 90 else text[:87] + "..."

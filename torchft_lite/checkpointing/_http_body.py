@@ -19,7 +19,8 @@ import socket
 import urllib.parse
 from typing import Any, Callable, Protocol
 
-from torchft_lite.checkpointing import _serialization as wire
+from torchft_lite.checkpointing._decode import TensorWriter
+from torchft_lite.checkpointing._format import PREFIX_SIZE, Path, parse_header, unpack_prefix
 from torchft_lite.errors import CheckpointTransferError
 
 __all__ = ["BodySink", "BytesSink", "DataSink", "EncodedSink", "HTTPStatusError", "get_into"]
@@ -225,14 +226,14 @@ class BytesSink:
 
 
 class DataSink:
-    """Data bytes ``[start, end)`` of a response body, straight into the reader's tensors, then their checksums."""
+    """Data bytes ``[start, end)`` of a response body, straight into the writer's tensors, then their checksums."""
 
-    def __init__(self, reader: wire.StateDictReader, start: int, end: int) -> None:
-        self._reader = reader
+    def __init__(self, writer: TensorWriter, start: int, end: int) -> None:
+        self._writer = writer
         self._start = start
         self._position = start
         self._end = end
-        self._trailer = memoryview(bytearray(reader.expected_trailer_bytes(start, end)))
+        self._trailer = memoryview(bytearray(writer.expected_trailer_bytes(start, end)))
         self._got = 0
 
     @property
@@ -247,34 +248,34 @@ class DataSink:
 
     def buffer(self) -> memoryview:
         if self._position < self._end:
-            return self._reader.buffer_at(self._position, self._end)
+            return self._writer.buffer_at(self._position, self._end)
         return self._trailer[self._got:]
 
     def filled(self, count: int) -> None:
         if self._position < self._end:
-            self._reader.filled(self._position, count)
+            self._writer.filled(self._position, count)
             self._position += count
             return
         self._got += count
         if self._got == len(self._trailer):
-            self._reader.expect(self._start, self._end, self._trailer)
+            self._writer.expect(self._start, self._end, self._trailer)
 
 
 class EncodedSink:
     """Prefix, header and (unless ``header_only``) data and checksums of one state dict, as a body of ``length``."""
 
-    def __init__(self, url: str, step: int, length: int, targets: dict[wire.Path, Any], *,
+    def __init__(self, url: str, step: int, length: int, targets: dict[Path, Any], *,
                  header_only: bool) -> None:
-        if length < wire.PREFIX_SIZE:
+        if length < PREFIX_SIZE:
             raise CheckpointTransferError(f"checkpoint truncated: {url} sent a {length}-byte answer")
         self._url, self._step, self._length, self._header_only = url, step, length, header_only
         self._targets = targets
-        self._pending = memoryview(bytearray(wire.PREFIX_SIZE))
+        self._pending = memoryview(bytearray(PREFIX_SIZE))
         self._got = 0
         self._prefix = b""
         self._crc: int | None = None
         self._data: DataSink | None = None
-        self.reader: wire.StateDictReader | None = None
+        self.writer: TensorWriter | None = None
         self.header_bytes = b""
         """The prefix and header as received: a striped heal compares its other sources' headers with them."""
 
@@ -292,25 +293,25 @@ class EncodedSink:
             return
         if self._crc is None:
             self._prefix = bytes(self._pending)
-            length, self._crc = wire.unpack_prefix(self._prefix)
+            length, self._crc = unpack_prefix(self._prefix)
             self._pending, self._got = memoryview(bytearray(length)), 0
             if length:
                 return
-        header_end = wire.PREFIX_SIZE + len(self._pending)
+        header_end = PREFIX_SIZE + len(self._pending)
         if self._header_only and self._length != header_end:
             raise CheckpointTransferError(f"{self._url} sent {self._length - header_end} bytes after the header")
         header_json = bytes(self._pending)
-        header = wire.parse_header(header_json, self._crc,
+        header = parse_header(header_json, self._crc,
                                    following=None if self._header_only else self._length - header_end)
         if header.step != self._step:
             raise CheckpointTransferError(f"{self._url} sent step {header.step}, expected step {self._step}")
         self.header_bytes = self._prefix + header_json
-        self.reader = wire.StateDictReader(header, self._targets)
+        self.writer = TensorWriter(header, self._targets)
         if header.data_bytes and not self._header_only:
-            self._data = DataSink(self.reader, 0, header.data_bytes)
+            self._data = DataSink(self.writer, 0, header.data_bytes)
 
-    def complete_reader(self) -> wire.StateDictReader:
-        """The reader, once the body has ended; the header must have been whole."""
-        if self.reader is None:
+    def complete_writer(self) -> TensorWriter:
+        """The tensor writer, once the body has ended; the header must have been whole."""
+        if self.writer is None:
             raise CheckpointTransferError(f"checkpoint truncated: {self._url} ended inside the header")
-        return self.reader
+        return self.writer

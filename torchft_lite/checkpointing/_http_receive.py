@@ -30,7 +30,9 @@ import aiohttp
 
 from torchft_lite.checkpointing import _checksum
 from torchft_lite.checkpointing import _http_body as _body
-from torchft_lite.checkpointing import _serialization as wire
+from torchft_lite.checkpointing._decode import TensorWriter
+from torchft_lite.checkpointing._format import MAX_HEADER_BYTES, PREFIX_SIZE, Path, parse_header, unpack_prefix
+from torchft_lite.checkpointing._header_difference import header_difference
 from torchft_lite.errors import (
     CheckpointError, CheckpointHTTPError, CheckpointTransferError, CheckpointURLError, CheckpointURLTimeout,
 )
@@ -40,7 +42,7 @@ __all__ = ["DONE_TIMEOUT", "Receiver"]
 logger = logging.getLogger("torchft_lite.checkpointing.http_transport")  # one logger for both sides
 
 DONE_TIMEOUT = 5.0  # seconds a receiver spends telling a source it has finished
-_MAX_HEADER_ANSWER = wire.PREFIX_SIZE + wire.MAX_HEADER_BYTES
+_MAX_HEADER_ANSWER = PREFIX_SIZE + MAX_HEADER_BYTES
 # A secondary's range runs at least this long before an idle primary may take it over: enough for a secondary
 # that is slow to start (encoding its state dict) to begin, short next to a heal that is worth striping.
 _PATIENCE = 1.0
@@ -100,7 +102,7 @@ class Receiver:
         return self._headers
 
     async def receive(self, urls: list[str], names: list[str], step: int, timeout: float,
-                      targets: dict[wire.Path, Any]) -> Any:
+                      targets: dict[Path, Any]) -> Any:
         """The verified state dict of ``step`` from ``urls`` (the first is the primary); see the module docstring."""
         if self._client is None:
             self._client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
@@ -113,18 +115,18 @@ class Receiver:
             async with asyncio.timeout(timeout):
                 if len(urls) == 1 and self._num_chunks <= 1:
                     sink = await self._get_encoded(heal, primary, "", targets, header_only=False)
-                    reader = sink.complete_reader()
+                    writer = sink.complete_writer()
                 else:
-                    reader = await self._fetch_ranges(heal, targets)
+                    writer = await self._fetch_ranges(heal, targets)
                 try:
-                    state = await asyncio.to_thread(reader.finish)
+                    state = await asyncio.to_thread(writer.finish)
                 except BaseException:  # the timeout, say: the thread runs on, and must not apply what it checked
-                    reader.abandon()
+                    writer.abandon()
                     raise
             ok = True
             seconds = time.monotonic() - started
             logger.info("received step %d from %s in %.2fs (%.0f MB/s)", step, where, seconds,
-                        reader.header.data_bytes / max(seconds, 1e-9) / 1e6)
+                        writer.header.data_bytes / max(seconds, 1e-9) / 1e6)
             return state
         # Failures of the primary become urllib's errors too (see ``errors``), as torchft's urlopen raises.
         except CheckpointError:
@@ -149,7 +151,7 @@ class Receiver:
         remaining = max(0.0, heal.deadline - time.monotonic())
         return {"session": heal.session_id, "timeout": f"{remaining:.3f}", **{k: str(v) for k, v in extra.items()}}
 
-    async def _get_encoded(self, heal: _Heal, url: str, path: str, targets: dict[wire.Path, Any],
+    async def _get_encoded(self, heal: _Heal, url: str, path: str, targets: dict[Path, Any],
                            header_only: bool) -> _body.EncodedSink:
         """GET ``url + path`` into an encoded-state-dict sink; returns the sink, its body complete."""
         sink: _body.EncodedSink | None = None
@@ -184,10 +186,10 @@ class Receiver:
         assert sink is not None
         return bytes(sink.data)
 
-    async def _fetch_range(self, heal: _Heal, reader: wire.StateDictReader, part: _Range, url: str) -> None:
-        """GET the data bytes of ``part`` and their sums from ``url``, straight into ``reader``."""
+    async def _fetch_range(self, heal: _Heal, writer: TensorWriter, part: _Range, url: str) -> None:
+        """GET the data bytes of ``part`` and their sums from ``url``, straight into ``writer``."""
         def data_sink(length: int) -> _body.DataSink:
-            sink = _body.DataSink(reader, part.start, part.end)
+            sink = _body.DataSink(writer, part.start, part.end)
             if length != sink.length:
                 raise CheckpointTransferError(f"{url}: range [{part.start}, {part.end}) came with {length} bytes, "
                                               f"expected {sink.length}")
@@ -198,7 +200,7 @@ class Receiver:
         params = self._params(heal, start=part.start, end=part.end)
         await _body.get_into(f"{url}/data", params, self._auth_headers(), data_sink)
 
-    async def _fetch_ranges(self, heal: _Heal, targets: dict[wire.Path, Any]) -> wire.StateDictReader:
+    async def _fetch_ranges(self, heal: _Heal, targets: dict[Path, Any]) -> TensorWriter:
         """The primary's header, then the data in block-aligned ranges fetched at once from every source.
 
         The result is the primary's snapshot byte for byte; the other sources
@@ -215,17 +217,17 @@ class Receiver:
                    for source, url in enumerate(heal.urls) if source}
         try:
             primary = await self._get_encoded(heal, heal.urls[0], "/header", targets, header_only=True)
-            reader = primary.complete_reader()
-            parts = reader.header.blocks.split(max(self._num_chunks, len(heal.urls)))
+            writer = primary.complete_writer()
+            parts = writer.header.blocks.split(max(self._num_chunks, len(heal.urls)))
             ranges = [_Range(start, end, i % len(heal.urls)) for i, (start, end) in enumerate(parts)]
-            await self._stripe(heal, reader, ranges)
+            await self._stripe(heal, writer, ranges)
             await self._compare_headers(heal, primary, headers, ranges)
-            await self._match_primary(heal, reader, ranges)
+            await self._match_primary(heal, writer, ranges)
         finally:
             await _cancel(list(headers.values()))
-        return reader
+        return writer
 
-    async def _stripe(self, heal: _Heal, reader: wire.StateDictReader, ranges: list[_Range]) -> None:
+    async def _stripe(self, heal: _Heal, writer: TensorWriter, ranges: list[_Range]) -> None:
         """Fetch every range at once; what a secondary fails to deliver, or delivers too slowly, the primary sends.
 
         A failed range of the primary fails the heal. A secondary's range that
@@ -238,20 +240,20 @@ class Receiver:
         a secondary that stops answering costs the heal that much, not its
         timeout. Every range's ``source`` is, on return, the source it came from.
         """
-        blocks = reader.header.blocks
+        blocks = writer.header.blocks
         began = time.monotonic()
         primary_bytes, primary_until = 0, began  # what the primary delivered, and when it last finished a range
         running: dict[asyncio.Task, _Range] = {}
 
         def fetch(part: _Range, source: int) -> None:
             part.source, part.sink, part.started = source, None, time.monotonic()
-            task = asyncio.create_task(self._fetch_range(heal, reader, part, heal.urls[source]))
+            task = asyncio.create_task(self._fetch_range(heal, writer, part, heal.urls[source]))
             running[task] = part
 
         def fetch_from_primary(part: _Range, why: str) -> None:
             logger.warning("step %d: %s %s; fetching data bytes [%d, %d) from the primary %s instead", heal.step,
                            heal.names[part.source], why, part.start, part.end, heal.names[0])
-            reader.receive_again(blocks.covering(part.start, part.end))  # whatever part of it had arrived
+            writer.receive_again(blocks.covering(part.start, part.end))  # whatever part of it had arrived
             fetch(part, 0)
 
         for part in ranges:
@@ -313,7 +315,7 @@ class Receiver:
                                "and its data wherever they differ", heal.names[0], heal.names[source], heal.step,
                                difference, heal.names[0])
 
-    async def _match_primary(self, heal: _Heal, reader: wire.StateDictReader, ranges: list[_Range]) -> None:
+    async def _match_primary(self, heal: _Heal, writer: TensorWriter, ranges: list[_Range]) -> None:
         """Fetch again from the primary every block that a secondary served and that differs from the primary's.
 
         The primary's ``/checksums`` holds every block's sum (it sums the
@@ -322,7 +324,7 @@ class Receiver:
         own sum both equal it. Adjacent blocks travel as one range. A heal
         served by the primary alone asks for nothing.
         """
-        blocks = reader.header.blocks
+        blocks = writer.header.blocks
         served_by: dict[int, int] = {}  # block -> the secondary it came from
         for part in ranges:
             if part.source:
@@ -331,24 +333,24 @@ class Receiver:
             return
         answer = await self._get_bytes(heal, heal.urls[0], "/checksums", len(blocks) * _checksum.SUM_BYTES,
                                        exact=True)
-        differing = await asyncio.to_thread(reader.blocks_differing_from, _checksum.unpack(answer), sorted(served_by))
+        differing = await asyncio.to_thread(writer.blocks_differing_from, _checksum.unpack(answer), sorted(served_by))
         if not differing:
             return
         by_source: dict[int, list[int]] = {}
         for block in differing:
             by_source.setdefault(served_by[block], []).append(block)
         which = "; ".join(f"{heal.names[source]}: {len(found)} blocks ({blocks.bytes_of(found)} bytes), first "
-                          f"{reader.describe_block(found[0])}" for source, found in by_source.items())
+                          f"{writer.describe_block(found[0])}" for source, found in by_source.items())
         logger.warning("step %d: data from %s differs from the primary %s's (state that differs between replica "
                        "groups, a diverged replica, or damage in transit); fetching those %d blocks (%d bytes) again "
                        "from the primary", heal.step, which, heal.names[0], len(differing),
                        blocks.bytes_of(differing))
-        reader.receive_again(differing)
+        writer.receive_again(differing)
         streams = asyncio.Semaphore(max(self._num_chunks, len(heal.urls)))
 
         async def fetch_again(start: int, end: int) -> None:
             async with streams:
-                await self._fetch_range(heal, reader, _Range(start, end, 0), heal.urls[0])
+                await self._fetch_range(heal, writer, _Range(start, end, 0), heal.urls[0])
 
         await _all([asyncio.create_task(fetch_again(start, end)) for start, end in blocks.ranges_of(differing)])
 
@@ -388,12 +390,12 @@ def _header_difference(primary: _body.EncodedSink, raw: bytes) -> str | None:
     """None when ``raw`` (another source's prefix and header) equals the primary's; else what differs, in words."""
     if raw == primary.header_bytes:
         return None
-    assert primary.reader is not None
+    assert primary.writer is not None
     try:
-        length, crc = wire.unpack_prefix(raw[:wire.PREFIX_SIZE])
-        if len(raw) != wire.PREFIX_SIZE + length:
-            raise CheckpointTransferError(f"a {length}-byte header declared, {len(raw) - wire.PREFIX_SIZE} sent")
-        return wire.header_difference(primary.reader.header, wire.parse_header(raw[wire.PREFIX_SIZE:], crc))
+        length, crc = unpack_prefix(raw[:PREFIX_SIZE])
+        if len(raw) != PREFIX_SIZE + length:
+            raise CheckpointTransferError(f"a {length}-byte header declared, {len(raw) - PREFIX_SIZE} sent")
+        return header_difference(primary.writer.header, parse_header(raw[PREFIX_SIZE:], crc))
     except CheckpointTransferError as exc:
         return f"the second sent an unusable header: {exc}"
 

@@ -20,7 +20,7 @@ from typing import Iterable
 
 from aiohttp import web
 
-from torchft_lite.checkpointing import _serialization as wire
+from torchft_lite.checkpointing._encode import EncodedStateDict, FlatStateDict, encode
 
 __all__ = ["Session", "Snapshot", "flushed", "listen", "pieces_of", "tune"]
 
@@ -59,7 +59,7 @@ class Snapshot:
     """A published state dict: shared by every request for its step."""
 
     step: int
-    flat: wire.FlatStateDict
+    flat: FlatStateDict
     expected: int
     timeout: float
     deadline: float
@@ -75,18 +75,18 @@ class Snapshot:
     def receivers_done(self) -> bool:
         return self.finished >= self.expected and self.finished == len(self.sessions)
 
-    async def encoded(self) -> wire.EncodedStateDict:
+    async def encoded(self) -> EncodedStateDict:
         """The encoding, started by the first receiver (tensors are read only when someone asks)."""
         loop = asyncio.get_running_loop()
         if self.encoding is None:
             self.encoding = loop.run_in_executor(
-                None, functools.partial(wire.encode, self.step, self.flat, should_stop=self.stop_encoding.is_set))
+                None, functools.partial(encode, self.step, self.flat, should_stop=self.stop_encoding.is_set))
         try:
             return await asyncio.wait_for(asyncio.shield(self.encoding), max(0.0, self.deadline - loop.time()))
         except TimeoutError as exc:
             raise web.HTTPGatewayTimeout(text=f"step {self.step} was not encoded within the send timeout") from exc
 
-    async def packed_checksums(self, encoded: wire.EncodedStateDict) -> bytes:
+    async def packed_checksums(self, encoded: EncodedStateDict) -> bytes:
         """Every block's sum, summed on a worker thread: the event loop goes on serving data meanwhile.
 
         Blocks this replica has sent were summed as they went out and are not
@@ -115,7 +115,7 @@ def listen(host: str, port: int) -> socket.socket:
     return socket.create_server((host, port))
 
 
-def pieces_of(request: web.Request, encoded: wire.EncodedStateDict, part: str,
+def pieces_of(request: web.Request, encoded: EncodedStateDict, part: str,
               sums: bytes) -> tuple[Iterable[memoryview | bytes], int, int]:
     """What to write for ``part``: the pieces, their total length, and how many data bytes they hold."""
     if part == "header":

@@ -45,7 +45,8 @@ from aiohttp import web
 from torchft_lite._control_plane import control_plane
 from torchft_lite.checkpointing._http_receive import DONE_TIMEOUT, Receiver
 from torchft_lite.checkpointing._http_serving import Session, Snapshot, flushed, listen, pieces_of, tune
-from torchft_lite.checkpointing import _serialization as wire
+from torchft_lite.checkpointing._decode import targets_of
+from torchft_lite.checkpointing._encode import EncodedStateDict, FlatStateDict, flatten
 from torchft_lite.checkpointing.transport import CheckpointTransport
 from torchft_lite.errors import CheckpointError, CheckpointTimeout, ConfigError
 
@@ -111,7 +112,7 @@ class HTTPTransport(CheckpointTransport[T]):
         self._plane = control_plane()
         self._snapshot: Snapshot | None = None
         self._released_step: int | None = None
-        self._last_sent: wire.FlatStateDict | None = None  # for allow_checkpoint
+        self._last_sent: FlatStateDict | None = None  # for allow_checkpoint
         self._last_step = -1
         self._early_done: dict[int, dict[str, bool]] = {}  # step -> session -> ok, reported before publishing
         self._held = 0
@@ -141,7 +142,7 @@ class HTTPTransport(CheckpointTransport[T]):
         released first, as :meth:`disallow_checkpoint` does (torchft lets a
         send replace the published step).
         """
-        flat = wire.flatten(state_dict)  # refuse unsupported values here, on the caller's thread
+        flat = flatten(state_dict)  # refuse unsupported values here, on the caller's thread
         if self._snapshot is not None:
             self.disallow_checkpoint()
         seconds = timeout.total_seconds() if timeout else 0.0
@@ -162,7 +163,7 @@ class HTTPTransport(CheckpointTransport[T]):
             return
         if snapshot is not None:
             self.disallow_checkpoint()
-        flat = self._last_sent if self._last_sent is not None else wire.flatten(None)
+        flat = self._last_sent if self._last_sent is not None else flatten(None)
         self._call(self._publish(0, step, flat, self._timeout), self._timeout, f"publishing step {step} again")
 
     def disallow_checkpoint(self) -> None:
@@ -200,7 +201,7 @@ class HTTPTransport(CheckpointTransport[T]):
         if not sources:
             raise ValueError("recv_checkpoint_striped needs at least one source")
         seconds = self._timeout if timeout is None else max(0.0, timeout.total_seconds())
-        targets = {} if self._state_dict is None else wire.targets_of(self._state_dict())
+        targets = {} if self._state_dict is None else targets_of(self._state_dict())
         urls = [metadata.rstrip("/") + f"/{step}" for _, metadata in sources]
         names = [f"replica {rank} ({url})" for (rank, _), url in zip(sources, urls)]
         ranks = ", ".join(str(rank) for rank, _ in sources)
@@ -278,7 +279,7 @@ class HTTPTransport(CheckpointTransport[T]):
                     self._hostname)
         return sock.getsockname()[1]
 
-    async def _publish(self, expected: int, step: int, flat: wire.FlatStateDict, timeout: float) -> None:
+    async def _publish(self, expected: int, step: int, flat: FlatStateDict, timeout: float) -> None:
         assert self._changed is not None
         async with self._changed:
             if self._stopped:
@@ -468,7 +469,7 @@ class HTTPTransport(CheckpointTransport[T]):
         finally:
             snapshot.streams.discard(task)
 
-    def _pieces(self, request: web.Request, encoded: wire.EncodedStateDict, part: str,
+    def _pieces(self, request: web.Request, encoded: EncodedStateDict, part: str,
                 sums: bytes) -> tuple[Iterable[memoryview | bytes], int, int]:
         return pieces_of(request, encoded, part, sums)  # a method: tests damage one server's answers
 

@@ -3,7 +3,7 @@
 Per destination rank, in order (tags keep the messages apart from other traffic)::
 
     tag 1   int64[3]  (_MAGIC, header bytes, bucket bytes)
-    tag 2   uint8[n]  prefix + JSON header (see ``_serialization``)
+    tag 2   uint8[n]  prefix + JSON header (see ``_format``)
     tag 3+i uint8[]   piece i: the data bytes of one tensor within one bucket
     tag 3+n uint8[]   the block checksums (when the data section is not empty)
 
@@ -31,7 +31,11 @@ from typing import Any, Callable, Protocol, Sequence, TypeVar
 import torch
 
 from torchft_lite.checkpointing import _checksum
-from torchft_lite.checkpointing import _serialization as wire
+from torchft_lite.checkpointing._decode import TensorWriter, targets_of
+from torchft_lite.checkpointing._encode import encode, flatten
+from torchft_lite.checkpointing._format import (
+    MAX_HEADER_BYTES, PREFIX_SIZE, Header, Path, TensorEntry, byte_view, parse_header, unpack_prefix,
+)
 from torchft_lite.checkpointing.transport import CheckpointTransport
 from torchft_lite.errors import CheckpointError, CheckpointTimeout, CheckpointTransferError, ConfigError
 
@@ -58,7 +62,7 @@ class PointToPoint(Protocol):
     def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int) -> _Work: ...
 
 
-def _pieces(entries: Sequence[wire.TensorEntry], bucket_bytes: int) -> list[tuple[int, int]]:
+def _pieces(entries: Sequence[TensorEntry], bucket_bytes: int) -> list[tuple[int, int]]:
     """Data byte ranges ``[start, end)``, each within one tensor and at most ``bucket_bytes`` long."""
     return [(start, min(start + bucket_bytes, entry.offset + entry.nbytes))
             for entry in entries for start in range(entry.offset, entry.offset + entry.nbytes, bucket_bytes)]
@@ -103,7 +107,7 @@ class PGTransport(CheckpointTransport[T]):
         """
         deadline = self._deadline(timeout)
         started = time.monotonic()
-        encoded = wire.encode(step, wire.flatten(state_dict))
+        encoded = encode(step, flatten(state_dict))
         try:
             meta = torch.tensor([_MAGIC, len(encoded.header), self._bucket_bytes], dtype=torch.int64)
             header = torch.frombuffer(bytearray(encoded.header), dtype=torch.uint8)
@@ -139,38 +143,37 @@ class PGTransport(CheckpointTransport[T]):
         meta = self._recv(torch.zeros(3, dtype=torch.int64), src_rank, _TAG_META, deadline,
                           f"the checkpoint announcement from rank {src_rank}")
         magic, header_len, bucket_bytes = (int(v) for v in meta)
-        if magic != _MAGIC or not wire.PREFIX_SIZE <= header_len <= wire.PREFIX_SIZE + wire.MAX_HEADER_BYTES \
-                or bucket_bytes <= 0:
+        if magic != _MAGIC or not PREFIX_SIZE <= header_len <= PREFIX_SIZE + MAX_HEADER_BYTES or bucket_bytes <= 0:
             raise CheckpointTransferError(f"rank {src_rank} sent a malformed checkpoint announcement {meta.tolist()}")
-        blob = bytes(wire.byte_view(self._recv(torch.empty(header_len, dtype=torch.uint8), src_rank, _TAG_HEADER,
-                                               deadline, f"the checkpoint header from rank {src_rank}")))
-        length, crc = wire.unpack_prefix(blob[:wire.PREFIX_SIZE])
-        if wire.PREFIX_SIZE + length != header_len:
+        blob = bytes(byte_view(self._recv(torch.empty(header_len, dtype=torch.uint8), src_rank, _TAG_HEADER,
+                                          deadline, f"the checkpoint header from rank {src_rank}")))
+        length, crc = unpack_prefix(blob[:PREFIX_SIZE])
+        if PREFIX_SIZE + length != header_len:
             raise CheckpointTransferError(f"rank {src_rank} announced {header_len} header bytes but sent {length}")
-        header = wire.parse_header(blob[wire.PREFIX_SIZE:], crc)
+        header = parse_header(blob[PREFIX_SIZE:], crc)
         pieces = _pieces(header.entries, bucket_bytes)
         if header.step != step:
             self._drain(header, pieces, src_rank, deadline)  # keep the pair in step for the next transfer
             raise CheckpointTransferError(f"rank {src_rank} sent step {header.step}, expected step {step}")
-        reader = wire.StateDictReader(header, self._targets())
+        writer = TensorWriter(header, self._targets())
         for first in range(0, len(pieces), _WINDOW):
             window = list(enumerate(pieces))[first:first + _WINDOW]
             what = f"pieces {first}-{first + len(window) - 1} of {len(pieces)} of step {step} from rank {src_rank}"
             if self._device.type == "cpu":  # straight into the destination tensors, a window posted at once
-                _wait([self._pg.recv([reader.data_tensor(start, end)], src_rank, _TAG_DATA + index)
+                _wait([self._pg.recv([writer.data_tensor(start, end)], src_rank, _TAG_DATA + index)
                        for index, (start, end) in window], deadline, what)
             else:
                 for index, (start, end) in window:
-                    reader.data_tensor(start, end).copy_(self._recv(
+                    writer.data_tensor(start, end).copy_(self._recv(
                         torch.empty(end - start, dtype=torch.uint8), src_rank, _TAG_DATA + index, deadline, what))
             for _, (start, end) in window:
-                reader.filled(start, end - start)
+                writer.filled(start, end - start)
         if pieces:
             what = f"the checksums of step {step} from rank {src_rank}"
             trailer = self._recv(torch.empty(header.trailer_bytes, dtype=torch.uint8), src_rank,
                                  _TAG_DATA + len(pieces), deadline, what)
-            reader.expect(0, header.data_bytes, bytes(wire.byte_view(trailer)))
-        state = reader.finish()
+            writer.expect(0, header.data_bytes, bytes(byte_view(trailer)))
+        state = writer.finish()
         logger.info("received step %d (%d bytes) from rank %d in %.2fs", step, header.data_bytes, src_rank,
                     time.monotonic() - started)
         return state
@@ -183,8 +186,8 @@ class PGTransport(CheckpointTransport[T]):
         seconds = (self._timeout if timeout is None else timeout).total_seconds()
         return time.monotonic() + seconds if seconds > 0 else math.inf
 
-    def _targets(self) -> dict[wire.Path, torch.Tensor]:
-        return {} if self._state_dict is None else wire.targets_of(self._state_dict())
+    def _targets(self) -> dict[Path, torch.Tensor]:
+        return {} if self._state_dict is None else targets_of(self._state_dict())
 
     def _recv(self, buffer: torch.Tensor, src_rank: int, tag: int, deadline: float, what: str) -> torch.Tensor:
         """Receive into ``buffer`` (travelling on the transport's device) and return it on CPU."""
@@ -192,7 +195,7 @@ class PGTransport(CheckpointTransport[T]):
         _wait([self._pg.recv([on_device], src_rank, tag)], deadline, what)
         return on_device.cpu()
 
-    def _drain(self, header: wire.Header, pieces: Sequence[tuple[int, int]], src_rank: int, deadline: float) -> None:
+    def _drain(self, header: Header, pieces: Sequence[tuple[int, int]], src_rank: int, deadline: float) -> None:
         sizes = [end - start for start, end in pieces] + ([header.trailer_bytes] if pieces else [])
         scratch = torch.empty(max(sizes, default=0), dtype=torch.uint8, device=self._device)
         for index, size in enumerate(sizes):

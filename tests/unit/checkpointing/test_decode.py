@@ -1,10 +1,10 @@
-"""StateDictReader: pieces written in place, a sum64 per block, damage, gaps and missing checksums named."""
+"""TensorWriter: pieces written in place, a sum64 per block, damage, gaps and missing checksums named."""
 
 import pytest
 import torch
 
 from torchft_lite.checkpointing import _checksum
-from torchft_lite.checkpointing import _serialization as wire
+from torchft_lite.checkpointing import _decode, _encode, _format
 from torchft_lite.errors import CheckpointTransferError
 
 BLOCK = 4096
@@ -12,22 +12,22 @@ STATE = {"a": torch.arange(5000, dtype=torch.float32), "empty": torch.empty(0),
          "b": torch.arange(7, dtype=torch.int64), "c": torch.arange(3, dtype=torch.bfloat16)}
 
 
-def encoded(state: dict = STATE) -> tuple[wire.Header, bytes, bytes]:
+def encoded(state: dict = STATE) -> tuple[_format.Header, bytes, bytes]:
     """``(header, data, trailer)`` of ``state`` with small blocks, so tensors span several."""
-    blob = wire.encode_to_bytes(3, state, block_bytes=BLOCK)
-    length, crc = wire.unpack_prefix(blob[:wire.PREFIX_SIZE])
-    header = wire.parse_header(blob[wire.PREFIX_SIZE:wire.PREFIX_SIZE + length], crc)
-    data_start = wire.PREFIX_SIZE + length
+    blob = _encode.encode_to_bytes(3, state, block_bytes=BLOCK)
+    length, crc = _format.unpack_prefix(blob[:_format.PREFIX_SIZE])
+    header = _format.parse_header(blob[_format.PREFIX_SIZE:_format.PREFIX_SIZE + length], crc)
+    data_start = _format.PREFIX_SIZE + length
     return header, blob[data_start:data_start + header.data_bytes], blob[data_start + header.data_bytes:]
 
 
-def fill_in_place(reader: wire.StateDictReader, data: bytes, start: int, end: int, piece: int) -> None:
+def fill_in_place(writer: _decode.TensorWriter, data: bytes, start: int, end: int, piece: int) -> None:
     """What the HTTP client does: ask for a view of the destination, let "the kernel" write, report."""
     position = start
     while position < end:
-        view = reader.buffer_at(position, end)[:piece]
+        view = writer.buffer_at(position, end)[:piece]
         view[:] = data[position:position + len(view)]
-        reader.filled(position, len(view))
+        writer.filled(position, len(view))
         position += len(view)
 
 
@@ -43,67 +43,67 @@ def test_blocks_cut_every_tensor_and_the_trailer_has_one_sum_each():
 @pytest.mark.parametrize("piece", [1, 333, 1 << 20])
 def test_block_aligned_ranges_filled_in_place_out_of_order_verify(piece):
     header, data, trailer = encoded()
-    reader = wire.StateDictReader(header)
+    writer = _decode.TensorWriter(header)
     ranges = header.blocks.split(3)
     assert len(ranges) == 3 and all(header.blocks.covering(*r) for r in ranges)
     for start, end in reversed(ranges):
-        fill_in_place(reader, data, start, end, piece)
+        fill_in_place(writer, data, start, end, piece)
         sums = _checksum.unpack(trailer)
         covered = header.blocks.covering(start, end)
-        reader.expect(start, end, _checksum.pack(sums[covered.start:covered.stop]))
-    state = reader.finish()
+        writer.expect(start, end, _checksum.pack(sums[covered.start:covered.stop]))
+    state = writer.finish()
     for name in STATE:
         assert torch.equal(state[name], STATE[name])
 
 
 def test_a_buffer_never_spans_two_blocks_or_tensors():
     header, _, _ = encoded()
-    reader = wire.StateDictReader(header)
-    assert len(reader.buffer_at(0, header.data_bytes)) == BLOCK
-    assert len(reader.buffer_at(4000, header.data_bytes)) == 96
-    assert len(reader.buffer_at(19990, header.data_bytes)) == 10
-    assert len(reader.buffer_at(20000, header.data_bytes)) == 56
+    writer = _decode.TensorWriter(header)
+    assert len(writer.buffer_at(0, header.data_bytes)) == BLOCK
+    assert len(writer.buffer_at(4000, header.data_bytes)) == 96
+    assert len(writer.buffer_at(19990, header.data_bytes)) == 10
+    assert len(writer.buffer_at(20000, header.data_bytes)) == 56
 
 
 def test_a_damaged_byte_fails_its_blocks_checksum_naming_the_tensor_and_bytes():
     header, data, trailer = encoded()
-    reader = wire.StateDictReader(header)
+    writer = _decode.TensorWriter(header)
     damaged = bytearray(data)
     damaged[5000] ^= 1
-    fill_in_place(reader, bytes(damaged), 0, len(data), 512)
-    reader.expect(0, len(data), trailer)
+    fill_in_place(writer, bytes(damaged), 0, len(data), 512)
+    writer.expect(0, len(data), trailer)
     with pytest.raises(CheckpointTransferError, match=r"checksum mismatch in tensor a bytes \[4096, 8192\)"):
-        reader.finish()
+        writer.finish()
 
 
 def test_swapped_blocks_are_caught():
     """Bytes placed at the wrong block: every block has its own sum."""
     header, data, trailer = encoded()
-    reader = wire.StateDictReader(header)
+    writer = _decode.TensorWriter(header)
     swapped = data[BLOCK:2 * BLOCK] + data[:BLOCK] + data[2 * BLOCK:]
-    reader.write(0, swapped)
-    reader.expect(0, len(data), trailer)
+    writer.write(0, swapped)
+    writer.expect(0, len(data), trailer)
     with pytest.raises(CheckpointTransferError, match="checksum mismatch in tensor a"):
-        reader.finish()
+        writer.finish()
 
 
 def test_a_gap_a_repeat_and_a_missing_trailer_are_named():
     header, data, trailer = encoded()
-    gap = wire.StateDictReader(header)
+    gap = _decode.TensorWriter(header)
     gap.write(0, data[:100])
     gap.write(200, data[200:])
     gap.expect(0, len(data), trailer)
     with pytest.raises(CheckpointTransferError, match="truncated"):
         gap.finish()
-    repeat = wire.StateDictReader(header)
+    repeat = _decode.TensorWriter(header)
     repeat.write(0, data)
     with pytest.raises(CheckpointTransferError, match="received twice"):
         repeat.write(0, data[:8])
-    no_sums = wire.StateDictReader(header)
+    no_sums = _decode.TensorWriter(header)
     no_sums.write(0, data)
     with pytest.raises(CheckpointTransferError, match="checksum of tensor a bytes \\[0, 4096\\) never arrived"):
         no_sums.finish()
-    twice = wire.StateDictReader(header)
+    twice = _decode.TensorWriter(header)
     twice.expect(0, len(data), trailer)
     with pytest.raises(CheckpointTransferError, match="arrived twice"):
         twice.expect(0, BLOCK, trailer[:8])
@@ -111,22 +111,22 @@ def test_a_gap_a_repeat_and_a_missing_trailer_are_named():
 
 def test_checksums_for_a_range_off_block_boundaries_or_of_the_wrong_count_are_refused():
     header, data, trailer = encoded()
-    reader = wire.StateDictReader(header)
+    writer = _decode.TensorWriter(header)
     with pytest.raises(CheckpointTransferError, match="block boundaries"):
-        reader.expect(0, 1000, trailer[:8])
+        writer.expect(0, 1000, trailer[:8])
     with pytest.raises(CheckpointTransferError, match="2 checksums for the 1 blocks"):
-        reader.expect(0, BLOCK, trailer[:16])
+        writer.expect(0, BLOCK, trailer[:16])
     with pytest.raises(CheckpointTransferError, match="whole number"):
-        reader.expect(0, BLOCK, trailer[:5])
+        writer.expect(0, BLOCK, trailer[:5])
 
 
 def test_bytes_outside_the_data_section_are_refused():
     header, data, _ = encoded()
-    reader = wire.StateDictReader(header)
+    writer = _decode.TensorWriter(header)
     with pytest.raises(CheckpointTransferError, match="outside"):
-        reader.buffer_at(len(data), len(data) + 10)
+        writer.buffer_at(len(data), len(data) + 10)
     with pytest.raises(CheckpointTransferError, match="outside"):
-        reader.write(len(data) - 2, b"abcd")
+        writer.write(len(data) - 2, b"abcd")
 
 
 def test_sum64_is_the_wrapping_word_sum_with_a_zero_padded_tail():
@@ -140,53 +140,53 @@ def test_sum64_is_the_wrapping_word_sum_with_a_zero_padded_tail():
 def test_blocks_differing_from_a_reference_are_named_by_their_bytes_or_their_senders_sum():
     header, data, trailer = encoded()
     truth = _checksum.unpack(trailer)
-    reader = wire.StateDictReader(header)
+    writer = _decode.TensorWriter(header)
     damaged = bytearray(data)
     damaged[5000] ^= 1  # block 1 (tensor a bytes [4096, 8192))
-    reader.write(0, bytes(damaged[:20000]))  # tensor a, whole; b and c not yet
+    writer.write(0, bytes(damaged[:20000]))  # tensor a, whole; b and c not yet
     sums = list(truth)
     sums[3] ^= 1  # block 3's bytes are right, but its sender vouched for others
-    reader.expect(0, 20000, _checksum.pack(sums[:5]))
-    assert reader.blocks_differing_from(truth, range(len(truth))) == [1, 3, 5, 6]  # 5 and 6 are incomplete
-    assert reader.blocks_differing_from(truth, [0, 2, 4]) == []
+    writer.expect(0, 20000, _checksum.pack(sums[:5]))
+    assert writer.blocks_differing_from(truth, range(len(truth))) == [1, 3, 5, 6]  # 5 and 6 are incomplete
+    assert writer.blocks_differing_from(truth, [0, 2, 4]) == []
     with pytest.raises(CheckpointTransferError, match="2 reference checksums for 7 blocks"):
-        reader.blocks_differing_from(truth[:2], [0])
+        writer.blocks_differing_from(truth[:2], [0])
 
 
 def test_blocks_received_again_replace_the_first_delivery_whole_or_partial():
     header, data, trailer = encoded()
     truth = _checksum.unpack(trailer)
-    reader = wire.StateDictReader(header)
+    writer = _decode.TensorWriter(header)
     damaged = bytearray(data)
     damaged[5000] ^= 1
-    reader.write(0, bytes(damaged[:2 * BLOCK]))  # blocks 0 and 1: block 1 wrong
-    reader.expect(0, 2 * BLOCK, trailer[:16])
-    reader.write(2 * BLOCK, data[2 * BLOCK:2 * BLOCK + 100])  # block 2: a stream that broke after 100 bytes
+    writer.write(0, bytes(damaged[:2 * BLOCK]))  # blocks 0 and 1: block 1 wrong
+    writer.expect(0, 2 * BLOCK, trailer[:16])
+    writer.write(2 * BLOCK, data[2 * BLOCK:2 * BLOCK + 100])  # block 2: a stream that broke after 100 bytes
     with pytest.raises(CheckpointTransferError, match="received twice"):
-        reader.write(BLOCK, data[BLOCK:2 * BLOCK])  # without receive_again, a second delivery is refused
-    reader.receive_again([1, 2])
-    assert reader.received_bytes == BLOCK
-    reader.write(BLOCK, data[BLOCK:])
-    reader.expect(BLOCK, len(data), trailer[8:])
-    assert reader.blocks_differing_from(truth, range(len(truth))) == []
-    state = reader.finish()
+        writer.write(BLOCK, data[BLOCK:2 * BLOCK])  # without receive_again, a second delivery is refused
+    writer.receive_again([1, 2])
+    assert writer.received_bytes == BLOCK
+    writer.write(BLOCK, data[BLOCK:])
+    writer.expect(BLOCK, len(data), trailer[8:])
+    assert writer.blocks_differing_from(truth, range(len(truth))) == []
+    state = writer.finish()
     for name in STATE:
         assert torch.equal(state[name], STATE[name])
 
 
 def test_a_block_received_again_must_arrive_again_with_its_sum():
     header, data, trailer = encoded()
-    reader = wire.StateDictReader(header)
-    reader.write(0, data)
-    reader.expect(0, len(data), trailer)
-    reader.receive_again([0])
+    writer = _decode.TensorWriter(header)
+    writer.write(0, data)
+    writer.expect(0, len(data), trailer)
+    writer.receive_again([0])
     with pytest.raises(CheckpointTransferError, match=r"truncated: 15966 of 20062"):
-        reader.finish()
-    reader.write(0, data[:BLOCK])
+        writer.finish()
+    writer.write(0, data[:BLOCK])
     with pytest.raises(CheckpointTransferError, match=r"checksum of tensor a bytes \[0, 4096\) never arrived"):
-        reader.finish()
+        writer.finish()
     with pytest.raises(ValueError, match="no data block 7"):
-        reader.receive_again([7])
+        writer.receive_again([7])
 
 
 def test_blocks_to_fetch_again_travel_as_the_fewest_block_aligned_ranges():
@@ -198,12 +198,12 @@ def test_blocks_to_fetch_again_travel_as_the_fewest_block_aligned_ranges():
     assert blocks.bytes_of([4, 5, 6]) == (20000 - 16384) + 56 + 6
 
 
-def test_an_abandoned_reader_does_not_hand_over_its_state_dict():
+def test_an_abandoned_writer_does_not_hand_over_its_state_dict():
     # Its finish() can run on a thread that outlives a timed-out receive: it must not copy into the targets then.
     header, data, trailer = encoded()
-    reader = wire.StateDictReader(header)
-    reader.write(0, data)
-    reader.expect(0, len(data), trailer)
-    reader.abandon()
+    writer = _decode.TensorWriter(header)
+    writer.write(0, data)
+    writer.expect(0, len(data), trailer)
+    writer.abandon()
     with pytest.raises(CheckpointTransferError, match="abandoned"):
-        reader.finish()
+        writer.finish()

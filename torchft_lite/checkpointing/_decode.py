@@ -1,22 +1,27 @@
-"""Receiving the data section of an encoded state dict straight into its tensors.
+"""Decoding a state dict in the heal format (``_format``): the receiving side, after the header.
 
-A :class:`StateDictReader` owns the destination tensors. Bytes reach them two
-ways: :meth:`~StateDictReader.write` copies a received buffer in, or a
-network protocol asks for :meth:`~StateDictReader.buffer_at` (a writable view
-of the destination memory, never past the end of a checksum block) and
-reports :meth:`~StateDictReader.filled` after the kernel has written into
-it, so nothing is copied in user space.
+Once a header has been validated (``_format.parse_header``), a
+:class:`TensorWriter` allocates the destination tensors (or takes the
+receiver's own, see :func:`targets_of`) and writes the data section into
+them. Bytes reach them two ways: :meth:`~TensorWriter.write` copies a
+received buffer in, or a network protocol asks for
+:meth:`~TensorWriter.buffer_at` (a writable view of the destination memory,
+never past the end of a checksum block) and reports
+:meth:`~TensorWriter.filled` after the kernel has written into it, so nothing
+is copied in user space.
 
 Each block's sum64 is computed on the checksum thread as soon as its last
 byte has landed, while the event loop reads on. The sender's sums arrive
-after the data (:meth:`~StateDictReader.expect`); :meth:`~StateDictReader.finish`
-waits for the last sums and compares.
+after the data (:meth:`~TensorWriter.expect`); :meth:`~TensorWriter.finish`
+waits for the last sums, compares, and builds the state dict.
 
 A receiver striping one heal over several sources may have to take blocks
 again from another source (a stream that broke half-way, or bytes that differ
-from the primary source's): :meth:`~StateDictReader.blocks_differing_from`
-finds them and :meth:`~StateDictReader.receive_again` forgets what arrived
+from the primary source's): :meth:`~TensorWriter.blocks_differing_from`
+finds them and :meth:`~TensorWriter.receive_again` forgets what arrived
 for them, so that the next bytes are not refused as "received twice".
+
+:func:`decode_bytes` decodes one whole encoding held in memory.
 """
 
 from __future__ import annotations
@@ -29,16 +34,27 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 
 from torchft_lite.checkpointing import _checksum, _cuda, _dtensor
-from torchft_lite.checkpointing._serialization import (
+from torchft_lite.checkpointing._encode import flatten
+from torchft_lite.checkpointing._format import (
     DTYPES, PREFIX_SIZE, Header, Path, TensorEntry, byte_view, format_path, parse_header, unpack_prefix,
 )
 from torchft_lite.errors import CheckpointTransferError
 
-__all__ = ["StateDictReader", "decode_bytes"]
+__all__ = ["TensorWriter", "decode_bytes", "targets_of"]
 
 
-class StateDictReader:
-    """Receives the data section (in any order, in pieces) into preallocated tensors.
+def targets_of(state_dict: Any) -> dict[Path, torch.Tensor]:
+    """Every tensor of ``state_dict`` (DTensors as they are) by its path: where a receive may land in place.
+
+    The paths are the ones a sender's header declares for the same structure
+    (both come from ``_encode.flatten``).
+    """
+    flat = flatten(state_dict)
+    return dict(zip(flat.paths, flat.leaves))
+
+
+class TensorWriter:
+    """Writes a data section (in any order, in pieces) into preallocated tensors, checks it, builds the state dict.
 
     ``targets`` maps a tensor's path to an existing tensor: when dtype and
     shape match, the bytes land in it (directly when it is a contiguous CPU
@@ -253,8 +269,8 @@ def decode_bytes(blob: bytes | memoryview, targets: Mapping[Path, torch.Tensor] 
         raise CheckpointTransferError(f"checkpoint truncated inside the {length}-byte header")
     header = parse_header(bytes(blob[PREFIX_SIZE:PREFIX_SIZE + length]), crc,
                           following=len(blob) - PREFIX_SIZE - length)
-    reader = StateDictReader(header, targets)
+    writer = TensorWriter(header, targets)
     data_start = PREFIX_SIZE + length
-    reader.write(0, blob[data_start:data_start + header.data_bytes])
-    reader.expect(0, header.data_bytes, blob[data_start + header.data_bytes:])
-    return header.step, reader.finish()
+    writer.write(0, blob[data_start:data_start + header.data_bytes])
+    writer.expect(0, header.data_bytes, blob[data_start + header.data_bytes:])
+    return header.step, writer.finish()
