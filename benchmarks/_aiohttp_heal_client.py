@@ -20,7 +20,7 @@ from typing import Callable
 
 import aiohttp
 
-from torchft_lite.checkpointing import _http_body as lean
+from torchft_lite.checkpointing import _http_client as lean
 from torchft_lite.errors import CheckpointTransferError
 
 __all__ = ["get_into", "use_aiohttp_for_heals"]
@@ -70,5 +70,10 @@ async def get_into(url: str, params: dict[str, str], headers: dict[str, str],
 
 
 def use_aiohttp_for_heals() -> None:
-    """Make this process's heal receiver GET through aiohttp instead of the lean client."""
+    """Make this process's heal receiver GET through aiohttp instead of the lean client.
+
+    The receiver (``_http_receive``) calls ``_http_client.get_into`` through
+    the module, so replacing the module's function swaps the client; its
+    ``done`` reports stay on the lean client's POST.
+    """
     lean.get_into = get_into  # type: ignore[assignment]

@@ -96,6 +96,18 @@ def test_the_token_is_required_and_checked(make_transport):
     server.disallow_checkpoint()
 
 
+def test_done_reports_carry_the_token_and_release_a_source_that_served_nothing(make_transport):
+    """The secondary gets no range of a one-block state dict: only the receiver's POST of done releases it."""
+    first, second = make_transport(token="s3cret"), make_transport(token="s3cret")
+    for server in (first, second):
+        server.send_checkpoint([1], 5, {"small": torch.ones(10)}, LONG)
+    client = make_transport(token="s3cret")
+    client.recv_checkpoint_striped([(0, first.metadata()), (1, second.metadata())], 5, LONG)
+    assert [server.statistics().receivers_finished for server in (first, second)] == [1, 1]
+    for server in (first, second):
+        server.disallow_checkpoint()
+
+
 def test_bytes_corrupted_in_transit_fail_the_receive_and_are_reported(make_transport, monkeypatch, caplog):
     caplog.set_level(logging.INFO, logger="torchft_lite.checkpointing.http_transport")
     honest = _encode.EncodedStateDict.body

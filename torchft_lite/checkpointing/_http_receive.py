@@ -26,10 +26,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
-
-from torchft_lite.checkpointing import _checksum
-from torchft_lite.checkpointing import _http_body as _body
+from torchft_lite.checkpointing import _checksum, _http_client
+from torchft_lite.checkpointing._body_sinks import BytesSink, DataSink, EncodedSink
 from torchft_lite.checkpointing._decode import TensorWriter
 from torchft_lite.checkpointing._format import MAX_HEADER_BYTES, PREFIX_SIZE, Path, parse_header, unpack_prefix
 from torchft_lite.checkpointing._header_difference import header_difference
@@ -48,7 +46,7 @@ _MAX_HEADER_ANSWER = PREFIX_SIZE + MAX_HEADER_BYTES
 _PATIENCE = 1.0
 _WATCH_INTERVAL = 0.05  # seconds between two looks at the secondaries' ranges, once the primary is idle
 # What a failing source raises: a secondary's is survived, a primary's fails the heal.
-_SOURCE_ERRORS = (CheckpointError, _body.HTTPStatusError, OSError, asyncio.IncompleteReadError)
+_SOURCE_ERRORS = (CheckpointError, _http_client.HTTPStatusError, OSError, asyncio.IncompleteReadError)
 
 
 @dataclass
@@ -74,7 +72,7 @@ class _Range:
     end: int
     source: int
     """Index into the heal's sources: 0 is the primary."""
-    sink: _body.DataSink | None = None
+    sink: DataSink | None = None
     """Where the current fetch writes, once its answer has begun."""
     started: float = 0.0
     """When the current fetch began, on ``time.monotonic()``."""
@@ -91,12 +89,6 @@ class Receiver:
     def __init__(self, num_chunks: int, token: str | None) -> None:
         self._num_chunks = num_chunks
         self._headers = {} if token is None else {"Authorization": f"Bearer {token}"}
-        self._client: aiohttp.ClientSession | None = None
-
-    async def close(self) -> None:
-        if self._client is not None:
-            await self._client.close()
-            self._client = None
 
     def _auth_headers(self) -> dict[str, str]:
         return self._headers
@@ -104,8 +96,6 @@ class Receiver:
     async def receive(self, urls: list[str], names: list[str], step: int, timeout: float,
                       targets: dict[Path, Any]) -> Any:
         """The verified state dict of ``step`` from ``urls`` (the first is the primary); see the module docstring."""
-        if self._client is None:
-            self._client = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
         started = time.monotonic()
         heal = _Heal(urls, names, step, uuid.uuid4().hex, started + timeout)
         ok = False
@@ -133,7 +123,7 @@ class Receiver:
             raise
         except TimeoutError as exc:
             raise CheckpointURLTimeout(f"timed out after {timeout:.1f}s receiving step {step} from {where}") from exc
-        except _body.HTTPStatusError as exc:
+        except _http_client.HTTPStatusError as exc:
             if exc.status == 504:
                 raise CheckpointURLTimeout(f"{primary}: {exc.text}") from exc
             hint = " (refused: check the token)" if exc.status in (401, 403) else ""
@@ -152,17 +142,17 @@ class Receiver:
         return {"session": heal.session_id, "timeout": f"{remaining:.3f}", **{k: str(v) for k, v in extra.items()}}
 
     async def _get_encoded(self, heal: _Heal, url: str, path: str, targets: dict[Path, Any],
-                           header_only: bool) -> _body.EncodedSink:
+                           header_only: bool) -> EncodedSink:
         """GET ``url + path`` into an encoded-state-dict sink; returns the sink, its body complete."""
-        sink: _body.EncodedSink | None = None
+        sink: EncodedSink | None = None
 
-        def sink_for(length: int) -> _body.EncodedSink:
+        def sink_for(length: int) -> EncodedSink:
             nonlocal sink
             heal.joined.add(url)
-            sink = _body.EncodedSink(url, heal.step, length, targets, header_only=header_only)
+            sink = EncodedSink(url, heal.step, length, targets, header_only=header_only)
             return sink
 
-        await _body.get_into(url + path, self._params(heal), self._auth_headers(), sink_for)
+        await _http_client.get_into(url + path, self._params(heal), self._auth_headers(), sink_for)
         assert sink is not None
         return sink
 
@@ -172,24 +162,24 @@ class Receiver:
         An answer longer than ``limit`` (or of any other length, with ``exact``)
         is refused before it is read.
         """
-        sink: _body.BytesSink | None = None
+        sink: BytesSink | None = None
 
-        def sink_for(length: int) -> _body.BytesSink:
+        def sink_for(length: int) -> BytesSink:
             nonlocal sink
             if length > limit or (exact and length != limit):
                 raise CheckpointTransferError(f"{url}{path} answered {length} bytes, expected "
                                               f"{limit if exact else f'at most {limit}'}")
-            sink = _body.BytesSink(length)
+            sink = BytesSink(length)
             return sink
 
-        await _body.get_into(url + path, self._params(heal), self._auth_headers(), sink_for)
+        await _http_client.get_into(url + path, self._params(heal), self._auth_headers(), sink_for)
         assert sink is not None
         return bytes(sink.data)
 
     async def _fetch_range(self, heal: _Heal, writer: TensorWriter, part: _Range, url: str) -> None:
         """GET the data bytes of ``part`` and their sums from ``url``, straight into ``writer``."""
-        def data_sink(length: int) -> _body.DataSink:
-            sink = _body.DataSink(writer, part.start, part.end)
+        def data_sink(length: int) -> DataSink:
+            sink = DataSink(writer, part.start, part.end)
             if length != sink.length:
                 raise CheckpointTransferError(f"{url}: range [{part.start}, {part.end}) came with {length} bytes, "
                                               f"expected {sink.length}")
@@ -198,7 +188,7 @@ class Receiver:
             return sink
 
         params = self._params(heal, start=part.start, end=part.end)
-        await _body.get_into(f"{url}/data", params, self._auth_headers(), data_sink)
+        await _http_client.get_into(f"{url}/data", params, self._auth_headers(), data_sink)
 
     async def _fetch_ranges(self, heal: _Heal, targets: dict[Path, Any]) -> TensorWriter:
         """The primary's header, then the data in block-aligned ranges fetched at once from every source.
@@ -289,7 +279,7 @@ class Receiver:
         finally:
             await _cancel(list(running))
 
-    async def _compare_headers(self, heal: _Heal, primary: _body.EncodedSink, headers: dict[int, asyncio.Task],
+    async def _compare_headers(self, heal: _Heal, primary: EncodedSink, headers: dict[int, asyncio.Task],
                                ranges: list[_Range]) -> None:
         """Log each secondary whose header differs from the primary's; the heal uses the primary's either way.
 
@@ -355,14 +345,13 @@ class Receiver:
         await _all([asyncio.create_task(fetch_again(start, end)) for start, end in blocks.ranges_of(differing)])
 
     async def _tell_done(self, url: str, session_id: str, ok: bool) -> None:
-        assert self._client is not None
         try:
             async with asyncio.timeout(DONE_TIMEOUT):
-                async with self._client.post(f"{url}/done", params={"session": session_id, "ok": "1" if ok else "0"},
-                                             headers=self._auth_headers()) as response:
-                    if response.status != 200:
-                        logger.debug("%s/done answered HTTP %d", url, response.status)
-        except (aiohttp.ClientError, ConnectionError, TimeoutError) as exc:
+                await _http_client.post(f"{url}/done", {"session": session_id, "ok": "1" if ok else "0"},
+                                        self._auth_headers())
+        except _http_client.HTTPStatusError as exc:
+            logger.debug("%s/done answered HTTP %d", url, exc.status)
+        except (CheckpointTransferError, OSError) as exc:  # refused, reset, unreachable, timed out (TimeoutError)
             logger.debug("could not tell %s that session %s finished: %r", url, session_id, exc)
 
 
@@ -386,7 +375,7 @@ def _lagging(part: _Range, now: float, primary_rate: float) -> str | None:
     return None
 
 
-def _header_difference(primary: _body.EncodedSink, raw: bytes) -> str | None:
+def _header_difference(primary: EncodedSink, raw: bytes) -> str | None:
     """None when ``raw`` (another source's prefix and header) equals the primary's; else what differs, in words."""
     if raw == primary.header_bytes:
         return None
@@ -402,7 +391,7 @@ def _header_difference(primary: _body.EncodedSink, raw: bytes) -> str | None:
 
 def _describe(error: BaseException) -> str:
     """An error of a source, for a log line."""
-    if isinstance(error, (CheckpointError, _body.HTTPStatusError)):
+    if isinstance(error, (CheckpointError, _http_client.HTTPStatusError)):
         return str(error)
     return f"{type(error).__name__}: {error}"
 

@@ -357,7 +357,6 @@ class HTTPTransport(CheckpointTransport[T]):
                 self._changed.notify_all()  # held requests see _stopped and answer 503
         if self._runner is not None:
             await self._runner.cleanup()
-        await self._receiver.close()
 
     def _authorize(self, request: web.Request) -> None:
         if self._token is None:
