@@ -120,13 +120,14 @@ def span(blocks: _format.Blocks, block: int) -> tuple[int, int]:
 
 def serve_data_through(monkeypatch, server: HTTPTransport, edit) -> None:
     """``server`` passes the pieces of every data answer through ``edit(pieces)`` (a generator of pieces)."""
-    honest = server._pieces
+    checkpoint_server = server._server  # its CheckpointServer, which answers the requests
+    honest = checkpoint_server._pieces
 
     def pieces(request, encoded, part, sums):
         pieces, length, data_bytes = honest(request, encoded, part, sums)
         return (edit(pieces) if part == "data" else pieces), length, data_bytes
 
-    monkeypatch.setattr(server, "_pieces", pieces)
+    monkeypatch.setattr(checkpoint_server, "_pieces", pieces)
 
 
 # ---------------------------------------------------------------- agreeing sources

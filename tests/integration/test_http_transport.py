@@ -19,7 +19,7 @@ import torch
 
 from torchft_lite.checkpointing import HTTPTransport
 from torchft_lite.checkpointing import _decode, _encode, _format
-from torchft_lite.checkpointing import _http_serving, http_transport
+from torchft_lite.checkpointing import _http_server
 from torchft_lite.errors import CheckpointError, CheckpointHTTPError, CheckpointTimeout, CheckpointTransferError
 from tests.conftest import WAIT, wait_until_sync
 
@@ -328,7 +328,7 @@ def big_state_dict(megabytes: int = 48) -> dict:
 def test_mutating_right_after_disallow_leaves_what_was_served_intact(make_transport, threads, monkeypatch):
     # Small kernel buffers on both ends: most of the stream waits in the server's own write queue,
     # which holds views of the tensors, not copies.
-    monkeypatch.setattr(_http_serving, "_SEND_BUFFER_BYTES", 64 << 10)
+    monkeypatch.setattr(_http_server, "_SEND_BUFFER_BYTES", 64 << 10)
     server = make_transport()
     sent = big_state_dict()
     expected = digest(5, sent)
@@ -541,7 +541,7 @@ def test_early_done_reports_are_bounded(make_transport):
     server = make_transport()
     for step in range(100, 130):
         assert _post_done(server, step, "s") == 200
-    assert len(server._early_done) <= http_transport._MAX_EARLY_STEPS
+    assert len(server._server._early_done) <= _http_server._MAX_EARLY_STEPS
     server.send_checkpoint([1, 2], 6, state_dict(), LONG)
     assert server.statistics().receivers_finished == 0  # reports for other steps count for nothing here
-    assert server._early_done and min(server._early_done) > 6
+    assert server._server._early_done and min(server._server._early_done) > 6
