@@ -94,8 +94,13 @@ def run_groups(*fns):
 
 
 def two_layers() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    """The same model every time; its own generator, since the global one is shared by the groups' threads."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator))
+    return model
 
 
 def inner_step(model: nn.Module, optimizer: torch.optim.Optimizer, grad: float) -> None:
