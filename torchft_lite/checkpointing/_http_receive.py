@@ -299,7 +299,7 @@ class Receiver:
                 logger.warning("step %d: could not fetch the header of %s to compare it with the primary's: %s",
                                heal.step, heal.names[source], _describe(exc))
                 continue
-            difference = _header_difference(primary, raw)
+            difference = _secondary_header_difference(primary, raw)
             if difference is not None:
                 logger.warning("%s and %s disagree about step %d: %s; the heal takes the header of the primary %s, "
                                "and its data wherever they differ", heal.names[0], heal.names[source], heal.step,
@@ -375,7 +375,7 @@ def _lagging(part: _Range, now: float, primary_rate: float) -> str | None:
     return None
 
 
-def _header_difference(primary: EncodedSink, raw: bytes) -> str | None:
+def _secondary_header_difference(primary: EncodedSink, raw: bytes) -> str | None:
     """None when ``raw`` (another source's prefix and header) equals the primary's; else what differs, in words."""
     if raw == primary.header_bytes:
         return None
