@@ -154,7 +154,8 @@ class LighthouseServer:
     Args:
         bind: ``HOST:PORT`` to serve gRPC on; port 0 picks a free port (``"[::]:0"``).
         min_replicas: the fewest replica groups a new quorum may have.
-        join_timeout_ms: how long a quorum waits for healthy groups that have not joined (default 60000).
+        join_timeout_ms: how long a quorum waits for healthy groups that have not joined (default 100, as
+            torchft's in-process server; the ``python -m lighthouse`` CLI defaults to 60000).
         quorum_tick_ms: the interval of the background quorum check (default 100).
         heartbeat_timeout_ms: a group is healthy while its last heartbeat is younger than this (default 5000).
         start_timeout: seconds to wait for the server to start serving (not in torchft).
@@ -176,6 +177,8 @@ class LighthouseServer:
         from lighthouse.config import LighthouseConfig
         from lighthouse.thread import BackgroundLighthouse
 
+        # torchft's in-process defaults (its CLI waits far longer for stragglers to join).
+        join_timeout_ms = 100 if join_timeout_ms is None else join_timeout_ms
         settings: dict[str, float] = {}
         for name, value in (("join_timeout", join_timeout_ms), ("quorum_tick", quorum_tick_ms),
                             ("heartbeat_timeout", heartbeat_timeout_ms)):

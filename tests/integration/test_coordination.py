@@ -78,6 +78,16 @@ def test_a_heartbeat_makes_a_replica_healthy(serve):
             assert probe.result(WAIT).quorum_id == mine.quorum_id
 
 
+def test_by_default_a_quorum_does_not_wait_long_for_a_healthy_group_that_has_not_joined(serve):
+    """torchft's in-process LighthouseServer waits 100 ms for stragglers (its CLI: 60 s); its tests rely on it."""
+    server = serve(heartbeat_timeout_ms=int(WAIT * 1000))
+    with connect(server) as client, concurrent.futures.ThreadPoolExecutor(2) as pool:
+        client.heartbeat("parked")  # healthy, and never joins
+        asked = [pool.submit(client.quorum, replica_id=rid, timeout=timedelta(seconds=20)) for rid in ("a", "b")]
+        quorums = [future.result(WAIT) for future in asked]
+    assert [m.replica_id for m in quorums[0].participants] == ["a", "b"]  # 2 of 3 healthy: a majority
+
+
 def test_a_quorum_that_does_not_come_is_a_timeout_naming_the_replica(serve):
     server = serve(min_replicas=2)
     with connect(server) as client:
