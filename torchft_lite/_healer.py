@@ -186,8 +186,9 @@ class Healer:
 
     def publish(self, step: Step, current_step: int) -> None:
         """Serve this replica's state to the peers healing from it this step (once, from the training thread)."""
-        if step.send_step is None or step.published or threading.get_ident() != step.training_thread:
-            return
+        if (step.send_step is None or step.published or not step.open
+                or threading.get_ident() != step.training_thread):
+            return  # nothing to serve, served already, the step is over, or not the training thread
         step.published = True
         step.served_before = bytes_served(self.transport)
         try:

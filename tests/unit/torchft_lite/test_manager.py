@@ -203,3 +203,24 @@ def test_the_commit_vote_is_the_and_of_the_group_and_a_failed_vote_fails_stop(re
     solo.manager.start_quorum()
     with pytest.raises(ManagerError, match="commit vote for step 0 failed"):
         solo.manager.should_commit()
+
+
+def test_should_commit_again_after_a_step_that_served_a_heal_does_not_serve_it_again(replicas):
+    """torchft's scripts may vote twice on one quorum (its DiLoCo regression test does): the second vote
+    must not try to serve the step the first one already served and moved past."""
+    lighthouse = InMemoryLighthouse(min_replicas=2)
+    a, b = replicas(lighthouse, "a", 1.0), replicas(lighthouse, "b", 2.0)
+    results: dict[str, list[bool]] = {}
+
+    def twice(replica: Replica) -> None:
+        replica.manager.start_quorum()
+        replica.manager.wait_quorum()
+        results[replica.manager.replica_id] = [replica.manager.should_commit(), replica.manager.should_commit()]
+
+    threads = [threading.Thread(target=twice, args=(r,)) for r in (a, b)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert list(results.values()) == [[True, True], [True, True]]
+    assert a.manager._healer.transport.sends == [([1], 0)] and b.loads == 1
