@@ -22,6 +22,7 @@ FILES: tuple[str, ...] = (
     "futures_test.py",
     "local_sgd_test.py",
     "local_sgd_integ_test.py",
+    "_test/managed_work_test.py",
 )
 
 # Test id (file::Class::method) -> why it is not run. Only tests that read
