@@ -28,6 +28,7 @@ from typing import Any, Awaitable, Callable, Sequence
 
 import torch
 
+from torchft_lite._capabilities import ServesStatistics
 from torchft_lite._step import Step
 from torchft_lite.errors import CheckpointError
 
@@ -54,8 +55,9 @@ class Healer:
 
     def __init__(self, transport: Any, peer_metadata: PeerMetadata, own_state: Callable[[], dict[str, int]],
                  load_own_state: Callable[[dict[str, int]], None], *, in_place: bool, timeout: float,
-                 log: Log, record: Callable[[Step, BaseException], None]) -> None:
-        """``record(step, error)`` keeps an error of applying or publishing for the step (it won't commit)."""
+                 log: Log, record: Callable[[Step, BaseException], None], watchdog: Any) -> None:
+        """``record(step, error)`` keeps an error of applying or publishing for the step (it won't commit);
+        a heal is ``watchdog``'s "heal" section, from the receive to the end of the apply."""
         self.transport = transport
         self.in_place = in_place
         self.load_fns: dict[str, Callable[[Any], None]] = {}
@@ -65,7 +67,7 @@ class Healer:
         self._peer_metadata = peer_metadata
         self._own_state, self._load_own_state = own_state, load_own_state
         self._timeout = timeout
-        self._log, self._record = log, record
+        self._log, self._record, self._watchdog = log, record, watchdog
 
     def register(self, key: str, load_state_dict: Callable[[Any], None], state_dict: Callable[[], Any]) -> None:
         if key in self.state_fns:
@@ -106,6 +108,8 @@ class Healer:
 
     async def receive(self, step: Step, sources: Sequence[tuple[int, str]], max_step: int, group_rank: int) -> None:
         """Receive the state dict of ``max_step`` from ``sources`` into ``step.received`` (not applied)."""
+        self._watchdog.begin("heal", f"the state dict of step {max_step} from "
+                                     f"{', '.join(address for _, address in sources)}")
         self._log(logging.INFO, "healing from %s to step %d", describe(sources), max_step)
         answered = await self._metadata_of(sources, group_rank)
         if self.in_place:
@@ -172,6 +176,7 @@ class Healer:
             self._record(step, exc)
             return False
         self.torn = False
+        self._watchdog.end("heal")
         self._log(logging.INFO, "healed: %.3f MB in %.2fs (%.1f MB/s) from replica(s) %s", result.tensor_bytes / 1e6,
                   result.seconds, result.tensor_bytes / 1e6 / result.seconds if result.seconds > 0 else 0.0,
                   ", ".join(map(str, result.sources)))
@@ -186,7 +191,7 @@ class Healer:
 
     def publish(self, step: Step, current_step: int) -> None:
         """Serve this replica's state to the peers healing from it this step (once, from the training thread)."""
-        if (step.send_step is None or step.published or not step.open
+        if (step.send_step is None or step.published or step.released or not step.open
                 or threading.get_ident() != step.training_thread):
             return  # nothing to serve, served already, the step is over, or not the training thread
         step.published = True
@@ -201,14 +206,20 @@ class Healer:
             self._record(step, exc)
 
     def stop_serving(self, step: Step) -> None:
-        """The step's vote is in: no more serving of its state; log what was served."""
+        """No more serving of the step's state (waits, bounded, for its receivers); log what was served.
+
+        At the step's vote, or earlier when the caller is about to change the
+        state (``Manager.disallow_state_dict_read``). Once a step.
+        """
+        if step.released:
+            return
+        step.released = True
         self.transport.disallow_checkpoint()
         if step.published and step.send_step is not None:
             served = bytes_served(self.transport)
             if served is not None and step.served_before is not None:
                 self._log(logging.INFO, "served step %d to replica(s) %s: %.3f MB", step.send_step,
                           ", ".join(map(str, step.send_to)), (served - step.served_before) / 1e6)
-        step.published = False
 
 
 def stripes(transport: Any) -> bool:
@@ -221,8 +232,7 @@ def stripes(transport: Any) -> bool:
 
 def bytes_served(transport: Any) -> int | None:
     """The transport's ``statistics().bytes_served`` (HTTPTransport's), else None."""
-    statistics = getattr(transport, "statistics", None)
-    return getattr(statistics(), "bytes_served", None) if statistics is not None else None
+    return getattr(transport.statistics(), "bytes_served", None) if isinstance(transport, ServesStatistics) else None
 
 
 def alias_tensors(obj: Any) -> Any:

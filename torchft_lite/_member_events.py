@@ -18,6 +18,7 @@ import threading
 from typing import Any, Callable
 
 from lighthouse.protocol import torchft_pb2 as pb
+from torchft_lite._capabilities import Abortable
 from torchft_lite._step import Step
 from torchft_lite.errors import CollectiveError
 
@@ -55,9 +56,8 @@ class MemberWatch:
     def abort(self, step: Step, error: CollectiveError) -> None:
         """Record ``error`` for ``step`` and abort the process group."""
         self._record(step, error)
-        abort = getattr(self._pg, "abort", None)
-        if abort is not None:
+        if isinstance(self._pg, Abortable):
             # Never on this loop: an abort can wait on the process group's lock, and a
             # blocked control plane stops heartbeats, the lease and every timeout (the
             # 200-fault chaos run hung a group this way).
-            threading.Thread(target=abort, name="torchft-abort", daemon=True).start()
+            threading.Thread(target=self._pg.abort, name="torchft-abort", daemon=True).start()

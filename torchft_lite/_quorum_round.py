@@ -25,11 +25,11 @@ __all__ = ["QuorumRounds"]
 class QuorumRounds:
     """Runs each step's quorum for one rank; remembers the quorum id the process group is configured for."""
 
-    def __init__(self, channel: GroupChannel, pg: Any, healer: Healer, watchdog: Any, *, group_rank: int,
+    def __init__(self, channel: GroupChannel, pg: Any, healer: Healer, *, group_rank: int,
                  replica_id: str, init_sync: bool, use_async_quorum: bool, spares_above: int | None,
                  log: Callable[..., None]) -> None:
         self.quorum_id = -1
-        self._channel, self._pg, self._healer, self._watchdog = channel, pg, healer, watchdog
+        self._channel, self._pg, self._healer = channel, pg, healer
         self._group_rank, self._replica_id = group_rank, replica_id
         self._init_sync, self._use_async_quorum, self._spares_above = init_sync, use_async_quorum, spares_above
         self._log = log
@@ -80,8 +80,6 @@ class QuorumRounds:
             sources = list(zip(response.recover_src_replica_ranks, response.recover_src_manager_addresses))
             if not sources:  # a ManagerServer that predates striping: its single source
                 sources = [(response.recover_src_replica_rank, response.recover_src_manager_address)]
-            self._watchdog.begin("heal", f"the state dict of step {response.max_step} from "
-                                         f"{', '.join(address for _, address in sources)}")
             await self._healer.receive(step, sources, response.max_step, self._group_rank)
 
     async def _reconfigure(self, response: pb.ManagerQuorumResponse) -> None:

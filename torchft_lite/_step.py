@@ -65,6 +65,9 @@ class Step:
     send_step: int | None = None
     """The step they expect."""
     published: bool = False
+    """This step's state was handed to the transport (at most once a step)."""
+    released: bool = False
+    """... and taken back: its receivers finished, or their time ran out."""
     served_before: int | None = None
     """The transport's ``bytes_served`` when the state was published."""
 

@@ -33,6 +33,7 @@ from typing import Any, Callable, Sequence, TypeVar
 import torch
 from torch.distributed import ReduceOp
 
+from torchft_lite._capabilities import Abortable, ReportsErrors, WarmsUp
 from torchft_lite._control_plane import control_plane
 from torchft_lite._healer import Healer
 from torchft_lite._manager_settings import ManagerSettings
@@ -100,23 +101,17 @@ class Manager:
         heal_in_place: bool | None = None,
         wiring: ManagerWiring | None = None,
     ) -> None:
-        """torchft's arguments, plus (keyword-only, ours):
+        """torchft's arguments, plus (keyword-only, ours): preemption_signals, on_preemption: see the README.
 
-        preemption_signals, on_preemption: see "Preemption" in the README.
         watchdog: per-section step timeouts (default: from the environment).
-        heal_sources: up-to-date peers a heal may pull disjoint parts from at once
-            (default 1, torchft's single source, or ``$TORCHFT_LITE_HEAL_SOURCES``).
-            Used only when every quorum member advertises at least as many and the
-            checkpoint transport stripes (``recv_checkpoint_striped`` of its own).
-        heal_in_place: the default ``HTTPTransport`` receives a heal straight into
-            the matching live tensors (default True, or ``$TORCHFT_LITE_HEAL_IN_PLACE``);
-            see :meth:`Healer.in_place_targets` for why that is safe.
+        heal_sources: up-to-date peers a heal may pull disjoint parts from at once (default 1, or
+            ``$TORCHFT_LITE_HEAL_SOURCES``; only when every member advertises as many and the transport stripes).
+        heal_in_place: the default ``HTTPTransport`` receives a heal into the live tensors (default True, or
+            ``$TORCHFT_LITE_HEAL_IN_PLACE``); :meth:`Healer.in_place_targets` says why that is safe.
         wiring: what the Manager connects to (default: the group's TCPStore, a
-            ManagerServer on group rank 0, HTTP heals); ``torchft_lite.testing``
-            has one without sockets.
+            ManagerServer on group rank 0, HTTP heals); ``torchft_lite.testing`` has one without sockets.
         """
-        # Everything is validated before anything starts.
-        s = self._settings = ManagerSettings.resolve(
+        s = self._settings = ManagerSettings.resolve(  # everything is validated before anything starts
             min_replica_size=min_replica_size, timeout=timeout, quorum_timeout=quorum_timeout,
             connect_timeout=connect_timeout, rank=rank, world_size=world_size, store_addr=store_addr,
             store_port=store_port, lighthouse_addr=lighthouse_addr, replica_id=replica_id, port=port,
@@ -142,16 +137,17 @@ class Manager:
         self._parts = parts  # keeps the store client alive as long as the Manager
         self._replica_id = parts.replica_id
         self._channel = parts.channel
-        self._healer = Healer(parts.transport, self._channel.peer_metadata, self.state_dict, self.load_state_dict,
-                              in_place=parts.heal_in_place, timeout=s.timeout, log=self._log, record=self._record)
-        if load_state_dict is not None and state_dict is not None:
-            self.register_state_dict_fn("default", load_state_dict, state_dict)
         defaults = WatchdogConfig(quorum=s.quorum_timeout + s.timeout + 60.0, heal=3 * s.timeout + 60.0,
                                   step=s.quorum_timeout + 5 * s.timeout + 300.0)
         self.watchdog = Watchdog(watchdog or WatchdogConfig.from_env(os.environ, defaults),
                                  label=f"[{self._replica_id}/{s.group_rank}]")
+        self._healer = Healer(parts.transport, self._channel.peer_metadata, self.state_dict, self.load_state_dict,
+                              in_place=parts.heal_in_place, timeout=s.timeout, log=self._log, record=self._record,
+                              watchdog=self.watchdog)
+        if load_state_dict is not None and state_dict is not None:
+            self.register_state_dict_fn("default", load_state_dict, state_dict)
         self._rounds = QuorumRounds(
-            self._channel, pg, self._healer, self.watchdog, group_rank=s.group_rank, replica_id=self._replica_id,
+            self._channel, pg, self._healer, group_rank=s.group_rank, replica_id=self._replica_id,
             init_sync=init_sync, use_async_quorum=use_async_quorum, log=self._log,
             spares_above=s.min_replica_size if world_size_mode is WorldSizeMode.FIXED_WITH_SPARES else None,
         )
@@ -162,7 +158,7 @@ class Manager:
         self._preemption = PreemptionSignals(preemption_signals, self._on_preemption_signal)
         # A process group that keeps its communicator in a child process starts that child now; join the
         # first quorum once it can configure, not with a rendezvous that waits for an interpreter to start.
-        if hasattr(pg, "wait_warm"):
+        if isinstance(pg, WarmsUp):
             pg.wait_warm(timedelta(seconds=s.connect_timeout))
         self._log(logging.INFO, "manager ready (group rank %d of %d, ManagerServer %s)",
                   s.group_rank, s.group_world_size, self._channel.address)
@@ -194,7 +190,7 @@ class Manager:
         if previous.quorum is not None:
             self._await(previous, previous.quorum, "the previous quorum")
         if previous.published:  # should_commit was skipped: stop serving before the state changes
-            self._healer.transport.disallow_checkpoint()
+            self._healer.stop_serving(previous)
         step = self._current = Step(number=self._step, training_thread=threading.get_ident(), open=True)
         self.watchdog.begin("step", f"step {self._step} (start_quorum to the end of should_commit)")
         self.watchdog.begin("quorum", f"the quorum for step {self._step}")
@@ -209,13 +205,7 @@ class Manager:
             # overlaps the receive), and the healed replica takes part in this step's collectives.
             self._await(step, step.quorum, "the quorum and heal")
             if step.healing:
-                step.healing = not self._apply_heal(step)  # a healed replica takes part
-
-    def _apply_heal(self, step: Step) -> bool:
-        applied = self._healer.apply(step)
-        if applied:
-            self.watchdog.end("heal")
-        return applied
+                step.healing = not self._healer.apply(step)  # a healed replica takes part
 
     def _raise_quorum_failure(self, step: Step) -> None:
         """Synchronous quorum: a failed Quorum call raises, as torchft's does (a failed heal is only recorded)."""
@@ -242,8 +232,7 @@ class Manager:
         self._await(step, step.ready, "the quorum")
         self.watchdog.end("quorum")
 
-    def _backstop(self) -> float:
-        # The coroutine bounds each of its own waits; this is the backstop.
+    def _backstop(self) -> float:  # the coroutine bounds each of its own waits; this is the backstop
         return self._quorum_timeout + 3 * self._timeout + 20.0
 
     def _await(self, step: Step, future: concurrent.futures.Future, what: str) -> None:
@@ -255,6 +244,14 @@ class Manager:
                 step.quorum.cancel()
                 exc = QuorumTimeout(f"{what} did not finish within {limit:.0f}s")
             self._record(step, exc)
+
+    def disallow_state_dict_read(self) -> None:
+        """torchft's: the state a heal serves is about to change; wait (bounded) for this step's receivers."""
+        if self._current.published and threading.get_ident() == self._current.training_thread:
+            self._healer.stop_serving(self._current)  # served no more this step
+
+    def allow_state_dict_read(self) -> None:
+        """torchft's: the state may be read again (a step serves its state at most once)."""
 
     # ------------------------------------------------------------ collectives
 
@@ -278,9 +275,8 @@ class Manager:
         if step.error is not None and step.participation.rank is not None:
             # The peers count us in the average, and our contribution would be wrong (zeros would
             # mis-scale it): fail the peers' collective now rather than at its timeout.
-            abort = getattr(self._pg, "abort", None)
-            if abort is not None:
-                abort()
+            if isinstance(self._pg, Abortable):
+                self._pg.abort()
             return DoneWork(tensor)
         if not self.is_participating():
             tensor.zero_()  # healing or a spare: take part with zeros so the peers' collective completes
@@ -346,11 +342,11 @@ class Manager:
         self._await(step, step.quorum, "the quorum and heal")
         self.watchdog.end("quorum")
         if step.healing:
-            self._apply_heal(step)
+            self._healer.apply(step)
         self._healer.publish(step, self._step)
         for work in step.work:
             work.wait()
-        pg_error = self._pg.errored() if hasattr(self._pg, "errored") else None
+        pg_error = self._pg.errored() if isinstance(self._pg, ReportsErrors) else None
         if pg_error is not None:
             self._record(step, pg_error)
         # Every rank of the group has the same quorum, so the same ``enough``: the group votes on errors
