@@ -76,10 +76,9 @@ class _InnerStepHooks:
         return False
 
     def _step_pre_hook(self, _optim: optim.Optimizer, _args: Any, _kwargs: Any) -> None:
-        # torchft's Manager holds its state dict lock while the optimizer writes
-        # the parameters. torchft_lite's has no such lock: it serves a heal
-        # from the step's first collective to should_commit, which holds no
-        # inner step unless DiLoCo's fragment_sync_delay > 0 (see DiLoCo).
+        # The optimizer is about to write the parameters: a heal this step has
+        # served them (from its first collective on) must be received first
+        # (DiLoCo's fragment_sync_delay > 0 runs inner steps in that window).
         _call_if_present(self._manager, "disallow_state_dict_read")
 
     def _step_post_hook(self, _optim: optim.Optimizer, _args: Any, _kwargs: Any) -> None:
