@@ -55,7 +55,8 @@ class Healer:
 
     def __init__(self, transport: Any, peer_metadata: PeerMetadata, own_state: Callable[[], dict[str, int]],
                  load_own_state: Callable[[dict[str, int]], None], *, in_place: bool, timeout: float,
-                 log: Log, record: Callable[[Step, BaseException], None], watchdog: Any) -> None:
+                 log: Log, record: Callable[[Step, BaseException], None], watchdog: Any,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """``record(step, error)`` keeps an error of applying or publishing for the step (it won't commit);
         a heal is ``watchdog``'s "heal" section, from the receive to the end of the apply."""
         self.transport = transport
@@ -67,7 +68,7 @@ class Healer:
         self._peer_metadata = peer_metadata
         self._own_state, self._load_own_state = own_state, load_own_state
         self._timeout = timeout
-        self._log, self._record, self._watchdog = log, record, watchdog
+        self._log, self._record, self._watchdog, self._clock = log, record, watchdog, clock
 
     def register(self, key: str, load_state_dict: Callable[[Any], None], state_dict: Callable[[], Any]) -> None:
         if key in self.state_fns:
@@ -118,7 +119,7 @@ class Healer:
         striped = getattr(self.transport, "recv_checkpoint_striped", None)  # torchft's transports have none
         if striped is None:
             answered = answered[:1]
-        started = time.monotonic()
+        started = self._clock()
         if len(answered) > 1:
             state = await asyncio.to_thread(striped, sources=[(rank, metadata) for rank, _, metadata in answered],
                                             step=max_step, timeout=timeout)
@@ -129,7 +130,7 @@ class Healer:
         got = state.get("torchft", {}).get("step") if isinstance(state, dict) else None
         if got != max_step:
             raise CheckpointError(f"healing expected a checkpoint of step {max_step}, got step {got}")
-        step.received = HealResult(state, time.monotonic() - started, tensor_bytes(state),
+        step.received = HealResult(state, self._clock() - started, tensor_bytes(state),
                                    [rank for rank, _, _ in answered])
 
     async def _metadata_of(self, sources: Sequence[tuple[int, str]], group_rank: int) -> list[tuple[int, str, str]]:

@@ -9,6 +9,7 @@ store, and an ``HTTPTransport`` for heals unless the user passed a transport.
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
@@ -38,6 +39,8 @@ class ManagerParts:
     """Heals land in the live tensors (only the default transport does that)."""
     keep_alive: Any = None
     """Whatever must live as long as the Manager (the TCPStore client)."""
+    clock: Callable[[], float] = time.monotonic
+    """Seconds, for the durations the Manager reports (tests move a fake one)."""
 
 
 class ManagerWiring(Protocol):

@@ -27,12 +27,12 @@ class QuorumRounds:
 
     def __init__(self, channel: GroupChannel, pg: Any, healer: Healer, *, group_rank: int,
                  replica_id: str, init_sync: bool, use_async_quorum: bool, spares_above: int | None,
-                 log: Callable[..., None]) -> None:
+                 log: Callable[..., None], clock: Callable[[], float] = time.monotonic) -> None:
         self.quorum_id = -1
         self._channel, self._pg, self._healer = channel, pg, healer
         self._group_rank, self._replica_id = group_rank, replica_id
         self._init_sync, self._use_async_quorum, self._spares_above = init_sync, use_async_quorum, spares_above
-        self._log = log
+        self._log, self._clock = log, clock
 
     async def run(self, step: Step, allow_heal: bool, shrink_only: bool, timeout: float, commit_failures: int) -> None:
         """The quorum, then the heal; ``step.ready`` is always resolved (with the error, if the quorum failed)."""
@@ -87,9 +87,9 @@ class QuorumRounds:
         # Set first: a store prefix is never rendezvoused on twice, even if this
         # configure fails (the failed commit then brings a new quorum id).
         self.quorum_id = response.quorum_id
-        started = time.monotonic()
+        started = self._clock()
         await asyncio.to_thread(self._pg.configure, store, self._replica_id, response.replica_rank,
                                 response.replica_world_size)
         self._log(logging.INFO, "quorum %d: reconfigured as replica %d of %d (%d up to date, max step %d) in %.2fs",
                   response.quorum_id, response.replica_rank, response.replica_world_size,
-                  response.max_world_size, response.max_step, time.monotonic() - started)
+                  response.max_world_size, response.max_step, self._clock() - started)

@@ -143,12 +143,12 @@ class Manager:
                                  label=f"[{self._replica_id}/{s.group_rank}]")
         self._healer = Healer(parts.transport, self._channel.peer_metadata, self.state_dict, self.load_state_dict,
                               in_place=parts.heal_in_place, timeout=s.timeout, log=self._log, record=self._record,
-                              watchdog=self.watchdog)
+                              watchdog=self.watchdog, clock=parts.clock)
         if load_state_dict is not None and state_dict is not None:
             self.register_state_dict_fn("default", load_state_dict, state_dict)
         self._rounds = QuorumRounds(
             self._channel, pg, self._healer, group_rank=s.group_rank, replica_id=self._replica_id,
-            init_sync=init_sync, use_async_quorum=use_async_quorum, log=self._log,
+            init_sync=init_sync, use_async_quorum=use_async_quorum, log=self._log, clock=parts.clock,
             spares_above=s.min_replica_size if world_size_mode is WorldSizeMode.FIXED_WITH_SPARES else None,
         )
         self._members = MemberWatch(self._replica_id, lambda: self._current, pg, self._record, self._log,

@@ -183,8 +183,10 @@ _LIGHTHOUSES = itertools.count()
 class InMemoryLighthouse:
     """Forms quorums for the Managers of this process; see the module docstring."""
 
-    def __init__(self, min_replicas: int = 1) -> None:
+    def __init__(self, min_replicas: int = 1, clock: Callable[[], float] | None = None) -> None:
+        """``clock``: seconds for the durations Managers report (default ``time.monotonic``)."""
         self.min_replicas = min_replicas
+        self.clock = clock
         self.shelf: dict = {}
         self.published = threading.Condition()
         self._channels: dict[str, _Channel] = {}  # live replicas
@@ -311,4 +313,7 @@ class InMemoryWiring:
         control.run(lighthouse._join(channel), 10.0, f"{replica_id} to join the in-memory lighthouse")
         if transport is None:
             transport = InMemoryTransport(lighthouse.shelf, replica_id, lighthouse.published)
-        return ManagerParts(channel=channel, replica_id=replica_id, transport=transport, heal_in_place=False)
+        parts = ManagerParts(channel=channel, replica_id=replica_id, transport=transport, heal_in_place=False)
+        if lighthouse.clock is not None:
+            parts.clock = lighthouse.clock
+        return parts

@@ -7,6 +7,7 @@ torn heal.
 
 from __future__ import annotations
 
+import re
 import threading
 from datetime import timedelta
 from typing import Any
@@ -224,3 +225,16 @@ def test_should_commit_again_after_a_step_that_served_a_heal_does_not_serve_it_a
         thread.join(60)
     assert list(results.values()) == [[True, True], [True, True]]
     assert a.manager._healer.transport.sends == [([1], 0)] and b.loads == 1
+
+
+def test_durations_the_manager_reports_come_from_the_injected_clock(replicas, caplog):
+    ticks = iter(range(0, 10_000, 5))  # every reading is 5 s after the last
+    lighthouse = InMemoryLighthouse(min_replicas=2, clock=lambda: float(next(ticks)))
+    a, b = replicas(lighthouse, "a", 1.0), replicas(lighthouse, "b", 2.0)
+    with caplog.at_level("INFO", logger="torchft_lite"):
+        train({"a": a, "b": b}, 1)
+    # Both managers read the one fake clock, so a duration is some multiple of 5 s (real ones are ~0.00 s).
+    for what in ("healed:", "reconfigured"):
+        seconds = [float(m) for r in caplog.records if what in r.getMessage()
+                   for m in re.findall(r" in (\d+\.\d\d)s", r.getMessage())]
+        assert seconds and all(s > 0 and s % 5 == 0 for s in seconds), (what, seconds)
