@@ -124,11 +124,12 @@ class InMemoryProcessGroup:
             if world.aborted is not None:
                 fut.set_exception(CollectiveError(f"aborted: {world.aborted}"))
                 return _Work(fut)
-            entries = world.ops.setdefault(next(self._ops), {})
+            number = next(self._ops)
+            entries = world.ops.setdefault(number, {})
             entries[self._rank] = (tensors, fut, op)
             if len(entries) < world.size:
                 return _Work(fut)
-            done = list(entries.values())
+            done = list(world.ops.pop(number).values())  # complete: hold no tensors past it
         _reduce(done)
         return _Work(fut)
 
