@@ -41,7 +41,11 @@ __all__ = ["InMemoryLighthouse", "InMemoryProcessGroup", "InMemoryTransport", "I
 
 
 class InMemoryTransport(CheckpointTransport):
-    """Checkpoints pass by reference through a dict shared by the transports of one lighthouse."""
+    """Checkpoints pass by reference through a dict shared by the transports of one lighthouse.
+
+    As ``HTTPTransport`` does, a source that stops serving first waits (at
+    most the send's timeout) for the receivers it was told of.
+    """
 
     def __init__(self, shelf: dict, name: str, condition: threading.Condition) -> None:
         self.shelf, self.name, self._published = shelf, name, condition
@@ -55,12 +59,15 @@ class InMemoryTransport(CheckpointTransport):
     def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta) -> None:
         with self._published:
             self.sends.append((list(dst_ranks), step))
-            self.shelf[(self.name, step)] = state_dict
+            # state, receivers still expected, how long to wait for them
+            self.shelf[(self.name, step)] = [state_dict, len(dst_ranks), timeout.total_seconds()]
             self._published.notify_all()
 
     def disallow_checkpoint(self) -> None:
         with self._published:
             for key in [key for key in self.shelf if key[0] == self.name]:
+                entry = self.shelf[key]
+                self._published.wait_for(lambda: entry[1] <= 0, entry[2])
                 del self.shelf[key]
 
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:
@@ -68,10 +75,15 @@ class InMemoryTransport(CheckpointTransport):
         with self._published:
             if not self._published.wait_for(lambda: (metadata, step) in self.shelf, timeout.total_seconds()):
                 raise CheckpointTimeout(f"{metadata} did not publish step {step} within {timeout.total_seconds()}s")
-            return self.shelf[(metadata, step)]
+            entry = self.shelf[(metadata, step)]
+            entry[1] -= 1
+            self._published.notify_all()
+            return entry[0]
 
     def shutdown(self, wait: bool = True) -> None:
-        self.disallow_checkpoint()
+        with self._published:
+            for key in [key for key in self.shelf if key[0] == self.name]:
+                del self.shelf[key]
 
 
 @dataclass

@@ -28,7 +28,8 @@ class Replica:
         self.pg = InMemoryProcessGroup()
         self.manager: Manager = lighthouse.manager(
             name, self.pg, load_state_dict=self.load, state_dict=lambda: {"w": self.weights},
-            min_replica_size=kwargs.pop("min_replica_size", 1), timeout=timedelta(seconds=10), **kwargs,
+            min_replica_size=kwargs.pop("min_replica_size", 1),
+            timeout=timedelta(seconds=kwargs.pop("timeout_s", 10.0)), **kwargs,
         )
         self.loads = 0
 
@@ -131,7 +132,8 @@ def test_a_killed_replica_leaves_the_survivor_training_alone(replicas):
 
 def test_a_heal_that_fails_leaves_the_replica_behind_and_heals_at_the_next_quorum(replicas):
     lighthouse = InMemoryLighthouse(min_replicas=2)
-    a, b = replicas(lighthouse, "a", 1.0), replicas(lighthouse, "b", 2.0)
+    # a waits for its receiver up to its timeout before it moves on, and b's first receive never comes
+    a, b = replicas(lighthouse, "a", 1.0, timeout_s=2.0), replicas(lighthouse, "b", 2.0, timeout_s=2.0)
     transport = b.manager._healer.transport
     real = transport.recv_checkpoint
     calls = []
@@ -153,7 +155,7 @@ def test_a_heal_that_fails_leaves_the_replica_behind_and_heals_at_the_next_quoru
 def test_a_torn_replica_that_a_quorum_makes_up_to_date_fails_stop(replicas):
     """Its source left after a heal failed part-way: nobody can repair its state, so it must not train on."""
     lighthouse = InMemoryLighthouse(min_replicas=2)
-    a, b = replicas(lighthouse, "a", 1.0), replicas(lighthouse, "b", 2.0)
+    a, b = replicas(lighthouse, "a", 1.0, timeout_s=2.0), replicas(lighthouse, "b", 2.0, timeout_s=2.0)
 
     def tear(**kwargs):
         b.manager._healer.torn = True  # as an in-place receive that wrote part of a tensor
