@@ -43,7 +43,6 @@ class Step:
     error: BaseException | None = None
     """The first error: the step will not commit."""
     participation: Participation = Participation()
-    quorum_id: int | None = None
     members: frozenset[str] = frozenset()
     """Replica ids of this step's quorum (empty until it is known)."""
     gone: dict[str, str] = field(default_factory=dict)

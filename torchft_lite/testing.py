@@ -36,6 +36,7 @@ from torchft_lite._manager_wiring import ManagerParts
 from torchft_lite._quorum_compute import QuorumMember, compute_quorum_result, response_of
 from torchft_lite.checkpointing.transport import CheckpointTransport
 from torchft_lite.errors import CheckpointTimeout, CollectiveError, ConfigError, QuorumTimeout
+from torchft_lite.work import ManagedWork
 
 __all__ = ["InMemoryLighthouse", "InMemoryProcessGroup", "InMemoryTransport", "InMemoryWiring"]
 
@@ -131,19 +132,19 @@ class InMemoryProcessGroup:
         if self.fail_next:
             self.fail_next = False
             fut.set_exception(CollectiveError("injected allreduce failure"))
-            return _Work(fut)
+            return ManagedWork(fut)
         with self._lock:
             if world.aborted is not None:
                 fut.set_exception(CollectiveError(f"aborted: {world.aborted}"))
-                return _Work(fut)
+                return ManagedWork(fut)
             number = next(self._ops)
             entries = world.ops.setdefault(number, {})
             entries[self._rank] = (tensors, fut, op)
             if len(entries) < world.size:
-                return _Work(fut)
+                return ManagedWork(fut)
             done = list(world.ops.pop(number).values())  # complete: hold no tensors past it
         _reduce(done)
-        return _Work(fut)
+        return ManagedWork(fut)
 
     def abort(self) -> None:
         self.aborts += 1
@@ -176,18 +177,6 @@ def _reduce(entries: list[Any]) -> None:
             tensors[i].copy_(result)
     for tensors, fut, _ in entries:
         fut.set_result(tensors)
-
-
-class _Work:
-    def __init__(self, fut: torch.futures.Future) -> None:
-        self._fut = fut
-
-    def get_future(self) -> torch.futures.Future:
-        return self._fut
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        self._fut.wait()
-        return True
 
 
 _LIGHTHOUSES = itertools.count()
