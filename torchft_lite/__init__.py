@@ -17,6 +17,7 @@ from typing import Any
 __all__ = [
     "DistributedDataParallel",
     "DistributedSampler",
+    "DurableCheckpointer",
     "Manager",
     "Optimizer",
     "OptimizerWrapper",
@@ -31,6 +32,7 @@ __all__ = [
 _LOCATIONS = {
     "DistributedDataParallel": "torchft_lite.ddp",
     "DistributedSampler": "torchft_lite.data",
+    "DurableCheckpointer": "torchft_lite.durable",
     "Manager": "torchft_lite.manager",
     "Optimizer": "torchft_lite.optim",
     "OptimizerWrapper": "torchft_lite.optim",

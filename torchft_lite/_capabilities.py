@@ -11,7 +11,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["Abortable", "ReportsErrors", "ServesStatistics", "WarmsUp"]
+__all__ = ["Abortable", "Advertises", "ReportsErrors", "ServesStatistics", "StepListener", "WarmsUp"]
 
 
 @runtime_checkable
@@ -40,3 +40,33 @@ class ServesStatistics(Protocol):
     """A checkpoint transport that counts what it served (``statistics().bytes_served``)."""
 
     def statistics(self) -> Any: ...
+
+
+@runtime_checkable
+class Advertises(Protocol):
+    """A group channel that can add a key to what the group advertises in ``QuorumMember.data``."""
+
+    def advertise(self, key: str, value: Any) -> None: ...
+
+
+class StepListener(Protocol):
+    """Told by the Manager where a step stands (``Manager.add_step_listener``); every call on the training thread.
+
+    ``DurableCheckpointer`` is one. A listener's exception is logged and does not stop the step.
+    """
+
+    def step_starting(self, step: int) -> None:
+        """``start_quorum``: the state is that of committed step ``step`` (the optimizer has stepped)."""
+
+    def state_changing(self) -> None:
+        """``should_commit``, before a heal is applied or the optimizer may step: stop reading the state."""
+
+    def step_committed(self, step: int, replica_rank: int | None) -> None:
+        """The group committed; the Manager is at ``step`` now (the optimizer steps next).
+
+        ``replica_rank``: this group's rank among the step's participants (0 is the first
+        of them in the quorum's order, the same answer in every group), None if it sat out.
+        """
+
+    def leaving(self) -> None:
+        """The Manager leaves on a preemption signal, at a safe point between steps, before it shuts down."""

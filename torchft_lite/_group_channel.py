@@ -123,6 +123,10 @@ class ServerChannel(ClientChannel):
     async def quorum(self, request: pb.ManagerQuorumRequest, timeout: float) -> pb.ManagerQuorumResponse:
         return await self.server.local_quorum(request, timeout)
 
+    def advertise(self, key: str, value: Any) -> None:
+        """Add ``key`` to the group's ``QuorumMember.data`` (see ``ManagerServer.advertise``)."""
+        self.server.advertise(key, value)
+
     async def follow_events(self, listener: EventListener) -> None:
         self.server.add_event_listener(listener)
 

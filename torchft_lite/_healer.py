@@ -165,14 +165,7 @@ class Healer:
             return False  # the receive failed; its error is recorded
         step.pre_heal_state = self._own_state()
         try:
-            user = result.state["user"]
-            missing = set(self.load_fns) - set(user)
-            if missing:
-                raise CheckpointError(f"received checkpoint lacks registered state {sorted(missing)}")
-            self.torn = True  # until every piece is loaded
-            for key, load in self.load_fns.items():
-                load(user[key])
-            self._load_own_state(result.state["torchft"])
+            self.load_state_dict(result.state)
         except Exception as exc:
             self._record(step, exc)
             return False
@@ -182,6 +175,21 @@ class Healer:
                   result.seconds, result.tensor_bytes / 1e6 / result.seconds if result.seconds > 0 else 0.0,
                   ", ".join(map(str, result.sources)))
         return True
+
+    def load_state_dict(self, state: Any) -> None:
+        """Load a whole state (what :meth:`state_dict` returns): every registered piece, then the Manager's.
+
+        :attr:`torn` stays set if a piece fails to load.
+        """
+        user = state["user"]
+        missing = set(self.load_fns) - set(user)
+        if missing:
+            raise CheckpointError(f"the checkpoint lacks registered state {sorted(missing)}")
+        self.torn = True  # until every piece is loaded
+        for key, load in self.load_fns.items():
+            load(user[key])
+        self._load_own_state(state["torchft"])
+        self.torn = False
 
     def undo(self, step: Step) -> None:
         """The group's step failed: go back to the step before the heal (the loaded weights stay)."""

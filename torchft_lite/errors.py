@@ -10,6 +10,7 @@
     │   ├── CollectiveTimeout (also TimeoutError)
     │   └── ProcessGroupClosed (also OSError)  used after shutdown(), before the next configure()
     ├── CheckpointError (also RuntimeError)  a live checkpoint could not be served or loaded
+    │   ├── DurableCheckpointError            a checkpoint on disk could not be written, read or applied
     │   └── CheckpointTransferError          the transfer itself failed (network, checksum, step)
     │       ├── CheckpointTimeout (also TimeoutError)
     │       │   └── CheckpointURLTimeout     (also CheckpointURLError) an HTTP receive timed out
@@ -43,6 +44,7 @@ __all__ = [
     "ProcessGroupClosed",
     "CheckpointError",
     "CheckpointTransferError",
+    "DurableCheckpointError",
     "CheckpointTimeout",
     "CheckpointURLError",
     "CheckpointURLTimeout",
@@ -86,6 +88,10 @@ class ProcessGroupClosed(CollectiveError, OSError):
 
 class CheckpointError(TorchFTError, RuntimeError):
     """A live checkpoint could not be served, encoded or decoded."""
+
+
+class DurableCheckpointError(CheckpointError):
+    """A durable checkpoint (on disk) could not be written, was torn or corrupt, or does not fit the model."""
 
 
 class CheckpointTransferError(CheckpointError):

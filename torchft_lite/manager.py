@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence, TypeVar
 import torch
 from torch.distributed import ReduceOp
 
-from torchft_lite._capabilities import Abortable, ReportsErrors, WarmsUp
+from torchft_lite._capabilities import Abortable, Advertises, ReportsErrors, StepListener, WarmsUp
 from torchft_lite._control_plane import control_plane
 from torchft_lite._healer import Healer
 from torchft_lite._manager_settings import ManagerSettings
@@ -130,6 +130,7 @@ class Manager:
         self._closed = False
         self._current = Step(number=0)  # the step under way, or the last one
         self._on_preemption = on_preemption
+        self._listeners: list[StepListener] = []
 
         self._control = control_plane()
         parts = (wiring or DefaultWiring()).build(s, checkpoint_transport, lambda: self._healer.in_place_targets(),
@@ -181,6 +182,50 @@ class Manager:
         """What a heal carries (torchft's name, which its tests and tools read): user state and ours."""
         return self._healer.state_dict()
 
+    def _load_manager_state_dict(self, state: dict[str, Any]) -> None:
+        """Load what :meth:`_manager_state_dict` returned (a durable checkpoint): every registered piece, then ours."""
+        self._healer.load_state_dict(state)
+
+    # ------------------------------------------------------------ listeners (ours)
+
+    def add_step_listener(self, listener: StepListener) -> None:
+        """Tell ``listener`` where each step stands (see ``torchft_lite._capabilities.StepListener``)."""
+        self._listeners.append(listener)
+
+    def remove_step_listener(self, listener: StepListener) -> None:
+        if listener in self._listeners:
+            self._listeners.remove(listener)
+
+    def _notify(self, event: str, *args: Any) -> None:
+        for listener in list(self._listeners):
+            try:
+                getattr(listener, event)(*args)
+            except Exception as exc:  # a listener (a durable save) must not fail the training step
+                self._log(logging.ERROR, "step listener %s.%s failed: %s: %s", type(listener).__name__, event,
+                          type(exc).__name__, exc, exc_info=(type(exc), exc, exc.__traceback__))
+
+    def _advertise(self, key: str, value: Any) -> bool:
+        """Add ``key`` to what this group advertises to the lighthouse; False where this rank can't (not rank 0)."""
+        if isinstance(self._channel, Advertises):
+            self._channel.advertise(key, value)
+            return True
+        return False
+
+    @property
+    def group_rank(self) -> int:
+        """This process's rank inside its replica group."""
+        return self._group_rank
+
+    @property
+    def group_world_size(self) -> int:
+        """The number of ranks in a replica group."""
+        return self._settings.group_world_size
+
+    @property
+    def group_name(self) -> str:
+        """The group's stable name: the ``replica_id`` it was given (the incarnation suffix stripped)."""
+        return self._settings.replica_id or self._replica_id.split(":")[0]
+
     # ------------------------------------------------------------ quorum
 
     def start_quorum(self, allow_heal: bool = True, shrink_only: bool = False, timeout: timedelta | None = None) -> None:
@@ -191,6 +236,7 @@ class Manager:
             self._await(previous, previous.quorum, "the previous quorum")
         if previous.published:  # should_commit was skipped: stop serving before the state changes
             self._healer.stop_serving(previous)
+        self._notify("step_starting", self._step)
         step = self._current = Step(number=self._step, training_thread=threading.get_ident(), open=True)
         self.watchdog.begin("step", f"step {self._step} (start_quorum to the end of should_commit)")
         self.watchdog.begin("quorum", f"the quorum for step {self._step}")
@@ -313,6 +359,7 @@ class Manager:
         if self._preemption.pending is not None and not self._closed:
             self._log(logging.WARNING, "leaving on %s at step %d (%d batches committed)", self._preemption.pending,
                       self._step, self._batches_committed)
+            self._notify("leaving")
             self._preemption.leave(self._on_preemption, self.watchdog, self.shutdown)
 
     # ------------------------------------------------------------ errors
@@ -341,6 +388,7 @@ class Manager:
             raise RuntimeError("should_commit() called before start_quorum()")
         self._await(step, step.quorum, "the quorum and heal")
         self.watchdog.end("quorum")
+        self._notify("state_changing")
         if step.healing:
             self._healer.apply(step)
         self._healer.publish(step, self._step)
@@ -376,6 +424,7 @@ class Manager:
             self._batches_committed += step.participation.world_size
             self._commit_failures = 0
             step.healing = False
+            self._notify("step_committed", self._step, step.participation.rank)
         else:
             if not group_clean:
                 # A rank of the group failed: undo the heal with the step, so no rank ends up at another
@@ -395,7 +444,10 @@ class Manager:
             # checkpoint, or heal it once a peer is ahead).
             raise ManagerError(f"group rank {self._group_rank}: the state left by a failed heal was not repaired "
                                f"at step {self._step}: {step.error}")
-        self._maybe_leave()
+        if not decision:
+            # A committed step leaves at the next start_quorum instead, once the optimizer has stepped:
+            # the state and the step then agree (what a checkpoint saved on the way out must hold).
+            self._maybe_leave()
         return decision
 
     # ------------------------------------------------------------ accessors

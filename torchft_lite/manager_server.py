@@ -27,6 +27,7 @@ loop and serves with the RPC kit's h2c gRPC server (``lighthouse.rpc``).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -145,6 +146,7 @@ class ManagerServer:
         self._tasks: set[asyncio.Task] = set()
         self._link = LighthouseLink(self._lighthouse, config.replica_id, config.heartbeat_interval)
         self._quorums = 0
+        self._advertised: dict[str, object] = {}
         self._quorum_failures = 0
         self._last_quorum_id: int | None = None
 
@@ -156,6 +158,17 @@ class ManagerServer:
         self._link.start()
         logger.info("[%s] ManagerServer listening on %s for %d rank(s)",
                     self.config.replica_id, self.address(), self.config.world_size)
+
+    def advertise(self, key: str, value: object) -> None:
+        """Add ``key`` to the JSON object this group sends as ``QuorumMember.data`` from the next quorum on
+        (``None`` removes it). Used for ``resumed_from`` (a durable checkpoint's step)."""
+        if value is None:
+            self._advertised.pop(key, None)
+        else:
+            self._advertised[key] = value
+
+    def _advertised_data(self) -> str:
+        return json.dumps(self._advertised, separators=(",", ":"), sort_keys=True) if self._advertised else ""
 
     def address(self) -> str:
         if self._port is None:
@@ -299,7 +312,7 @@ class ManagerServer:
                     step=step,
                     world_size=self.config.world_size,
                     shrink_only=any(r.shrink_only for r in requests),
-                    data=member_data(self.config.heal_sources),
+                    data=member_data(self.config.heal_sources, self._advertised_data()),
                     commit_failures=max(r.commit_failures for r in requests),
                 )
             except Exception as exc:  # LighthouseError, or anything unexpected: the ranks must hear of it

@@ -274,6 +274,14 @@ class _Channel:
         self.address = f"in-memory://{replica_id}"
         self.listeners: list[Callable[[pb.LeaseEvent], None]] = []
         self.metadata = ""
+        self.advertised: dict[str, Any] = {}
+
+    def advertise(self, key: str, value: Any) -> None:
+        """What the group would send in ``QuorumMember.data`` (kept for tests to read)."""
+        if value is None:
+            self.advertised.pop(key, None)
+        else:
+            self.advertised[key] = value
 
     async def quorum(self, request: pb.ManagerQuorumRequest, timeout: float) -> pb.ManagerQuorumResponse:
         self.metadata = request.checkpoint_metadata

@@ -1,0 +1,157 @@
+"""Resuming from the newest durable checkpoint that reads back intact.
+
+Everything is read and checked before anything is loaded: the state file
+(every block's sum, the manifest's size and digest), the rank-local file, and
+whether the checkpoint fits the live state (tensor names, shapes, dtypes). A
+checkpoint that is torn or corrupt is skipped with a WARNING and the one
+before it is tried; one that does not fit the model is refused with
+``DurableCheckpointError`` (it is the wrong directory or the wrong model, and
+starting from scratch would silently throw the job's progress away).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+from torchft_lite.checkpointing._decode import decode_bytes, targets_of
+from torchft_lite.checkpointing._format import format_path
+from torchft_lite.durable import _rng
+from torchft_lite.durable._files import read_state_file
+from torchft_lite.durable._layout import CheckpointInfo, Layout
+from torchft_lite.errors import CheckpointError, DurableCheckpointError
+
+__all__ = ["Resumer", "check_fits"]
+
+logger = logging.getLogger(__name__)
+
+
+class _DoesNotFit(DurableCheckpointError):
+    """The checkpoint is intact but holds another model's state."""
+
+
+class Resumer:
+    """Finds, checks and loads one checkpoint for one rank."""
+
+    def __init__(self, layout: Layout, manager: Any, *, rank: int, world: int, group: str,
+                 local_loaders: dict[str, Callable[[Any], None]]) -> None:
+        self._layout, self._manager = layout, manager
+        self._rank, self._world, self._group = rank, world, group
+        self._local_loaders = local_loaders
+
+    def resume(self) -> int | None:
+        found = self._layout.complete()
+        if not found:
+            on_disk = self._layout.steps_on_disk()
+            if on_disk:
+                logger.warning("no complete durable checkpoint in %s (steps %s have no manifest): starting fresh",
+                               self._layout.root, on_disk)
+            else:
+                logger.info("no durable checkpoint in %s: starting fresh", self._layout.root)
+            return None
+        for info in found:
+            started = time.monotonic()
+            try:
+                state, local = self._read(info)
+                check_fits(self._manager._manager_state_dict(), state, info)
+            except _DoesNotFit:
+                raise
+            except DurableCheckpointError as exc:
+                logger.warning("skipping the durable checkpoint of step %d: %s", info.step, exc)
+                continue
+            self._apply(info, state, local)
+            logger.info("resumed from the durable checkpoint of step %d (%s, written by %s) in %.2fs", info.step,
+                        info.path, info.writer, time.monotonic() - started)
+            return info.step
+        logger.error("every durable checkpoint in %s is torn or corrupt (steps %s): starting fresh",
+                     self._layout.root, [info.step for info in found])
+        return None
+
+    def _read(self, info: CheckpointInfo) -> tuple[Any, Any]:
+        if info.sharded and info.group_world_size != self._world:
+            raise _DoesNotFit(f"the checkpoint of step {info.step} was written by groups of {info.group_world_size} "
+                              f"ranks (sharded); this group has {self._world}")
+        name = Layout.state_file_name(self._rank if info.sharded else 0)
+        if name not in info.files:
+            raise DurableCheckpointError(f"its manifest lists no {name}")
+        step, state = read_state_file(info.path / name, info.files[name])
+        if step != info.step:
+            raise DurableCheckpointError(f"{name} holds step {step}, the manifest says {info.step}")
+        if not (isinstance(state, dict) and isinstance(state.get("user"), dict) and "torchft" in state):
+            raise DurableCheckpointError(f"{name} does not hold a Manager state (user and torchft parts)")
+        return state, self._read_local(info)
+
+    def _read_local(self, info: CheckpointInfo) -> Any:
+        """This group's rank-local state, else the writing group's for this rank, else None (with a WARNING)."""
+        candidates = [self._group] + ([info.writer_group] if info.writer_group != self._group else [])
+        for group in candidates:
+            path = self._layout.local_file(info.step, group, self._rank)
+            if not path.exists():
+                continue
+            try:
+                blob = path.read_bytes()
+                step, local = decode_bytes(blob)
+            except (OSError, CheckpointError) as exc:
+                logger.warning("rank-local state %s is unreadable: %s", path, exc)
+                continue
+            if step != info.step or not isinstance(local, dict):
+                logger.warning("rank-local state %s is not step %d's", path, info.step)
+                continue
+            if group != self._group:
+                logger.warning("no rank-local state of group %s at step %d: using group %s's (RNG states and data "
+                               "position as that group had them)", self._group, info.step, group)
+            return local
+        logger.warning("no rank-local state for rank %d at step %d: RNG states and data position are not restored",
+                       self._rank, info.step)
+        return None
+
+    def _apply(self, info: CheckpointInfo, state: Any, local: Any) -> None:
+        try:
+            self._manager._load_manager_state_dict(state)
+        except Exception as exc:
+            raise DurableCheckpointError(f"loading the checkpoint of step {info.step} failed part-way (the state "
+                                         f"may be torn; restart the process): {exc}") from exc
+        if local is None:
+            return
+        restored = _rng.restore(local.get("rng", {}))
+        pieces = local.get("local", {})
+        for key, load in self._local_loaders.items():
+            if key in pieces:
+                load(pieces[key])
+            else:
+                logger.warning("the checkpoint of step %d holds no local state %r", info.step, key)
+        logger.debug("restored RNG states %s and local state %s", restored, sorted(pieces))
+
+
+def check_fits(live: Any, loaded: Any, info: CheckpointInfo) -> None:
+    """Raise unless every registered piece that holds tensors now gets the same tensors from ``loaded``.
+
+    A piece without tensors yet (an optimizer before its first step) is not
+    compared; a missing piece or tensor, another shape or dtype, or an extra
+    tensor beside the live ones, is refused.
+    """
+    live_user, loaded_user = live["user"], loaded["user"]
+    missing = sorted(set(live_user) - set(loaded_user))
+    if missing:
+        raise _DoesNotFit(f"the checkpoint of step {info.step} lacks registered state {missing}")
+    for key, piece in live_user.items():
+        have = targets_of(piece)
+        if not have:
+            continue
+        got = targets_of(loaded_user[key])
+        for path, tensor in have.items():
+            other = got.get(path)
+            where = f"{key}{format_path(path)}"
+            if other is None:
+                raise _DoesNotFit(f"the checkpoint of step {info.step} has no tensor {where} (another model?)")
+            if tuple(other.shape) != tuple(tensor.shape) or other.dtype != tensor.dtype:
+                raise _DoesNotFit(f"the checkpoint of step {info.step} holds {where} as {tuple(other.shape)} "
+                                  f"{other.dtype}, the model has {tuple(tensor.shape)} {tensor.dtype} (another model?)")
+        # A tensor the live state lacks beside ones it has (a model's extra layer) is another model; one under
+        # a container with no live tensors (an optimizer's moments before its first step) is expected.
+        parents = {path[:-1] for path in have}
+        extra = sorted(format_path(path) for path in set(got) - set(have) if path[:-1] in parents)
+        if extra:
+            raise _DoesNotFit(f"the checkpoint of step {info.step} holds tensors the model lacks in {key!r}: "
+                              f"{', '.join(extra[:5])} (another model?)")
