@@ -13,6 +13,12 @@ and it is healed from the survivor and rejoins. Each committed step prints the
 step, loss and participants; ``--report FILE`` also appends one JSON line per
 committed step with a checksum of the parameters (the demo and tests compare
 them across groups).
+
+With ``--checkpoint-dir DIR`` (torchft_lite only) one group saves a durable
+checkpoint every ``--checkpoint-every`` committed steps; start every group again
+after the whole job died and they resume from the newest complete one. The
+batches are drawn by position (saved with the checkpoint), so a resumed job
+continues exactly as one that was never interrupted.
 """
 
 from __future__ import annotations
@@ -23,14 +29,14 @@ import hashlib
 import importlib
 import json
 import logging
+import math
 import os
 import time
 from datetime import timedelta
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
-
+from torch.utils.data import TensorDataset
 
 
 def parse_args() -> argparse.Namespace:
@@ -47,8 +53,47 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--pg", choices=["gloo", "baby-gloo"], default="gloo",
                         help="the replica process group: gloo in this process, or gloo in a child process whose "
                              "abort is a kill (ProcessGroupBabyGloo) (default gloo)")
+    parser.add_argument("--checkpoint-dir", help="save durable checkpoints here and resume from the newest at start "
+                                                   "(torchft_lite only; default: off)")
+    parser.add_argument("--checkpoint-every", type=int, default=100,
+                        help="save every this many committed steps (default 100)")
+    parser.add_argument("--keep-last", type=int, default=3, help="complete checkpoints to keep (default 3)")
     parser.add_argument("--log-level", default="INFO")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.checkpoint_dir and args.impl != "torchft_lite":
+        parser.error("--checkpoint-dir needs --impl torchft_lite (torchft has no durable checkpoints)")
+    if args.checkpoint_every < 1 or args.keep_last < 1:
+        parser.error("--checkpoint-every and --keep-last must be >= 1")
+    return args
+
+
+class Batches:
+    """The batch at each position of this rank's endless pass over its shard, epoch after epoch.
+
+    Drawn by position rather than from a DataLoader iterator, so the position
+    (a number) is all a durable checkpoint needs to continue the data order
+    exactly.
+    """
+
+    def __init__(self, dataset: TensorDataset, sampler, batch_size: int) -> None:
+        self.dataset, self.sampler, self.batch_size = dataset, sampler, batch_size
+        self.per_epoch = math.ceil(len(sampler) / batch_size)
+        self.position = 0
+        self._epoch, self._order = -1, []
+
+    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
+        epoch, index = divmod(self.position, self.per_epoch)
+        if epoch != self._epoch:
+            self.sampler.set_epoch(epoch)
+            self._epoch, self._order = epoch, list(self.sampler)
+        self.position += 1
+        return self.dataset[self._order[index * self.batch_size:(index + 1) * self.batch_size]]
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = int(state["position"])
 
 
 def params_checksum(model: nn.Module) -> str:
@@ -86,47 +131,53 @@ def main() -> None:
     dataset = TensorDataset(inputs, (inputs[:, :8] * 2).sin())
     sampler = torchft.DistributedSampler(dataset, replica_rank=replica_group, num_replica_groups=num_groups,
                                          group_rank=rank, num_replicas=world, shuffle=True)
-    loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
+    batches = Batches(dataset, sampler, args.batch_size)
 
     pg_class = torchft.ProcessGroupBabyGloo if args.pg == "baby-gloo" else torchft.ProcessGroupGloo
     pg = pg_class(timeout=timedelta(seconds=args.timeout))
     manager = torchft.Manager(pg=pg, min_replica_size=args.min_replicas, load_state_dict=load_state_dict,
                               state_dict=state_dict, replica_id=f"train_ddp_{replica_group}",
                               timeout=timedelta(seconds=args.timeout))
+    checkpointer = None
+    if args.checkpoint_dir:
+        checkpointer = torchft.DurableCheckpointer(manager, args.checkpoint_dir, every=args.checkpoint_every,
+                                                   keep_last=args.keep_last)
+        checkpointer.register_local("batches", batches.state_dict, batches.load_state_dict)
+        resumed = checkpointer.resume()
+        print(f"[group {replica_group} rank {rank}] "
+              + (f"resumed from step {resumed}" if resumed is not None else "no checkpoint: starting fresh"),
+              flush=True)
     ddp_model = torchft.DistributedDataParallel(manager, model)
     optimizer = torchft.Optimizer(manager, inner_optim)
     criterion = nn.MSELoss()
     report = open(args.report, "a", buffering=1) if args.report else None
     try:
-        epoch = 0
         while manager.current_step() < args.steps:
-            sampler.set_epoch(epoch)
-            for batch, target in loader:
-                optimizer.zero_grad()
-                loss = criterion(ddp_model(batch), target)
-                loss.backward()
-                before = manager.current_step()
-                optimizer.step()
-                # Committed: the step moved on with enough replicas. (A heal also moves the step, and is
-                # kept when the step only lacked replicas: the healing group did not count.)
-                if manager.current_step() > before and manager.num_participants() >= args.min_replicas:
-                    step = manager.current_step()
-                    print(f"[group {replica_group} rank {rank}] step={step} loss={loss.item():.4f} "
-                          f"participants={manager.num_participants()}", flush=True)
-                    if report:
-                        report.write(json.dumps({"group": replica_group, "rank": rank, "step": step,
-                                                 "checksum": params_checksum(model), "loss": loss.item(),
-                                                 "participants": manager.num_participants(),
-                                                 "batches_committed": manager.batches_committed(),
-                                                 "time": time.time(), "pid": os.getpid()}) + "\n")
-                if args.step_sleep:
-                    time.sleep(args.step_sleep)
-                if manager.current_step() >= args.steps:
-                    break
-            epoch += 1
+            batch, target = batches.next()
+            optimizer.zero_grad()
+            loss = criterion(ddp_model(batch), target)
+            loss.backward()
+            before = manager.current_step()
+            optimizer.step()
+            # Committed: the step moved on with enough replicas. (A heal also moves the step, and is
+            # kept when the step only lacked replicas: the healing group did not count.)
+            if manager.current_step() > before and manager.num_participants() >= args.min_replicas:
+                step = manager.current_step()
+                print(f"[group {replica_group} rank {rank}] step={step} loss={loss.item():.4f} "
+                      f"participants={manager.num_participants()}", flush=True)
+                if report:
+                    report.write(json.dumps({"group": replica_group, "rank": rank, "step": step,
+                                             "checksum": params_checksum(model), "loss": loss.item(),
+                                             "participants": manager.num_participants(),
+                                             "batches_committed": manager.batches_committed(),
+                                             "time": time.time(), "pid": os.getpid()}) + "\n")
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
     finally:
         if report:
             report.close()
+        if checkpointer is not None:
+            checkpointer.close()
         manager.shutdown()
 
 
