@@ -1,12 +1,15 @@
-"""The demo behind `make demo`: fault-tolerant DDP surviving a SIGKILL, healed live.
+"""The demo behind `make demo`: fault-tolerant DDP surviving a SIGKILL, healed live, then the whole job lost.
 
 A lighthouse and three replica groups of examples/train_ddp.py, each launched
 with torchrun (2 ranks each), train on CPU. Mid-run one group is
 SIGKILLed; the others keep committing steps without it. The group is then
 restarted: it is healed from a live peer (state dict over HTTP) and trains on
-in lockstep. The summary says what happened and checks that every group holds
-bit-identical parameters at every step they committed. Exit code 0 when all
-checks pass.
+in lockstep. Then every group and the lighthouse are SIGKILLed at once (a
+power cut): restarted, the job resumes from its newest durable checkpoint
+(one group writes one every 10 steps). The summary says what happened and
+checks that every group holds bit-identical parameters at every step they
+committed, and that the steps done again after the resume are bit-identical
+to the first time. Exit code 0 when all checks pass.
 """
 
 from __future__ import annotations
@@ -70,7 +73,9 @@ def main() -> int:
     lighthouse = LighthouseProcess(min_replicas=2, join_timeout=2.0, heartbeat_timeout=2.0,
                                    log_path=workdir / "lighthouse.log").start()
     print(f"lighthouse at {lighthouse.address} (min_replicas=2, heartbeat timeout 2s)")
-    train_args = ["--steps", "1000000", "--step-sleep", "0.05", "--hidden", str(args.hidden), "--report", str(report), "--timeout", "10"]
+    checkpoints = workdir / "checkpoints"
+    train_args = ["--steps", "1000000", "--step-sleep", "0.05", "--hidden", str(args.hidden), "--report", str(report),
+                  "--timeout", "10", "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "10"]
     groups = [ReplicaGroup(g, 3, lighthouse.address, SCRIPT, train_args, world_size=args.ranks,
                            use_torchrun=not args.direct, log_dir=workdir) for g in range(3)]
     ok = False
@@ -98,8 +103,9 @@ def main() -> int:
         print(f"restarted replica group 2 (survivors at step {restart_step})")
         wait_for("group 2 healed and 10 steps in lockstep",
                  lambda: last_step(reports(report), 2) >= restart_step + 10, groups, args.timeout)
+        outage = whole_job_outage(lighthouse, groups, report, checkpoints, args.timeout)
         rows = reports(report)
-        ok = summarize(rows, workdir, stall, step_at_kill)
+        ok = summarize(rows, workdir, stall, step_at_kill, outage)
     finally:
         for group in groups:
             group.stop()
@@ -107,22 +113,57 @@ def main() -> int:
     return 0 if ok else 1
 
 
-def summarize(rows: list[dict], workdir: Path, stall: float, step_at_kill: int) -> bool:
+def whole_job_outage(lighthouse: LighthouseProcess, groups: list[ReplicaGroup], report: Path, checkpoints: Path,
+                     timeout: float) -> dict:
+    """SIGKILL every group and the lighthouse, restart them all, and wait for the resumed job to pass that step."""
+    from torchft_lite.durable._layout import Layout
+
+    layout = Layout(checkpoints)
+    killed_step = last_step(reports(report), 0)
+    before = {r["pid"] for r in reports(report)}
+    for group in groups:
+        group.kill(signal.SIGKILL)
+    lighthouse.kill()
+    complete = layout.complete()
+    newest = complete[0].step if complete else 0
+    print(f"SIGKILLed every replica group and the lighthouse at step ~{killed_step} "
+          f"(newest complete durable checkpoint: step {newest})")
+    killed_at = time.monotonic()
+    lighthouse.start()  # the same port: the groups' TORCHFT_LIGHTHOUSE stays right
+    for group in groups:
+        group.start()
+    print("restarted the lighthouse and all 3 groups")
+
+    def resumed_rows() -> list[dict]:
+        return [r for r in reports(report) if r["pid"] not in before]
+
+    first = wait_for("the resumed job's first committed step", lambda: bool(resumed_rows()), groups, timeout)
+    wait_for(f"the resumed job 10 steps past step {killed_step}",
+             lambda: min(last_step(resumed_rows(), g) for g in range(3)) >= killed_step + 10, groups, timeout)
+    return {"killed_step": killed_step, "resumed_from": newest, "first_commit_seconds": first - killed_at,
+            "first_pids": before}
+
+
+def summarize(rows: list[dict], workdir: Path, stall: float, step_at_kill: int, outage: dict) -> bool:
     # Group rank r of every replica group forms one data-parallel ring (as in
-    # torchft), so parameters are compared per (step, group rank) across groups.
-    by_step: dict[tuple[int, int], set[str]] = defaultdict(set)
-    groups_at: dict[tuple[int, int], set[int]] = defaultdict(set)
+    # torchft), so parameters are compared per (step, group rank) across groups,
+    # within each run of the job (before and after the whole-job outage).
+    by_step: dict[tuple[bool, int, int], set[str]] = defaultdict(set)
+    groups_at: dict[tuple[bool, int, int], set[int]] = defaultdict(set)
     for row in rows:
-        by_step[(row["step"], row["rank"])].add(row["checksum"])
-        groups_at[(row["step"], row["rank"])].add(row["group"])
-    diverged = sorted(key for key, sums in by_step.items() if len(sums) > 1)
+        key = (row["pid"] in outage["first_pids"], row["step"], row["rank"])
+        by_step[key].add(row["checksum"])
+        groups_at[key].add(row["group"])
+    diverged = sorted(key[1:] for key, sums in by_step.items() if len(sums) > 1)
+    redone = [(step, rank) for (first, step, rank) in by_step if not first and (True, step, rank) in by_step]
+    redone_same = sum(by_step[(True, step, rank)] == by_step[(False, step, rank)] for step, rank in redone)
     heals = [HEALED.search(line) for log in workdir.glob("group2.2.*.log")
              for line in log.read_text(errors="replace").splitlines()]
     heals = [m for m in heals if m]
     group2_steps = sorted(r["step"] for r in rows if r["group"] == 2)
     resumed_at = next((s for s in group2_steps if s > step_at_kill + 1), None)
     print("\n================ summary ================")
-    print(f"steps committed (max)          {max(step for step, _ in by_step)}")
+    print(f"steps committed (max)          {max(step for _, step, _ in by_step)}")
     print(f"failures survived              1 (SIGKILL of replica group 2 at step ~{step_at_kill})")
     print(f"survivors' stall after kill    {stall:.1f}s (until a step committed without group 2)")
     if heals:
@@ -130,11 +171,20 @@ def summarize(rows: list[dict], workdir: Path, stall: float, step_at_kill: int) 
         print(f"heal                           {mb} MB in {seconds}s ({rate} MB/s), group 2 rejoined at step {resumed_at}")
     else:
         print("heal                           NOT FOUND in group 2's logs")
+    lost = outage["killed_step"] - outage["resumed_from"]
+    print(f"whole-job outage               every group and the lighthouse SIGKILLed at step ~{outage['killed_step']}; "
+          f"resumed from the durable checkpoint of step {outage['resumed_from']} ({lost} steps redone), first "
+          f"step committed {outage['first_commit_seconds']:.1f}s after the kill")
+    print(f"redone steps identical         {redone_same} of {len(redone)} (step, rank) pairs bit-identical to the "
+          f"first time")
     checked = sum(1 for groups in groups_at.values() if len(groups) > 1)
     print(f"identical parameters           {'yes' if not diverged else 'NO'} "
           f"({checked} (step, rank) pairs held by several groups{'; diverged at ' + str(diverged[:5]) if diverged else ''})")
     print("==========================================")
-    return not diverged and bool(heals)
+    resumed = outage["resumed_from"] > 0
+    if not resumed:
+        print("the job did NOT resume from a durable checkpoint")
+    return not diverged and bool(heals) and resumed
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@
     │   └── ProcessGroupClosed (also OSError)  used after shutdown(), before the next configure()
     ├── CheckpointError (also RuntimeError)  a live checkpoint could not be served or loaded
     │   ├── DurableCheckpointError            a checkpoint on disk could not be written, read or applied
+    │   │   └── CheckpointMismatchError       it is intact but holds another model's state
     │   └── CheckpointTransferError          the transfer itself failed (network, checksum, step)
     │       ├── CheckpointTimeout (also TimeoutError)
     │       │   └── CheckpointURLTimeout     (also CheckpointURLError) an HTTP receive timed out
@@ -45,6 +46,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointTransferError",
     "DurableCheckpointError",
+    "CheckpointMismatchError",
     "CheckpointTimeout",
     "CheckpointURLError",
     "CheckpointURLTimeout",
@@ -92,6 +94,10 @@ class CheckpointError(TorchFTError, RuntimeError):
 
 class DurableCheckpointError(CheckpointError):
     """A durable checkpoint (on disk) could not be written, was torn or corrupt, or does not fit the model."""
+
+
+class CheckpointMismatchError(DurableCheckpointError):
+    """A durable checkpoint is intact but does not fit the model (other tensor names, shapes or dtypes)."""
 
 
 class CheckpointTransferError(CheckpointError):

@@ -4,8 +4,8 @@
 
     DIR/step-000000000100/           a complete checkpoint (it appears whole, by a rename)
         MANIFEST.json                step, writer, files with sizes and digests (written last)
-        state-r0.tft                 the replicated state (every registered state dict fn + the Manager's)
-        state-r1.tft ...             with sharded=True, one per rank of the writing group
+        state-r0.tft, state-r1.tft   each rank's state (every registered state dict fn + the Manager's)
+                                     (state-r0.tft alone with replicated_in_group=True)
     DIR/.staging-000000000100-ID/    the writing group's files while they are written (ID: its replica id)
     DIR/local/step-000000000100/     rank-local state, one small file per (group, rank):
         GROUP-r0.tft                 RNG states and registered local state (data position)
@@ -59,7 +59,8 @@ class CheckpointInfo:
     writer_group: str
     """Its stable group name (for its rank-local files)."""
     group_world_size: int
-    sharded: bool
+    per_rank: bool
+    """One state file per rank of the writing group (else group rank 0's, loaded by every rank)."""
     files: dict[str, FileRecord]
     created: float
     """Wall-clock seconds."""
@@ -81,7 +82,7 @@ def read_manifest(directory: Path) -> CheckpointInfo:
             raise TypeError("step or group_world_size")
         files = {name: FileRecord.from_json(name, entry) for name, entry in raw["files"].items()}
         info = CheckpointInfo(step, directory, str(raw["writer"]), str(raw["writer_group"]), size,
-                              bool(raw["sharded"]), files, float(raw["created"]))
+                              bool(raw["per_rank"]), files, float(raw["created"]))
     except (KeyError, TypeError, AttributeError, ValueError) as exc:
         raise DurableCheckpointError(f"{path} is malformed ({exc})") from exc
     if directory.name != Layout.step_dir_name(step):
@@ -134,10 +135,10 @@ class Layout:
         return found
 
     def write_manifest(self, directory: Path, step: int, writer: str, writer_group: str, group_world_size: int,
-                       sharded: bool, files: list[FileRecord]) -> None:
+                       per_rank: bool, files: list[FileRecord]) -> None:
         manifest: dict[str, Any] = {
             "format": MANIFEST_FORMAT, "step": step, "writer": writer, "writer_group": writer_group,
-            "group_world_size": group_world_size, "sharded": sharded, "created": time.time(),
+            "group_world_size": group_world_size, "per_rank": per_rank, "created": time.time(),
             "files": {record.name: record.to_json() for record in files},
         }
         write_bytes_atomically(directory / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())

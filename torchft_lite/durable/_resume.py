@@ -6,7 +6,9 @@ whether the checkpoint fits the live state (tensor names, shapes, dtypes). A
 checkpoint that is torn or corrupt is skipped with a WARNING and the one
 before it is tried; one that does not fit the model is refused with
 ``DurableCheckpointError`` (it is the wrong directory or the wrong model, and
-starting from scratch would silently throw the job's progress away).
+starting from scratch would silently throw the job's progress away); a
+process that lets it end its training loop exits with ``EXIT_CODE_FATAL``
+(``torchft_lite.exit_codes``).
 """
 
 from __future__ import annotations
@@ -20,15 +22,11 @@ from torchft_lite.checkpointing._format import format_path
 from torchft_lite.durable import _rng
 from torchft_lite.durable._files import read_state_file
 from torchft_lite.durable._layout import CheckpointInfo, Layout
-from torchft_lite.errors import CheckpointError, DurableCheckpointError
+from torchft_lite.errors import CheckpointError, CheckpointMismatchError, DurableCheckpointError
 
 __all__ = ["Resumer", "check_fits"]
 
 logger = logging.getLogger(__name__)
-
-
-class _DoesNotFit(DurableCheckpointError):
-    """The checkpoint is intact but holds another model's state."""
 
 
 class Resumer:
@@ -55,7 +53,7 @@ class Resumer:
             try:
                 state, local = self._read(info)
                 check_fits(self._manager._manager_state_dict(), state, info)
-            except _DoesNotFit:
+            except CheckpointMismatchError:
                 raise
             except DurableCheckpointError as exc:
                 logger.warning("skipping the durable checkpoint of step %d: %s", info.step, exc)
@@ -69,10 +67,10 @@ class Resumer:
         return None
 
     def _read(self, info: CheckpointInfo) -> tuple[Any, Any]:
-        if info.sharded and info.group_world_size != self._world:
-            raise _DoesNotFit(f"the checkpoint of step {info.step} was written by groups of {info.group_world_size} "
-                              f"ranks (sharded); this group has {self._world}")
-        name = Layout.state_file_name(self._rank if info.sharded else 0)
+        if info.per_rank and info.group_world_size != self._world:
+            raise CheckpointMismatchError(f"the checkpoint of step {info.step} was written by groups of "
+                                          f"{info.group_world_size} ranks (one file per rank); this group has {self._world}")
+        name = Layout.state_file_name(self._rank if info.per_rank else 0)
         if name not in info.files:
             raise DurableCheckpointError(f"its manifest lists no {name}")
         step, state = read_state_file(info.path / name, info.files[name])
@@ -134,7 +132,7 @@ def check_fits(live: Any, loaded: Any, info: CheckpointInfo) -> None:
     live_user, loaded_user = live["user"], loaded["user"]
     missing = sorted(set(live_user) - set(loaded_user))
     if missing:
-        raise _DoesNotFit(f"the checkpoint of step {info.step} lacks registered state {missing}")
+        raise CheckpointMismatchError(f"the checkpoint of step {info.step} lacks registered state {missing}")
     for key, piece in live_user.items():
         have = targets_of(piece)
         if not have:
@@ -144,14 +142,16 @@ def check_fits(live: Any, loaded: Any, info: CheckpointInfo) -> None:
             other = got.get(path)
             where = f"{key}{format_path(path)}"
             if other is None:
-                raise _DoesNotFit(f"the checkpoint of step {info.step} has no tensor {where} (another model?)")
+                raise CheckpointMismatchError(f"the checkpoint of step {info.step} has no tensor {where} "
+                                              "(another model?)")
             if tuple(other.shape) != tuple(tensor.shape) or other.dtype != tensor.dtype:
-                raise _DoesNotFit(f"the checkpoint of step {info.step} holds {where} as {tuple(other.shape)} "
-                                  f"{other.dtype}, the model has {tuple(tensor.shape)} {tensor.dtype} (another model?)")
+                raise CheckpointMismatchError(
+                    f"the checkpoint of step {info.step} holds {where} as {tuple(other.shape)} {other.dtype}, "
+                    f"the model has {tuple(tensor.shape)} {tensor.dtype} (another model?)")
         # A tensor the live state lacks beside ones it has (a model's extra layer) is another model; one under
         # a container with no live tensors (an optimizer's moments before its first step) is expected.
         parents = {path[:-1] for path in have}
         extra = sorted(format_path(path) for path in set(got) - set(have) if path[:-1] in parents)
         if extra:
-            raise _DoesNotFit(f"the checkpoint of step {info.step} holds tensors the model lacks in {key!r}: "
-                              f"{', '.join(extra[:5])} (another model?)")
+            raise CheckpointMismatchError(f"the checkpoint of step {info.step} holds tensors the model lacks in "
+                                          f"{key!r}: {', '.join(extra[:5])} (another model?)")

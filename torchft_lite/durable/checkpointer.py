@@ -5,9 +5,11 @@ job going down. Per checkpoint step ``S`` (``S % every == 0``):
 
 * **One writer.** Replica groups hold the same state, so only the group that
   was the first participant of the quorum that committed ``S`` (replica rank 0:
-  every group computes the same answer from the same quorum) writes it. The
-  other groups write only their rank-local state (RNG states, data position: a
-  few KB per rank), which differs between groups.
+  every group computes the same answer from the same quorum) writes it: each
+  of its ranks its own state file (group rank 0 alone with
+  ``replicated_in_group=True``), group rank 0 the manifest. The other groups
+  write only their rank-local state (RNG states, data position: a few KB per
+  rank), which differs between groups.
 * **Off the training thread.** At the commit the rank-local state is taken (it
   is small); at the next ``start_quorum``, after the optimizer stepped, a
   worker thread copies every tensor into host buffers kept from the last save
@@ -20,9 +22,9 @@ job going down. Per checkpoint step ``S`` (``S % every == 0``):
   directory into place (``_layout``). Files are in the heal format (declared,
   checksummed, never pickled); loading checks every byte.
 
-Memory: the writing rank keeps one host copy of the state it saves (its
-tensors' bytes), reused from save to save; ranks that never write allocate
-nothing. A failed save (a full disk) is logged at ERROR, counted in
+Memory: each writing rank keeps one host copy of the state it saves (its
+tensors' bytes), reused from save to save; ranks of groups that never write
+allocate nothing. A failed save (a full disk) is logged at ERROR, counted in
 :meth:`DurableCheckpointer.statistics`, and training goes on.
 """
 
@@ -92,15 +94,18 @@ class DurableCheckpointer:
         directory: where checkpoints go (a shared file system when groups run on several hosts).
         every: save when the committed step is a multiple of this.
         keep_last: complete checkpoints kept (the newest is never removed).
-        sharded: every rank of the writing group holds a different part of the state (FSDP);
-            default False: ranks of a group hold the same state and only group rank 0 writes it.
+        replicated_in_group: every rank of a group holds the same state (a DDP inside the group), so
+            group rank 0 alone writes it and every rank loads it. Default False: each rank writes and
+            loads its own state file, as torchft's scripts need (group rank r of every group forms one
+            data-parallel ring, so ranks of one group differ) and FSDP's shards do.
         save_on_preemption: on a preemption signal, the group that writes checkpoints saves the
             current step before it leaves (see README, "Durable checkpoints").
         timeout: bound on every wait (a snapshot copy, the writing group's ranks); default the Manager's.
     """
 
     def __init__(self, manager: Any, directory: str | Path, *, every: int = 100, keep_last: int = 3,
-                 sharded: bool = False, save_on_preemption: bool = True, timeout: timedelta | None = None) -> None:
+                 replicated_in_group: bool = False, save_on_preemption: bool = True,
+                 timeout: timedelta | None = None) -> None:
         for name, value in (("every", every), ("keep_last", keep_last)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"DurableCheckpointer: {name} must be an integer >= 1, got {value!r}")
@@ -112,7 +117,8 @@ class DurableCheckpointer:
             self.layout.root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise ConfigError(f"DurableCheckpointer: can't create {directory}: {exc}") from exc
-        self.every, self.keep_last, self.sharded = every, keep_last, sharded
+        self.every, self.keep_last = every, keep_last
+        self.per_rank = not replicated_in_group  # one state file per rank
         self.save_on_preemption = save_on_preemption
         self._timeout = timeout.total_seconds() if timeout is not None else manager._timeout
         self._rank, self._world = manager.group_rank, manager.group_world_size
@@ -169,7 +175,7 @@ class DurableCheckpointer:
         """Save the current step synchronously (every rank of the group must call it); returns the step."""
         self.wait()
         step = self._manager.current_step()
-        save = _Save(step, writes_state=self.sharded or self._rank == 0, local=self._capture_local(step))
+        save = _Save(step, writes_state=self.per_rank or self._rank == 0, local=self._capture_local(step))
         if save.writes_state:
             save.flat = self._take_buffers(flatten(self._manager._manager_state_dict()))
             self._copy(save)
@@ -223,8 +229,8 @@ class DurableCheckpointer:
             logger.warning("durable checkpoint of step %d skipped: the save of step %d is still being written",
                            step, self._current.step)
             return
-        # The quorum's first participant writes; in it, every rank when sharded, else group rank 0 alone.
-        writes_state = replica_rank == 0 and (self.sharded or self._rank == 0)
+        # The quorum's first participant writes; in it, every rank (default), else group rank 0 alone.
+        writes_state = replica_rank == 0 and (self.per_rank or self._rank == 0)
         self._due = _Save(step, writes_state=writes_state, local=self._capture_local(step))
 
     def step_starting(self, step: int) -> None:
@@ -330,13 +336,13 @@ class DurableCheckpointer:
         staging.mkdir(parents=True, exist_ok=True)
         assert save.flat is not None
         record = write_state_file(staging / Layout.state_file_name(self._rank), save.step, save.flat)
-        if self.sharded and self._rank != 0:
+        if self.per_rank and self._rank != 0:
             write_bytes_atomically(staging / f"part-r{self._rank}.json",
                                    f'{{"name":"{record.name}","bytes":{record.bytes},"digest":"{record.digest}"}}'
                                    .encode())
             return None
-        records = [record] + (self._wait_for_parts(staging, save.step) if self.sharded else [])
-        self.layout.write_manifest(staging, save.step, manager.replica_id, self._group, self._world, self.sharded,
+        records = [record] + (self._wait_for_parts(staging, save.step) if self.per_rank else [])
+        self.layout.write_manifest(staging, save.step, manager.replica_id, self._group, self._world, self.per_rank,
                                    records)
         final = self.layout.step_dir(save.step)
         if final.exists():
@@ -386,7 +392,7 @@ class DurableCheckpointer:
 
 def read_checkpoint(info: CheckpointInfo, rank: int = 0) -> tuple[int, Any]:
     """``(step, state)`` of one rank's state file of a complete checkpoint, every byte checked."""
-    name = Layout.state_file_name(rank if info.sharded else 0)
+    name = Layout.state_file_name(rank if info.per_rank else 0)
     if name not in info.files:
         raise DurableCheckpointError(f"{info.path} has no {name} in its manifest")
     return read_state_file(info.path / name, info.files[name])
