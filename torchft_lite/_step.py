@@ -10,9 +10,21 @@ from __future__ import annotations
 
 import concurrent.futures
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
-__all__ = ["Participation", "Step", "participation_of", "start_allreduce"]
+__all__ = ["Participation", "Step", "WorldSizeMode", "participation_of", "start_allreduce"]
+
+
+class WorldSizeMode(Enum):
+    """How many replicas take part in a step (torchft's ``torchft.manager.WorldSizeMode``).
+
+    DYNAMIC: every up-to-date replica participates; gradients are averaged over them.
+    FIXED_WITH_SPARES: exactly ``min_replica_size`` participate; spares contribute zeros.
+    """
+
+    DYNAMIC = 0
+    FIXED_WITH_SPARES = 1
 
 
 @dataclass(frozen=True)

@@ -27,13 +27,12 @@ import os
 import signal
 import threading
 from datetime import timedelta
-from enum import Enum
 from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 from torch.distributed import ReduceOp
 
-from torchft_lite._capabilities import Abortable, Advertises, ReportsErrors, StepListener, WarmsUp
+from torchft_lite._capabilities import Abortable, ReportsErrors, StepListener, WarmsUp
 from torchft_lite._control_plane import control_plane
 from torchft_lite._healer import Healer
 from torchft_lite._manager_settings import ManagerSettings
@@ -41,7 +40,8 @@ from torchft_lite._manager_wiring import DefaultWiring, ManagerWiring
 from torchft_lite._member_events import MemberWatch
 from torchft_lite._preemption import PreemptionSignals
 from torchft_lite._quorum_round import QuorumRounds
-from torchft_lite._step import Step, start_allreduce
+from torchft_lite._step import Step, WorldSizeMode, start_allreduce
+from torchft_lite._step_listeners import StepListeners
 from torchft_lite.errors import CollectiveError, ManagerError, ManagerTimeout, QuorumError, QuorumTimeout
 from torchft_lite.watchdog import Watchdog, WatchdogConfig
 from torchft_lite.work import DoneWork, ManagedWork, _ManagedWork, guard_future  # noqa: F401  (torchft's name)
@@ -53,17 +53,6 @@ logger = logging.getLogger(__name__)
 # A member that committed the step and exited can be reported gone while our end of
 # the last collective is still completing (a busy CPU): give it this long to finish.
 MEMBER_GONE_GRACE = 0.25
-
-
-class WorldSizeMode(Enum):
-    """How many replicas take part in a step.
-
-    DYNAMIC: every up-to-date replica participates; gradients are averaged over them.
-    FIXED_WITH_SPARES: exactly ``min_replica_size`` participate; spares contribute zeros.
-    """
-
-    DYNAMIC = 0
-    FIXED_WITH_SPARES = 1
 
 
 class Manager:
@@ -130,7 +119,7 @@ class Manager:
         self._closed = False
         self._current = Step(number=0)  # the step under way, or the last one
         self._on_preemption = on_preemption
-        self._listeners: list[StepListener] = []
+        self._listeners = StepListeners(self._log)
 
         self._control = control_plane()
         parts = (wiring or DefaultWiring()).build(s, checkpoint_transport, lambda: self._healer.in_place_targets(),
@@ -182,49 +171,12 @@ class Manager:
         """What a heal carries (torchft's name, which its tests and tools read): user state and ours."""
         return self._healer.state_dict()
 
-    def _load_manager_state_dict(self, state: dict[str, Any]) -> None:
-        """Load what :meth:`_manager_state_dict` returned (a durable checkpoint): every registered piece, then ours."""
-        self._healer.load_state_dict(state)
-
-    # ------------------------------------------------------------ listeners (ours)
-
     def add_step_listener(self, listener: StepListener) -> None:
         """Tell ``listener`` where each step stands (see ``torchft_lite._capabilities.StepListener``)."""
-        self._listeners.append(listener)
+        self._listeners.add(listener)
 
     def remove_step_listener(self, listener: StepListener) -> None:
-        if listener in self._listeners:
-            self._listeners.remove(listener)
-
-    def _notify(self, event: str, *args: Any) -> None:
-        for listener in list(self._listeners):
-            try:
-                getattr(listener, event)(*args)
-            except Exception as exc:  # a listener (a durable save) must not fail the training step
-                self._log(logging.ERROR, "step listener %s.%s failed: %s: %s", type(listener).__name__, event,
-                          type(exc).__name__, exc, exc_info=(type(exc), exc, exc.__traceback__))
-
-    def _advertise(self, key: str, value: Any) -> bool:
-        """Add ``key`` to what this group advertises to the lighthouse; False where this rank can't (not rank 0)."""
-        if isinstance(self._channel, Advertises):
-            self._channel.advertise(key, value)
-            return True
-        return False
-
-    @property
-    def group_rank(self) -> int:
-        """This process's rank inside its replica group."""
-        return self._group_rank
-
-    @property
-    def group_world_size(self) -> int:
-        """The number of ranks in a replica group."""
-        return self._settings.group_world_size
-
-    @property
-    def group_name(self) -> str:
-        """The group's stable name: the ``replica_id`` it was given (the incarnation suffix stripped)."""
-        return self._settings.replica_id or self._replica_id.split(":")[0]
+        self._listeners.remove(listener)
 
     # ------------------------------------------------------------ quorum
 
@@ -236,7 +188,7 @@ class Manager:
             self._await(previous, previous.quorum, "the previous quorum")
         if previous.published:  # should_commit was skipped: stop serving before the state changes
             self._healer.stop_serving(previous)
-        self._notify("step_starting", self._step)
+        self._listeners.notify("step_starting", self._step)
         step = self._current = Step(number=self._step, training_thread=threading.get_ident(), open=True)
         self.watchdog.begin("step", f"step {self._step} (start_quorum to the end of should_commit)")
         self.watchdog.begin("quorum", f"the quorum for step {self._step}")
@@ -359,7 +311,7 @@ class Manager:
         if self._preemption.pending is not None and not self._closed:
             self._log(logging.WARNING, "leaving on %s at step %d (%d batches committed)", self._preemption.pending,
                       self._step, self._batches_committed)
-            self._notify("leaving")
+            self._listeners.notify("leaving")
             self._preemption.leave(self._on_preemption, self.watchdog, self.shutdown)
 
     # ------------------------------------------------------------ errors
@@ -388,7 +340,7 @@ class Manager:
             raise RuntimeError("should_commit() called before start_quorum()")
         self._await(step, step.quorum, "the quorum and heal")
         self.watchdog.end("quorum")
-        self._notify("state_changing")
+        self._listeners.notify("state_changing")
         if step.healing:
             self._healer.apply(step)
         self._healer.publish(step, self._step)
@@ -424,7 +376,7 @@ class Manager:
             self._batches_committed += step.participation.world_size
             self._commit_failures = 0
             step.healing = False
-            self._notify("step_committed", self._step, step.participation.rank)
+            self._listeners.notify("step_committed", self._step, step.participation.rank)
         else:
             if not group_clean:
                 # A rank of the group failed: undo the heal with the step, so no rank ends up at another

@@ -106,7 +106,7 @@ class Resumer:
 
     def _apply(self, info: CheckpointInfo, state: Any, local: Any) -> None:
         try:
-            self._manager._load_manager_state_dict(state)
+            self._manager._healer.load_state_dict(state)  # every registered piece, then the Manager's own
         except Exception as exc:
             raise DurableCheckpointError(f"loading the checkpoint of step {info.step} failed part-way (the state "
                                          f"may be torn; restart the process): {exc}") from exc

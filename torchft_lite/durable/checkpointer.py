@@ -40,6 +40,7 @@ from typing import Any, Callable
 
 import torch
 
+from torchft_lite._capabilities import Advertises
 from torchft_lite.checkpointing._encode import FlatStateDict, encode_to_bytes, flatten
 from torchft_lite.durable import _rng
 from torchft_lite.durable._files import (
@@ -121,8 +122,10 @@ class DurableCheckpointer:
         self.per_rank = not replicated_in_group  # one state file per rank
         self.save_on_preemption = save_on_preemption
         self._timeout = timeout.total_seconds() if timeout is not None else manager._timeout
-        self._rank, self._world = manager.group_rank, manager.group_world_size
-        self._group = manager.group_name
+        settings = manager._settings
+        self._rank, self._world = settings.group_rank, settings.group_world_size
+        # The group's stable name (the replica_id it was given, without the incarnation suffix): its local files.
+        self._group = settings.replica_id or manager.replica_id.split(":")[0]
         self._local_fns: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {}
         self._buffers: list[torch.Tensor] = []
         self._sources: tuple[torch.Tensor, ...] = ()
@@ -167,8 +170,11 @@ class DurableCheckpointer:
         step = resumer.resume()
         if step is not None:
             self._resumed_from = step
-            # Tell the lighthouse: a job whose every group resumed from disk may start a new epoch at this step.
-            self._manager._advertise("resumed_from", step)
+            # Tell the lighthouse (group rank 0 speaks for the group): a job whose every group resumed from
+            # disk may start a new epoch at this step.
+            channel = self._manager._channel
+            if isinstance(channel, Advertises):
+                channel.advertise("resumed_from", step)
         return step
 
     def save_now(self) -> int:

@@ -109,7 +109,7 @@ def test_one_group_writes_each_checkpoint_and_the_others_only_their_local_state(
     writers = {info.writer.split(":")[0] for info in complete}
     assert len(writers) == 1, f"two groups wrote checkpoints: {writers}"
     writer = writers.pop()
-    stats = {g.manager.group_name: g.checkpointer.statistics() for g in made}
+    stats = {g.manager.replica_id.split(":")[0]: g.checkpointer.statistics() for g in made}
     assert stats[writer].saves_completed >= 1 and stats[writer].saves_failed == 0
     other = "g1" if writer == "g0" else "g0"
     assert stats[other].saves_completed == 0 and stats[other].local_saves >= 1
