@@ -42,10 +42,17 @@ class LighthouseConfig:
     no quorum until this long after start, so replicas already training
     re-register (a restarted lighthouse knows nobody); a first start answers at
     once. None: heartbeat_timeout."""
+    holder_timeout: float = 30.0
+    """How long the stale-quorum guard waits for a replica holding the highest
+    step a quorum reached (a member of the last quorum at that step) to come
+    back before participants that are all behind start a new epoch of the job
+    at their own step (a following job, a job restarted from an older
+    checkpoint); never sooner than ``heartbeat_timeout``. The operator's
+    POST /api/epoch starts one at once."""
     http_bind: str | None = DEFAULT_HTTP_BIND
     """HOST:PORT for the dashboard, /api/status and /metrics; None disables HTTP."""
     admin_token: str | None = None
-    """Bearer token required by admin actions (kill); None disables them."""
+    """Bearer token required by admin actions (kill, new epoch); None disables them."""
     state_dir: Path | None = None
     """Where the last quorum id and the highest committed step are kept, so ids
     keep increasing across restarts even if the clock steps back, and a restart
@@ -78,6 +85,7 @@ class LighthouseConfig:
             "join_timeout_ms": str(round(self.join_timeout * 1000)),
             "quorum_tick_ms": str(round(self.quorum_tick * 1000)),
             "heartbeat_timeout_ms": str(round(self.heartbeat_timeout * 1000)),
+            "holder_timeout_ms": str(round(self.holder_timeout * 1000)),
             "implementation": "torchft_lite",
         }
 
@@ -87,6 +95,7 @@ class LighthouseConfig:
             join_timeout=self.join_timeout,
             heartbeat_timeout=self.heartbeat_timeout,
             startup_grace=self.heartbeat_timeout if self.startup_grace is None else self.startup_grace,
+            holder_timeout=self.holder_timeout,
         )
 
     # ------------------------------------------------------------------ CLI
@@ -128,12 +137,22 @@ class LighthouseConfig:
             "answers at once; default: the heartbeat timeout; 0 disables",
         )
         parser.add_argument(
+            "--holder_timeout_ms", "--holder-timeout-ms", type=int, default=30000,
+            help="the stale-quorum guard keeps replicas that are all behind the highest step a quorum reached "
+            "from forming a quorum while a replica holding that step may come back; after this long without "
+            "seeing one (since the lighthouse started, if it restored that step from --state-dir) they start a "
+            "new epoch of the job at their own step instead of waiting forever (also at once when they all "
+            "advertise resumed_from their durable checkpoint and no holder is healthy, or on POST /api/epoch); "
+            "replicas from before the epoch are then refused. Never sooner than the heartbeat timeout; must be > 0",
+        )
+        parser.add_argument(
             "--http-bind", "--http_bind", default=DEFAULT_HTTP_BIND,
             help=f"HOST:PORT of the HTTP dashboard, /api/status and /metrics; '{HTTP_DISABLED}' disables HTTP",
         )
         parser.add_argument(
             "--admin-token", "--admin_token", default=None,
-            help=f"bearer token for admin actions (the dashboard's kill button); also read from ${ADMIN_TOKEN_ENV}. "
+            help=f"bearer token for admin actions (the dashboard's kill button, POST /api/epoch); also read from "
+            f"${ADMIN_TOKEN_ENV}. "
             "Without one, admin actions are disabled",
         )
         parser.add_argument(
@@ -158,7 +177,7 @@ class LighthouseConfig:
         environ = os.environ if environ is None else environ
         token = args.admin_token if args.admin_token is not None else environ.get(ADMIN_TOKEN_ENV) or None
         http_bind = None if args.http_bind.strip().lower() == HTTP_DISABLED else args.http_bind
-        for flag in ("join_timeout_ms", "quorum_tick_ms", "heartbeat_timeout_ms"):
+        for flag in ("join_timeout_ms", "quorum_tick_ms", "heartbeat_timeout_ms", "holder_timeout_ms"):
             if getattr(args, flag) < 0:
                 raise ValueError(f"--{flag} must be >= 0")
         return cls(
@@ -167,6 +186,7 @@ class LighthouseConfig:
             join_timeout=args.join_timeout_ms / 1000,
             quorum_tick=args.quorum_tick_ms / 1000,
             heartbeat_timeout=args.heartbeat_timeout_ms / 1000,
+            holder_timeout=args.holder_timeout_ms / 1000,
             startup_grace=None if args.startup_grace_ms is None else args.startup_grace_ms / 1000,
             http_bind=http_bind,
             admin_token=token,

@@ -7,7 +7,8 @@ milliseconds: ids only grow by one per membership change, far slower than one
 per millisecond. With a state directory the last issued id is also kept on disk
 (written atomically before it is handed out), which covers a clock that steps
 back; the seed is the larger of the two. The directory also keeps the highest
-step a quorum reached, and only it can tell a restart from a first start.
+step a quorum reached (raised as quorums advance, lowered only when a new epoch
+of the job starts), and only it can tell a restart from a first start.
 """
 
 from __future__ import annotations
@@ -104,6 +105,12 @@ class QuorumIdStore:
         if step > self._kept_step and (force or now - self._kept_at >= 1.0):
             self.save_max_step(step)
             self._kept_step, self._kept_at = step, now
+
+    def reset_max_step(self, step: int, now: float) -> None:
+        """Save ``step`` at once even when it is lower than the kept one (a new epoch of the job lowered it),
+        so a restart does not wait for holders of the old step again."""
+        self.save_max_step(step)
+        self._kept_step, self._kept_at = step, now
 
 
 def _write_atomically(path: Path, value: int) -> None:

@@ -6,6 +6,11 @@ GET  /metrics                          Prometheus metrics, ``lighthouse_`` prefi
 GET  /healthz                          "ok" while serving
 POST /api/replicas/{replica_id}/kill   ask that replica's Manager to exit (Kill RPC);
                                        needs ``Authorization: Bearer <admin token>``
+POST /api/epoch                        start a new epoch of the job now, when the stale-quorum
+                                       guard holds participants back (same token): 202 with
+                                       {"epoch": {...}, "status": {...}} once it started (the quorum
+                                       then forms as usual); 409 when nothing is blocked (nothing
+                                       is kept for later)
 """
 
 from __future__ import annotations
@@ -114,6 +119,21 @@ class _Handlers:
         return web.json_response({"killed": replica_id, "address": member.address, "msg": msg})
 
 
+    async def epoch(self, request: web.Request) -> web.Response:
+        denied = self._authorize(request)
+        if denied is not None:
+            return denied
+        epoch = self.server.request_epoch(f"POST /api/epoch from {request.remote}")
+        snapshot = self.server.snapshot()
+        status = snapshot["status"]
+        if epoch is None:
+            logger.info("new epoch requested from %s, but nothing is blocked: %s", request.remote, status["reason"])
+            return _error(409, "nothing to do: no participant is held back by the stale-quorum guard "
+                          f"(status {status['state']}: {status['reason']}); no epoch started")
+        return web.json_response({"epoch": snapshot["epoch"], "status": status}, status=202,
+                                 dumps=lambda d: json.dumps(d, allow_nan=False))
+
+
 async def start_http(server: LighthouseView, bind: str) -> tuple[web.AppRunner, int]:
     """Start the HTTP site on ``bind``; returns the runner (for cleanup) and the bound port."""
     handlers = _Handlers(server)
@@ -124,6 +144,7 @@ async def start_http(server: LighthouseView, bind: str) -> tuple[web.AppRunner, 
         web.get("/metrics", handlers.metrics),
         web.get("/healthz", handlers.healthz),
         web.post("/api/replicas/{replica_id}/kill", handlers.kill),
+        web.post("/api/epoch", handlers.epoch),
     ])
     try:
         return await start_site(app, bind)

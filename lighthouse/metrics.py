@@ -29,6 +29,7 @@ class _StatisticsCollector(Collector):
             ("lighthouse_heartbeating_replicas", "Replica groups with a live heartbeat.", s.heartbeating_replicas),
             ("lighthouse_uptime_seconds", "Seconds since the lighthouse started.", s.uptime),
             ("lighthouse_leases", "Replica groups holding a connection lease (torchft_lite managers).", s.leases_held),
+            ("lighthouse_max_step", "The highest step a quorum reached (the stale-quorum guard's).", s.max_step),
         ]
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)
@@ -42,6 +43,9 @@ class _StatisticsCollector(Collector):
             ("lighthouse_expired_replicas", "Replicas forgotten after their heartbeat timed out.", s.expired_replicas),
             ("lighthouse_leases_ended", "Lease streams that ended (their replica treated as gone at once).",
              s.leases_ended),
+            ("lighthouse_epochs", "New epochs of the job started (the stale-quorum guard gave way).", s.epochs),
+            ("lighthouse_fenced_requests", "Quorum calls refused with FAILED_PRECONDITION as from before the "
+             "current epoch.", s.fenced_requests),
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)

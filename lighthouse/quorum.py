@@ -22,118 +22,44 @@ Rules (torchft's semantics, so mixed fleets agree):
 * Members of an issued quorum stop being participants; a participant left out
   keeps waiting for the next quorum (its join time restarts).
 
-Beyond torchft (both keep a restarted lighthouse from letting a minority redo
-committed steps):
+Beyond torchft (a restarted lighthouse or a minority must not redo committed
+steps, and every wait has a bounded way out):
 
 * **Startup grace**: a lighthouse that knows an earlier incarnation of itself
   issued quorums (``restart_evidence``, from its state directory) issues no
   first quorum until ``startup_grace`` after it started, so replicas already
   training re-register first. A first start has nobody to wait for and answers
   at once, as torchft's lighthouse does.
-* **Stale-quorum guard**: no quorum of participants that are all behind the
-  highest step a quorum already reached.
+* **Stale-quorum guard**: no quorum of eligible participants that are all
+  behind ``max_step``, the highest step a quorum reached (restored from the
+  state directory after a restart), while a holder of it may come back.
+* **New epoch** and **fence** (rules in :mod:`lighthouse.epochs`): the guard
+  gives way after ``holder_timeout`` without a holder, at once when every
+  eligible participant resumed from a durable checkpoint and no holder is
+  healthy, or when an operator asks; ``max_step`` drops to the participants'
+  highest step. Then a replica above ``max_step`` that was in no quorum since
+  is refused (:meth:`QuorumState.join` raises :class:`StaleReplica`).
+  :meth:`~QuorumState.evaluate` only reads; :meth:`~QuorumState.decide` starts
+  the epoch.
 
 Cost: each join, heartbeat and :meth:`QuorumState.evaluate` is O(1)
 amortized (counters are kept incrementally and stale heartbeats are pruned
-from the front of a list ordered by last-seen time); only issuing a quorum is
-O(n log n). torchft recomputes every set on every call, which makes a round of
-n joins O(n^2).
+from the front of a list ordered by last-seen time); only issuing a quorum
+(O(n log n)) and starting an epoch (O(n)) look at every participant. torchft
+recomputes every set on every call, which makes a round of n joins O(n^2).
 """
 
 from __future__ import annotations
 
-import enum
 import math
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import Any, Iterator
+from dataclasses import dataclass, replace
+from typing import Iterator
 
+from lighthouse.epochs import EpochBook, StaleReplica
+from lighthouse.quorum_data import Decision, Epoch, IssuedQuorum, Member, QuorumConfig, Status
 
-@dataclass(frozen=True)
-class QuorumConfig:
-    """Settings of the quorum rules, in seconds."""
-
-    min_replicas: int
-    """Fewest healthy participants a (non-fast) quorum may have."""
-    join_timeout: float = 60.0
-    """How long to wait for healthy replicas that have not joined yet, counted
-    from the first participant's join."""
-    heartbeat_timeout: float = 5.0
-    """A replica is healthy while its last heartbeat is younger than this."""
-    startup_grace: float = 0.0
-    """After a restart, no quorum is issued until this long after the lighthouse
-    started, so that replicas already training re-register first: a restarted
-    lighthouse knows nobody, and a minority (say, a freshly restarted group at
-    step 0) could otherwise form a quorum on its own and commit steps the others
-    already did. Applies only with ``QuorumState``'s ``restart_evidence``."""
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.min_replicas, int) or self.min_replicas < 1:
-            raise ValueError(f"min_replicas must be an integer >= 1, got {self.min_replicas!r}")
-        for name in ("join_timeout", "heartbeat_timeout", "startup_grace"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-                raise ValueError(f"{name} must be a finite number of seconds >= 0, got {value!r}")
-        if self.heartbeat_timeout == 0:
-            raise ValueError("heartbeat_timeout must be > 0")
-
-
-@dataclass(frozen=True)
-class Member:
-    """One replica group asking to join. ``payload`` is carried through
-    untouched (the server keeps the wire message there, unknown fields and all)."""
-
-    replica_id: str
-    shrink_only: bool = False
-    commit_failures: int = 0
-    payload: Any = field(default=None, compare=False)
-    step: int = 0
-    """The replica's committed step (for the stale-quorum guard)."""
-
-
-@dataclass(frozen=True)
-class IssuedQuorum:
-    quorum_id: int
-    members: tuple[Member, ...]
-    issued_at: float
-    """Monotonic time the quorum was issued (the caller's clock)."""
-
-    @property
-    def replica_ids(self) -> tuple[str, ...]:
-        return tuple(m.replica_id for m in self.members)
-
-
-class Status(enum.Enum):
-    """Why the lighthouse is (not) issuing a quorum; the reason's category."""
-
-    NO_PARTICIPANTS = "no_participants"
-    BELOW_MIN_REPLICAS = "below_min_replicas"
-    SPLIT_BRAIN_GUARD = "split_brain_guard"
-    BEHIND_COMMITTED = "behind_committed"
-    STARTUP_GRACE = "startup_grace"
-    WAITING_FOR_STRAGGLERS = "waiting_for_stragglers"
-    FAST_QUORUM = "fast_quorum"
-    VALID_QUORUM = "valid_quorum"
-
-    @property
-    def ready(self) -> bool:
-        return self in (Status.FAST_QUORUM, Status.VALID_QUORUM)
-
-
-@dataclass(frozen=True)
-class Decision:
-    status: Status
-    reason: str
-    """One human sentence, e.g. 'waiting for 2 stragglers, 0.4 s of join timeout left'."""
-    quorum: IssuedQuorum | None = None
-    """Set when this decision issued a quorum."""
-    wake_at: float | None = None
-    """When waiting on a deadline (the join timeout, the startup grace): the
-    time the decision may change even if nothing else happens."""
-
-    @property
-    def ready(self) -> bool:
-        return self.status.ready
+__all__ = ["Decision", "Epoch", "IssuedQuorum", "Member", "QuorumConfig", "QuorumState", "StaleReplica", "Status"]
 
 
 def _n(count: int, noun: str) -> str:
@@ -157,7 +83,8 @@ class QuorumState:
         """``restart_evidence``: why this lighthouse knows an earlier incarnation
         issued quorums (e.g. "its state dir holds quorum id 17"), shown in the
         startup grace's reason; None for a first start, which gets no grace:
-        nobody can be training yet, so there is nobody to wait for."""
+        nobody can be training yet, so there is nobody to wait for. The holder
+        timeout of a restored ``max_step`` counts from ``started_at``."""
         self.config = config
         self._started_at = started_at
         self._restart_evidence = restart_evidence
@@ -179,13 +106,22 @@ class QuorumState:
         self._max_step = max_step  # restored from the state directory after a restart
         self._healthy_up_to_date = 0
         self._healthy_prev_up_to_date = 0
+        # How many of them just resumed from a durable checkpoint (resumed_from == step).
+        self._healthy_resumed = 0
+        self._healthy_prev_resumed = 0
+        self._epochs = EpochBook(started_at)
+        self._new_id_due = False  # an epoch started: its first quorum gets a new id whatever its members
         self.quorums_issued = 0
 
     # ------------------------------------------------------------ inputs
 
     def heartbeat(self, replica_id: str, now: float) -> None:
-        """Record that ``replica_id`` is alive at ``now``."""
+        """Record that ``replica_id`` is alive at ``now`` (ignored while it is fenced, see :meth:`join`)."""
         now = self._advance(now)
+        epochs = self._epochs
+        if epochs.is_fenced(replica_id):
+            return
+        epochs.saw(replica_id, now)
         heartbeats = self._heartbeats
         if replica_id in heartbeats:
             heartbeats[replica_id] = now
@@ -197,9 +133,18 @@ class QuorumState:
             self._count(participant.member, +1)
 
     def join(self, member: Member, now: float) -> None:
-        """``member`` asks to be in the next quorum (a Quorum call)."""
+        """``member`` asks to be in the next quorum (a Quorum call).
+
+        Raises :class:`StaleReplica` when it is from before the current epoch:
+        then it is also forgotten (a call it had waiting is dropped) and fenced.
+        """
         if not member.replica_id:
             raise ValueError("replica_id must be a non-empty string")
+        try:
+            self._epochs.check(member, self._max_step)
+        except StaleReplica:
+            self.fence(member.replica_id)
+            raise
         self.heartbeat(member.replica_id, now)
         now = self._now
         old = self._participants.get(member.replica_id)
@@ -228,7 +173,13 @@ class QuorumState:
         participant = self._participants.pop(replica_id, None)
         if participant is not None and was_heartbeating:
             self._count(participant.member, -1)
+        self._epochs.dropped(replica_id, replica_id in self._prev_ids)
         return was_heartbeating or participant is not None
+
+    def fence(self, replica_id: str) -> None:
+        """Forget ``replica_id`` and ignore its heartbeats until it joins at a step the rules accept."""
+        self.forget(replica_id)
+        self._epochs.fence(replica_id)
 
     def expire(self, now: float) -> list[str]:
         """Forget replicas whose heartbeat is too old; returns their ids."""
@@ -245,12 +196,17 @@ class QuorumState:
             participant = self._participants.get(replica_id)
             if participant is not None:
                 self._count(participant.member, -1)
+            self._epochs.dropped(replica_id, replica_id in self._prev_ids)
         return expired
+
+    def request_epoch(self, reason: str) -> None:
+        """Ask for a new epoch at the next decision, if the stale-quorum guard blocks then (an operator's action)."""
+        self._epochs.requested = reason
 
     # ------------------------------------------------------------ decisions
 
     def evaluate(self, now: float) -> Decision:
-        """What the rules say at ``now``, without issuing anything.
+        """What the rules say at ``now``, without issuing anything or starting an epoch.
 
         Call :meth:`expire` first (``decide`` does) so health is current.
         """
@@ -259,7 +215,7 @@ class QuorumState:
         healthy = len(self._heartbeats)
         joined = self._healthy_participants
         prev = self._prev
-        shrink_only = prev is not None and self._healthy_shrink_only > 0
+        shrink_only = self._shrink_only()
         eligible = self._healthy_prev_participants if shrink_only else joined
         up_to_date = self._healthy_prev_up_to_date if shrink_only else self._healthy_up_to_date
         shrink_note = " (shrink_only: previous members only)" if shrink_only else ""
@@ -287,10 +243,13 @@ class QuorumState:
                 f"waiting: {_n(eligible, 'eligible participant')}{shrink_note}, need min_replicas={cfg.min_replicas}",
             )
         if self._max_step > 0 and up_to_date == 0:
+            note, lifts_at = self._epochs.guard_note(now, self._max_step, cfg.holder_timeout, cfg.heartbeat_timeout,
+                                                     self._all_resumed(shrink_only))
             return Decision(
                 Status.BEHIND_COMMITTED,
                 f"waiting: no participant{shrink_note} holds step {self._max_step}, the highest step a quorum reached; "
-                "a quorum without one would redo committed steps (fresh or behind replicas only)",
+                f"a quorum without one would redo committed steps (fresh or behind replicas only); {note}",
+                wake_at=lifts_at,
             )
         if eligible * 2 <= healthy:
             return Decision(
@@ -320,23 +279,47 @@ class QuorumState:
         )
 
     def decide(self, now: float) -> tuple[Decision, list[str]]:
-        """Expire stale heartbeats, evaluate, and issue a quorum when ready.
+        """Expire stale heartbeats, evaluate, start a new epoch when the stale-quorum guard
+        blocks and one is due, and issue a quorum when ready.
 
-        Returns the decision (with ``quorum`` set if one was issued) and the
-        replica ids whose heartbeat expired during this call.
+        Returns the decision (with ``quorum`` set if one was issued, ``epoch``
+        and ``fenced`` if an epoch started) and the replica ids whose heartbeat
+        expired during this call. An operator's :meth:`request_epoch` counts for
+        this decision only.
         """
         expired = self.expire(now)
         decision = self.evaluate(now)
+        requested, self._epochs.requested = self._epochs.requested, None
+        epoch, fenced = None, ()
+        if decision.status is Status.BEHIND_COMMITTED:
+            cfg = self.config
+            why = requested or self._epochs.lift_reason(self._now, self._max_step, cfg.holder_timeout,
+                                                        cfg.heartbeat_timeout, self._all_resumed(self._shrink_only()))
+            if why is not None:
+                epoch, fenced = self._start_epoch(self._now, why)
+                decision = self.evaluate(now)
         if decision.ready:
-            decision = Decision(decision.status, decision.reason, self._issue(self._now))
+            decision = replace(decision, quorum=self._issue(self._now))
+        if epoch is not None:
+            decision = replace(decision, epoch=epoch, fenced=fenced)
         return decision, expired
 
     # ------------------------------------------------------------ views
 
     @property
     def max_step(self) -> int:
-        """The highest step an issued quorum reached."""
+        """The highest step an issued quorum reached (lowered only by a new epoch)."""
         return self._max_step
+
+    @property
+    def epoch(self) -> Epoch | None:
+        """The latest epoch this state started; None before the first."""
+        return self._epochs.current
+
+    @property
+    def epochs(self) -> EpochBook:
+        """The holders of ``max_step``, when one was last seen, and who is fenced: read it, don't change it."""
+        return self._epochs
 
     @property
     def quorum_id(self) -> int:
@@ -385,8 +368,19 @@ class QuorumState:
     def _advance(self, now: float) -> float:
         # Heartbeat order relies on time never going backwards.
         if now > self._now:
+            if self._epochs.holders_seen_at == -math.inf:  # no start time was given: count from the first call
+                self._epochs.holders_seen_at = now
             self._now = now
         return self._now
+
+    def _shrink_only(self) -> bool:
+        return self._prev is not None and self._healthy_shrink_only > 0
+
+    def _all_resumed(self, shrink_only: bool) -> bool:
+        """Whether every eligible participant just resumed from a durable checkpoint."""
+        if shrink_only:
+            return self._healthy_prev_resumed == self._healthy_prev_participants
+        return self._healthy_resumed == self._healthy_participants
 
     def _count(self, member: Member, sign: int) -> None:
         self._healthy_participants += sign
@@ -399,6 +393,18 @@ class QuorumState:
             self._healthy_up_to_date += sign
             if in_prev:
                 self._healthy_prev_up_to_date += sign
+        if member.resumed_from is not None and member.resumed_from == member.step:
+            self._healthy_resumed += sign
+            if in_prev:
+                self._healthy_prev_resumed += sign
+
+    def _recount(self) -> None:
+        self._healthy_participants = self._healthy_prev_participants = self._healthy_shrink_only = 0
+        self._healthy_up_to_date = self._healthy_prev_up_to_date = 0
+        self._healthy_resumed = self._healthy_prev_resumed = 0
+        for rid, participant in self._participants.items():
+            if rid in self._heartbeats:
+                self._count(participant.member, +1)
 
     def _first_joined(self) -> float:
         # Participants are kept in join order (see _issue for the re-queued ones).
@@ -406,31 +412,50 @@ class QuorumState:
             return participant.joined_at
         return self._now
 
-    def _issue(self, now: float) -> IssuedQuorum:
-        shrink_only = self._prev is not None and self._healthy_shrink_only > 0
+    def _eligible(self) -> list[Member]:
+        """Healthy participants a quorum would take (previous members only under shrink_only), in join order."""
+        shrink_only = self._shrink_only()
         heartbeats = self._heartbeats
-        chosen = [
+        return [
             p.member
             for rid, p in self._participants.items()
             if rid in heartbeats and (not shrink_only or rid in self._prev_ids)
         ]
+
+    def _start_epoch(self, now: float, reason: str) -> tuple[Epoch, tuple[Member, ...]]:
+        eligible = self._eligible()
+        to_step = max([0, *(m.step for m in eligible)])  # the guard blocked: below max_step
+        holders = (m.replica_id for m in eligible if m.step >= to_step)
+        epoch = self._epochs.start(now, self._max_step, to_step, reason, holders)
+        self._max_step = to_step
+        self._new_id_due = True
+        # Waiting above the new step but not eligible (no live heartbeat, or kept
+        # out by shrink_only): from before the epoch, like a late Quorum call would be.
+        fenced = tuple(p.member for p in self._participants.values() if p.member.step > to_step)
+        for member in fenced:
+            self.fence(member.replica_id)
+        self._recount()
+        return epoch, fenced
+
+    def _issue(self, now: float) -> IssuedQuorum:
+        chosen = self._eligible()
         chosen.sort(key=lambda m: m.replica_id)
         ids = frozenset(m.replica_id for m in chosen)
-        if ids != self._prev_ids or self._prev is None or any(m.commit_failures > 0 for m in chosen):
+        if (ids != self._prev_ids or self._prev is None or self._new_id_due
+                or any(m.commit_failures > 0 for m in chosen)):
             self._quorum_id += 1
+        self._new_id_due = False
         quorum = IssuedQuorum(self._quorum_id, tuple(chosen), now)
         self._max_step = max([self._max_step, *(m.step for m in chosen)])
+        left = self._prev_ids - ids
         self._prev = quorum
         self._prev_ids = ids
         self.quorums_issued += 1
+        self._epochs.issued(chosen, self._max_step, now, left=left, heartbeating=self._heartbeats)
 
         # Members are served; those left out wait for the next quorum.
-        remaining = {rid: p for rid, p in self._participants.items() if rid not in ids}
-        self._participants = remaining
-        self._healthy_participants = self._healthy_prev_participants = self._healthy_shrink_only = 0
-        self._healthy_up_to_date = self._healthy_prev_up_to_date = 0
-        for rid, participant in remaining.items():
+        self._participants = {rid: p for rid, p in self._participants.items() if rid not in ids}
+        for participant in self._participants.values():
             participant.joined_at = now
-            if rid in heartbeats:
-                self._count(participant.member, +1)
+        self._recount()
         return quorum

@@ -3,7 +3,9 @@
 The quorum rules live in :mod:`lighthouse.quorum`; this module converts wire
 messages to plain data, keeps the state on the event loop (the only thread that
 touches it, so no lock), re-evaluates on every Quorum call and every
-``quorum_tick``, and hands each issued quorum to its waiting callers.
+``quorum_tick``, and hands each issued quorum to its waiting callers. A
+replica from before a new epoch of the job (see :mod:`lighthouse.epochs`) gets
+FAILED_PRECONDITION; the epoch's lower step is saved to the state directory.
 
 A quorum's response is serialized once and the same bytes go to every member,
 so issuing to n members costs one serialization, not n.
@@ -21,10 +23,12 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from lighthouse.config import LighthouseConfig
+from lighthouse.decision_log import DecisionLog, preview
+from lighthouse.epochs import StaleReplica, resumed_from_of
 from lighthouse.fencing import QuorumIdStore
 from lighthouse.leases import LeaseTable
 from lighthouse.protocol import torchft_pb2 as pb
-from lighthouse.quorum import Decision, IssuedQuorum, Member, QuorumState, Status
+from lighthouse.quorum import Epoch, IssuedQuorum, Member, QuorumState, Status
 from lighthouse.rpc.addresses import split_host_port
 from lighthouse.rpc.broadcast import Broadcast
 from lighthouse.rpc.engines import Service, start_service
@@ -67,12 +71,11 @@ class LighthouseServer:
         self._failure_subscribers = Broadcast(MAX_FAILURE_BACKLOG)
         self._leases = LeaseTable()
         self._stopping = False
-        self._last_decision = Decision(Status.NO_PARTICIPANTS, "no participants yet")
-        self._status_since = clock()
-        self._status_logged = False
+        self._decisions = DecisionLog(clock())
         self._quorum_created_wall: float | None = None
         self._started_at = clock()
-        self._counts = dict(quorum_requests=0, heartbeats=0, invalid_requests=0, expired_replicas=0, id_changes=0)
+        self._counts = dict(quorum_requests=0, heartbeats=0, invalid_requests=0, expired_replicas=0, id_changes=0,
+                            fenced_requests=0)
         self._last_formation: float | None = None
         self._formation_observers: list[Callable[[float], None]] = []
         self._published_id: int | None = None
@@ -137,10 +140,11 @@ class LighthouseServer:
         grace = self._state.config.startup_grace
         logger.info(
             "lighthouse serving gRPC (%s engine) on %s (port %d)%s; min_replicas=%d join_timeout=%.1fs heartbeat_timeout=%.1fs "
-            "first quorum id will be > %d; %s",
+            "holder_timeout=%.1fs; highest step reached %d; first quorum id will be > %d; %s",
             self.config.grpc_engine, self.config.bind, self._grpc_port,
             f", HTTP on port {self._http_port}" if self._http_port is not None else ", HTTP disabled",
-            self.config.min_replicas, self.config.join_timeout, self.config.heartbeat_timeout, self._state.quorum_id,
+            self.config.min_replicas, self.config.join_timeout, self.config.heartbeat_timeout,
+            self.config.holder_timeout, self._state.max_step, self._state.quorum_id,
             "first start: no startup grace" if self._restart_evidence is None
             else f"restarted ({self._restart_evidence}): startup grace of {grace:.1f}s before the first quorum",
         )
@@ -148,10 +152,8 @@ class LighthouseServer:
     async def _shutdown(self) -> None:
         self._stopping = True  # lease streams ending now are our doing, not their replicas dying
         self._ids.keep_max_step(self._state.max_step, self._clock(), force=True)
-        for futures in self._waiters.values():
-            for fut in futures:
-                if not fut.done():
-                    fut.set_exception(_Shutdown())
+        for replica_id in list(self._waiters):
+            self._fail_waiters(replica_id, _Shutdown())
         if self._http is not None:
             await self._http.cleanup()
             self._http = None
@@ -224,22 +226,33 @@ class LighthouseServer:
         replica_id = requester.replica_id
         await self._valid_replica_id(replica_id, "requester.replica_id", context)
         self._counts["quorum_requests"] += 1
+        member = Member(replica_id, requester.shrink_only, requester.commit_failures, payload=requester,
+                        step=requester.step, resumed_from=resumed_from_of(requester.data))
+        try:
+            self._state.join(member, self._clock())
+        except StaleReplica as exc:
+            self._refuse_stale(exc)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         self._known[replica_id] = requester
         future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self._waiters.setdefault(replica_id, []).append(future)
-        member = Member(replica_id, requester.shrink_only, requester.commit_failures, payload=requester,
-                        step=requester.step)
-        self._state.join(member, self._clock())
         self._decide()
         try:
             return await future
         except _Shutdown:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "lighthouse is shutting down")
+        except StaleReplica as exc:  # dropped as from before an epoch while it waited
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except asyncio.CancelledError:
             logger.debug("Quorum call of %s cancelled (client gone or deadline passed)", replica_id)
             raise
         finally:
             self._forget_waiter(replica_id, future)
+
+    def _fail_waiters(self, replica_id: str, error: Exception) -> None:
+        for future in self._waiters.get(replica_id, ()):
+            if not future.done():
+                future.set_exception(error)
 
     def _forget_waiter(self, replica_id: str, future: asyncio.Future[bytes]) -> None:
         waiting = self._waiters.get(replica_id)
@@ -316,32 +329,12 @@ class LighthouseServer:
         decision, expired = self._state.decide(now)
         if expired:
             self._on_expired(expired)
-        self._note(decision, now)
+        if decision.epoch is not None:
+            self._on_epoch(decision.epoch, decision.fenced, now)
+        self._decisions.note(decision, now)
         if decision.quorum is not None:
             self._publish(decision.quorum, now - first_joined if first_joined is not None else 0.0)
-            # Show what the next round is waiting for, not the decision just served.
-            self._last_decision = self._state.evaluate(now)
-            self._status_since, self._status_logged = now, False
-
-    def _note(self, decision: Decision, now: float) -> None:
-        """Log the decision's reason when it changes.
-
-        Every round passes through waiting states until the members rejoin, so
-        changes are DEBUG; a wait with participants that lasts over a second is
-        logged once at INFO (that is when someone wants to know why). "No
-        participants" is the idle state between steps and stays DEBUG.
-        """
-        previous = self._last_decision
-        self._last_decision = decision
-        if decision.status != previous.status:
-            self._status_since, self._status_logged = now, False
-            logger.debug("quorum status: %s", decision.reason)
-        elif (not decision.ready and decision.status is not Status.NO_PARTICIPANTS
-              and not self._status_logged and now - self._status_since > 1.0):
-            self._status_logged = True
-            logger.info("quorum status: %s", decision.reason)
-        elif decision.reason != previous.reason:
-            logger.debug("quorum status: %s", decision.reason)
+            self._decisions.restart(self._state.evaluate(now), now)
 
     def _publish(self, quorum: IssuedQuorum, formation: float) -> None:
         previous = self._previous_ids
@@ -363,21 +356,41 @@ class LighthouseServer:
             for future in self._waiters.get(replica_id, ()):
                 if not future.done():
                     future.set_result(response)
-        ids = set(quorum.replica_ids)
-        self._previous_ids = ids
-        if changed or ids != previous:
-            joined, left = sorted(ids - previous), sorted(previous - ids)
-            logger.info(
-                "quorum %d issued with %d members (%s%s%s) after %.3fs: %s",
-                quorum.quorum_id, len(ids), _preview(quorum.replica_ids),
-                f"; joined {_preview(joined)}" if joined else "", f"; left {_preview(left)}" if left else "",
-                formation, self._last_decision.reason,
-            )
-        else:
-            logger.debug("quorum %d reissued with %d members after %.3fs", quorum.quorum_id, len(ids), formation)
+        ids = self._previous_ids = set(quorum.replica_ids)
+        self._decisions.issued(quorum, previous, changed, formation)
         for replica_id in previous - ids:
             self._prune_known(replica_id)
         self._ids.keep_max_step(self._state.max_step, self._clock())
+
+    def _on_epoch(self, epoch: Epoch, fenced: tuple[Member, ...], now: float) -> None:
+        self._ids.reset_max_step(epoch.to_step, now)  # a restart must not block on the old step again
+        logger.warning(
+            "epoch %d of the job starts: the highest step a quorum reached goes from %d down to %d because %s; "
+            "the next quorum gets a new id, and replicas above step %d that were in no quorum since are refused",
+            epoch.number, epoch.from_step, epoch.to_step, epoch.reason, epoch.to_step,
+        )
+        for member in fenced:
+            self._refuse_stale(StaleReplica(member.replica_id, member.step, epoch.to_step, epoch))
+
+    def _refuse_stale(self, error: StaleReplica) -> None:
+        """Count and log a replica from before the epoch; its waiting Quorum calls fail with ``error``."""
+        self._counts["fenced_requests"] += 1
+        logger.warning("refused replica %s at step %d: %s", error.replica_id, error.step, error)
+        self._fail_waiters(error.replica_id, error)
+        self._prune_known(error.replica_id)
+
+    def request_epoch(self, requested_by: str) -> Epoch | None:
+        """An operator's action: start a new epoch now if the stale-quorum guard holds participants back.
+
+        Returns the epoch started, or None when nothing was blocked (then nothing is kept for later).
+        """
+        self._decide()
+        if self._decisions.current.status is not Status.BEHIND_COMMITTED:
+            return None
+        before = self._state.epoch
+        self._state.request_epoch(f"an operator asked for it ({requested_by})")
+        self._decide()
+        return None if self._state.epoch is before else self._state.epoch
 
     def _on_expired(self, expired: list[str]) -> None:
         self._counts["expired_replicas"] += len(expired)
@@ -385,7 +398,7 @@ class LighthouseServer:
         if in_quorum:
             logger.info(
                 "heartbeat expired for %d replicas of quorum %d: %s",
-                len(in_quorum), self._state.quorum_id, _preview(in_quorum),
+                len(in_quorum), self._state.quorum_id, preview(in_quorum),
             )
         for replica_id in expired:
             self._notify_gone(replica_id, f"no heartbeat for {self.config.heartbeat_timeout:.1f}s")
@@ -404,7 +417,7 @@ class LighthouseServer:
     def statistics(self) -> LighthouseStatistics:
         now = self._clock()
         prev = self._state.previous_quorum
-        decision = self._last_decision
+        decision = self._decisions.current
         return LighthouseStatistics(
             quorum_id=self._state.quorum_id,
             quorum_members=len(prev.members) if prev else 0,
@@ -424,6 +437,9 @@ class LighthouseServer:
             leases_ended=self._leases.broken,
             last_formation_seconds=self._last_formation,
             uptime=now - self._started_at,
+            max_step=self._state.max_step,
+            epochs=0 if self._state.epoch is None else self._state.epoch.number,
+            fenced_requests=self._counts["fenced_requests"],
         )
 
     def add_formation_observer(self, observe: Callable[[float], None]) -> None:
@@ -442,9 +458,3 @@ class LighthouseServer:
 
 class _Shutdown(Exception):
     """Resolves waiting Quorum calls when the server stops."""
-
-
-def _preview(ids, limit: int = 8) -> str:
-    ids = list(ids)
-    shown = ", ".join(ids[:limit])
-    return shown + (f", ... {len(ids) - limit} more" if len(ids) > limit else "")

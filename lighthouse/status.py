@@ -6,7 +6,7 @@ import datetime
 from dataclasses import asdict
 
 from lighthouse.protocol import torchft_pb2 as pb
-from lighthouse.quorum import QuorumState
+from lighthouse.quorum import Epoch, QuorumState
 from lighthouse.view import LighthouseView
 
 
@@ -23,6 +23,14 @@ def _member_row(member: pb.QuorumMember | None, replica_id: str) -> dict:
         "commit_failures": member.commit_failures,
         "data": member.data,
     }
+
+
+def epoch_row(epoch: Epoch | None, now: float) -> dict | None:
+    """The current epoch as /api/status shows it (None before the first this process started)."""
+    if epoch is None:
+        return None
+    return {"number": epoch.number, "from_step": epoch.from_step, "to_step": epoch.to_step, "reason": epoch.reason,
+            "age_s": now - epoch.started_at}
 
 
 def build_status(
@@ -76,9 +84,11 @@ def build_status(
             "join_timeout_s": config.join_timeout,
             "heartbeat_timeout_s": config.heartbeat_timeout,
             "quorum_tick_s": config.quorum_tick,
+            "holder_timeout_s": config.holder_timeout,
             "admin_enabled": config.admin_token is not None,
         },
         "status": {"state": stats.status, "reason": stats.reason},
+        "epoch": epoch_row(state.epoch, now),
         "quorum": None if prev is None else {
             "quorum_id": prev.quorum_id,
             "age_s": now - prev.issued_at,

@@ -1,4 +1,4 @@
-"""A running lighthouse as its HTTP side sees it: the status page, /metrics and the admin kill.
+"""A running lighthouse as its HTTP side sees it: the status page, /metrics and the admin actions.
 
 Those modules take a :class:`LighthouseView` (``LighthouseServer`` is one)
 rather than importing the server, which imports them to start HTTP.
@@ -11,6 +11,7 @@ from typing import Callable, Protocol
 
 from lighthouse.config import LighthouseConfig
 from lighthouse.protocol import torchft_pb2 as pb
+from lighthouse.quorum_data import Epoch
 
 __all__ = ["LighthouseStatistics", "LighthouseView"]
 
@@ -37,6 +38,12 @@ class LighthouseStatistics:
     leases_ended: int
     last_formation_seconds: float | None
     uptime: float
+    max_step: int
+    """The highest step a quorum reached (the stale-quorum guard's)."""
+    epochs: int
+    """New epochs of the job this process started (the current epoch's number)."""
+    fenced_requests: int
+    """Quorum calls refused as from before the current epoch."""
 
 
 class LighthouseView(Protocol):
@@ -61,3 +68,6 @@ class LighthouseView(Protocol):
 
     def known_member(self, replica_id: str) -> pb.QuorumMember | None:
         """The last Quorum request of a replica still worth showing (None for one the lighthouse forgot)."""
+
+    def request_epoch(self, requested_by: str) -> Epoch | None:
+        """Start a new epoch now if the stale-quorum guard holds participants back; None when nothing is blocked."""

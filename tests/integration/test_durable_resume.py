@@ -56,7 +56,7 @@ def reference_run(tmp_path: Path, ranks: int) -> dict[tuple[int, int, int], str]
     return sums
 
 
-@pytest.mark.parametrize("lighthouse_dies", [True], ids=["lighthouse-killed-too"])
+@pytest.mark.parametrize("lighthouse_dies", [True, False], ids=["lighthouse-killed-too", "lighthouse-lives-on"])
 def test_whole_job_killed_resumes_bit_identically(tmp_path, lighthouse_dies):
     # Two ranks per group where the lighthouse dies too: each rank holds its own state (group rank r of
     # every group is one data-parallel ring), so each rank's file must come back to that rank.
@@ -96,6 +96,9 @@ def test_whole_job_killed_resumes_bit_identically(tmp_path, lighthouse_dies):
         for group_id in range(2):
             log = (run / f"group{group_id}.1.0.log").read_text()  # both runs append to it
             assert f"resumed from step {newest}" in log
+        if not lighthouse_dies:  # it held a higher step: the groups' resumed_from started a new epoch at once
+            log = (run / "lighthouse.log").read_text()
+            assert f"down to {newest} because" in log and "resumed" in log, log[-2000:]
         writers = {info.writer.split(":")[0] for info in layout.complete()}
         assert len(writers) == 1  # one group writes each checkpoint
     finally:

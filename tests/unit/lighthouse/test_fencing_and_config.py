@@ -52,6 +52,15 @@ class TestQuorumIdStore:
         store.keep_max_step(6, now=20.0)  # not a new high
         assert QuorumIdStore(tmp_path).initial_max_step() == 7
 
+    def test_a_new_epoch_lowers_the_kept_step_at_once(self, tmp_path):
+        store = QuorumIdStore(tmp_path)
+        store.keep_max_step(300, now=10.0)
+        store.reset_max_step(0, now=10.2)  # within the second, and lower: written anyway
+        assert QuorumIdStore(tmp_path).initial_max_step() == 0
+        assert not (tmp_path / "max_step.tmp").exists()
+        store.keep_max_step(5, now=11.5)  # a new high of the new epoch is kept again
+        assert QuorumIdStore(tmp_path).initial_max_step() == 5
+
     def test_corrupt_state_file_is_a_clear_error(self, tmp_path):
         (tmp_path / "last_quorum_id").write_text("garbage")
         with pytest.raises(ValueError, match="does not hold a quorum id"):
@@ -74,6 +83,18 @@ class TestConfig:
     def test_defaults_match_torchft(self):
         c = self.parse("--min_replicas", "1")
         assert (c.bind, c.join_timeout, c.quorum_tick, c.heartbeat_timeout) == ("[::]:29510", 60.0, 0.1, 5.0)
+
+    def test_holder_timeout_flag_in_milliseconds_reaches_the_quorum_rules(self):
+        assert self.parse("--min_replicas", "1").holder_timeout == 30.0
+        c = self.parse("--min_replicas", "1", "--holder-timeout-ms", "1500")
+        assert c.holder_timeout == 1.5 and c.quorum_config().holder_timeout == 1.5
+        assert self.parse("--min_replicas", "1", "--holder_timeout_ms", "2000").holder_timeout == 2.0
+        assert c.advertised()["holder_timeout_ms"] == "1500"
+
+    @pytest.mark.parametrize("value", ["0", "-1"])
+    def test_holder_timeout_must_be_positive(self, value):
+        with pytest.raises(ValueError, match="holder_timeout"):
+            self.parse("--min_replicas", "1", "--holder_timeout_ms", value)
 
     def test_admin_token_from_env_and_http_off(self):
         c = self.parse("--min_replicas", "1", "--http-bind", "off", environ={"TORCHFT_LITE_ADMIN_TOKEN": "t"})

@@ -234,6 +234,10 @@ class TestConfig:
             (dict(min_replicas=1, join_timeout=-1), "join_timeout"),
             (dict(min_replicas=1, heartbeat_timeout=0), "heartbeat_timeout"),
             (dict(min_replicas=1, heartbeat_timeout=float("nan")), "heartbeat_timeout"),
+            (dict(min_replicas=1, holder_timeout=0), "holder_timeout must be > 0"),
+            (dict(min_replicas=1, holder_timeout=-1.0), "holder_timeout"),
+            (dict(min_replicas=1, holder_timeout=float("inf")), "holder_timeout"),
+            (dict(min_replicas=1, holder_timeout="30"), "holder_timeout"),
         ],
     )
     def test_bad_config_raises_value_error(self, kwargs, message):

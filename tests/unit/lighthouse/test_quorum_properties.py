@@ -1,10 +1,11 @@
 """Property-based tests of the quorum rules: random sequences of inputs, checked against an independent model.
 
 Each example draws a config and a sequence of heartbeats, joins (random replica
-ids, steps, ``shrink_only``, commit failures), leaves, forgets, clock advances
-and decisions, and feeds them to one :class:`QuorumState` with literal
-timestamps. A model written from the rules in the module docstring (no
-incremental counters: every set is recomputed) follows the same inputs.
+ids, steps, ``shrink_only``, commit failures, resumed from a checkpoint or not),
+leaves, forgets, clock advances, operators' epoch requests and decisions, and
+feeds them to one :class:`QuorumState` with literal timestamps. A model
+written from the rules in the module docstrings (no incremental counters: every
+set is recomputed) follows the same inputs.
 
 What is checked, because ``lighthouse/quorum.py`` promises it:
 
@@ -31,7 +32,15 @@ What is checked, because ``lighthouse/quorum.py`` promises it:
   step an earlier quorum reached (or the persisted one), as long as a
   replica id never reports a lower step than it did before (ids are per
   process incarnation and steps only advance; a fast quorum does not look at
-  steps, so it relies on that).
+  steps, so it relies on that);
+* new epochs (``lighthouse/epochs.py``): the guard gives way exactly when the
+  holders of the highest step were not seen for the holder timeout, when every
+  eligible participant resumed from a checkpoint and no holder is healthy, or
+  on an operator's request, and then to the eligible participants' highest
+  step; the epoch's first quorum has a new id; afterwards a join above the
+  highest step from an id in none of the quorums since (kept while heartbeating
+  or in the last quorum) is refused, and that id's heartbeats are ignored until
+  it joins at an accepted step; the incremental counters equal a recount.
 """
 
 from __future__ import annotations
@@ -39,10 +48,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from lighthouse.quorum import IssuedQuorum, Member, QuorumConfig, QuorumState, Status
+from lighthouse.quorum import IssuedQuorum, Member, QuorumConfig, QuorumState, StaleReplica, Status
 
 REPLICAS = [f"r{i}" for i in range(7)]
 
@@ -56,6 +66,7 @@ configs = st.builds(
     join_timeout=st.sampled_from([0.0, 0.0, 0.5, 2.0, 30.0]),
     heartbeat_timeout=st.sampled_from([0.5, 1.0, 3.0]),
     startup_grace=st.sampled_from([0.0, 0.0, 0.0, 1.0]),
+    holder_timeout=st.sampled_from([0.5, 2.0, 5.0, 30.0]),
 )
 
 replica_ids = st.sampled_from(REPLICAS)
@@ -70,6 +81,10 @@ joins = st.tuples(
 _BY_KIND = {
     "join": joins,
     "join_all": st.tuples(st.just("join_all"), step_increases, st.sampled_from([False, False, False, True])),
+    # (re)joins advertising the checkpoint it resumed from: just now (resumed_from == step), or steps ago
+    "resume": st.tuples(st.just("resume"), replica_ids, st.sampled_from([0, 0, 1, 3]), step_increases),
+    "resume_all": st.tuples(st.just("resume_all"), st.sampled_from([0, 0, 0, 1]), step_increases),
+    "request_epoch": st.just(("request_epoch",)),
     "heartbeat_all": st.just(("heartbeat_all",)),
     "heartbeat": st.tuples(st.just("heartbeat"), replica_ids),
     "leave": st.tuples(st.just("leave"), replica_ids),
@@ -80,7 +95,7 @@ _BY_KIND = {
 }
 # Weighted by repetition: mostly joins, decisions and short waits, as in a run.
 _KINDS = ["join"] * 6 + ["join_all"] * 2 + ["heartbeat_all"] * 2 + ["heartbeat", "leave", "forget"] \
-    + ["advance"] * 3 + ["long_advance"] + ["decide"] * 5
+    + ["advance"] * 3 + ["long_advance"] + ["decide"] * 5 + ["resume", "resume_all", "request_epoch"]
 operations = st.sampled_from(_KINDS).flatmap(_BY_KIND.__getitem__)
 histories = st.lists(operations, min_size=25, max_size=80)
 
@@ -106,21 +121,46 @@ class Model:
     prev: IssuedQuorum | None = None
     members_by_id: dict[int, frozenset[str]] = field(default_factory=dict)
     issued: list[tuple[IssuedQuorum, Status, frozenset[str]]] = field(default_factory=list)
+    # new epochs (lighthouse/epochs.py)
+    holders: frozenset[str] = frozenset()
+    holders_seen_at: float = 0.0  # set to started_at by run()
+    epoch: int = 0
+    epoch_range: tuple[int, int] | None = None  # (from_step, to_step) of the latest
+    new_id_due: bool = False
+    admitted: set[str] = field(default_factory=set)  # in a quorum since the epoch (while heartbeating or in the last)
+    fenced: set[str] = field(default_factory=set)
+    requested: bool = False
 
     def healthy(self, now: float) -> set[str]:
         return {rid for rid, last in self.last_heartbeat.items() if now - last < self.config.heartbeat_timeout}
 
+    @property
+    def prev_ids(self) -> set[str]:
+        return set(self.prev.replica_ids) if self.prev else set()
+
     def heartbeat(self, rid: str, now: float) -> None:
+        if rid in self.fenced:
+            return
+        if rid in self.holders:
+            self.holders_seen_at = now
         self.last_heartbeat[rid] = now
 
-    def join(self, member: Member, now: float) -> None:
-        self.heartbeat(member.replica_id, now)
-        self.reported_step[member.replica_id] = member.step
+    def join(self, member: Member, now: float) -> bool:
+        """Returns whether the join is refused (the replica is from before the epoch)."""
+        rid = member.replica_id
+        self.reported_step[rid] = member.step
+        if self.epoch > 0 and member.step > self.max_step and rid not in self.admitted:
+            self.forget(rid)
+            self.fenced.add(rid)
+            return True
+        self.fenced.discard(rid)
+        self.heartbeat(rid, now)
         old = self.waiting.get(member.replica_id)
         if old is None:
             self.waiting[member.replica_id] = _Waiting(member, now)
         else:
             old.member = member  # a retry keeps its join time
+        return False
 
     def leave(self, rid: str) -> None:
         self.waiting.pop(rid, None)
@@ -128,11 +168,51 @@ class Model:
     def forget(self, rid: str) -> None:
         self.last_heartbeat.pop(rid, None)
         self.waiting.pop(rid, None)
+        self._prune_admitted()
 
     def expire(self, now: float) -> None:
         for rid in list(self.last_heartbeat):
             if now - self.last_heartbeat[rid] >= self.config.heartbeat_timeout:
                 del self.last_heartbeat[rid]
+        self._prune_admitted()
+
+    def _prune_admitted(self) -> None:
+        self.admitted &= self.last_heartbeat.keys() | self.prev_ids
+
+    def eligible(self, now: float) -> list[Member]:
+        healthy = self.healthy(now)
+        joined = [w.member for rid, w in self.waiting.items() if rid in healthy]
+        if self.prev is not None and any(m.shrink_only for m in joined):
+            return [m for m in joined if m.replica_id in self.prev_ids]
+        return joined
+
+    def decide(self, now: float) -> tuple[Status, bool, set[str]]:
+        """(status, whether an epoch started, the participants it dropped): call after :meth:`expire`."""
+        status = self.status(now)
+        requested, self.requested = self.requested, False
+        if status is not Status.BEHIND_COMMITTED:
+            return status, False, set()
+        cfg = self.config
+        eligible = self.eligible(now)
+        unseen = now - self.holders_seen_at
+        all_resumed = all(m.resumed_from == m.step for m in eligible)
+        if not (requested or unseen >= max(cfg.holder_timeout, cfg.heartbeat_timeout)
+                or (all_resumed and unseen >= cfg.heartbeat_timeout)):
+            return status, False, set()
+        to_step = max([0] + [m.step for m in eligible])
+        assert to_step < self.max_step
+        self.epoch += 1
+        self.epoch_range = (self.max_step, to_step)
+        self.max_step = to_step
+        self.holders = frozenset(m.replica_id for m in eligible if m.step >= to_step)
+        self.holders_seen_at = now
+        self.admitted = set()
+        self.new_id_due = True
+        dropped = {rid for rid, w in self.waiting.items() if w.member.step > to_step}
+        for rid in dropped:
+            self.forget(rid)
+            self.fenced.add(rid)
+        return self.status(now), True, dropped
 
     def status(self, now: float) -> Status:
         """The decision of the rules at ``now`` (after expiry), every set recomputed."""
@@ -195,7 +275,7 @@ def check_issued(model: Model, quorum: IssuedQuorum, status: Status, now: float,
     else:
         assert quorum.quorum_id >= prev.quorum_id
         same = set(ids) == set(prev.replica_ids) and not any(m.commit_failures > 0 for m in quorum.members)
-        assert (quorum.quorum_id == prev.quorum_id) == same
+        assert (quorum.quorum_id == prev.quorum_id) == (same and not model.new_id_due)
     members = frozenset(ids)
     assert model.members_by_id.setdefault(quorum.quorum_id, members) == members, "one quorum id, two memberships"
 
@@ -216,7 +296,14 @@ def check_issued(model: Model, quorum: IssuedQuorum, status: Status, now: float,
 
     model.issued.append((quorum, status, frozenset(healthy)))
     model.max_step = max(model.max_step, highest)
+    model.new_id_due = False
+    holders = frozenset(m.replica_id for m in quorum.members if m.step >= model.max_step)
+    if holders:
+        model.holders, model.holders_seen_at = holders, now
+    if model.epoch > 0:
+        model.admitted |= set(ids)
     model.prev = quorum
+    model._prune_admitted()
     for rid in ids:
         del model.waiting[rid]
     for waiting in model.waiting.values():
@@ -232,14 +319,46 @@ def check_counters(state: QuorumState, model: Model) -> None:
     assert {rid for rid, _ in state.heartbeats()} <= model.last_heartbeat.keys()
     assert state.num_healthy_participants == sum(1 for rid in participants if state.is_heartbeating(rid))
     assert state.max_step == model.max_step
+    assert {rid for rid, _ in state.heartbeats()} == model.last_heartbeat.keys()
+    assert (0 if state.epoch is None else state.epoch.number) == model.epoch
+    if state.epoch is not None:
+        assert (state.epoch.from_step, state.epoch.to_step) == model.epoch_range
+    assert state.epochs.holders == model.holders and state.epochs.holders_seen_at == model.holders_seen_at
+    for rid in REPLICAS:
+        assert state.epochs.is_fenced(rid) == (rid in model.fenced), rid
+        assert state.epochs.is_admitted(rid) == (rid in model.admitted), rid
+    check_recount(state)
+
+
+def check_recount(state: QuorumState) -> None:
+    """The incremental counters equal a count from scratch over the state's own sets."""
+    prev = state.previous_quorum
+    prev_ids = set(prev.replica_ids) if prev else set()
+    healthy = [m for m, _ in state.participants() if state.is_heartbeating(m.replica_id)]
+    in_prev = [m for m in healthy if m.replica_id in prev_ids]
+    resumed = [m for m in healthy if m.resumed_from is not None and m.resumed_from == m.step]
+    assert (state._healthy_participants, state._healthy_prev_participants, state._healthy_shrink_only,
+            state._healthy_up_to_date, state._healthy_prev_up_to_date,
+            state._healthy_resumed, state._healthy_prev_resumed) == (
+        len(healthy), len(in_prev), sum(m.shrink_only for m in healthy),
+        sum(m.step >= state.max_step for m in healthy), sum(m.step >= state.max_step for m in in_prev),
+        len(resumed), sum(m.replica_id in prev_ids for m in resumed))
 
 
 def run(config: QuorumConfig, ops, *, started_at: float = 0.0, seed_id: int = 0, persisted_step: int = 0,
         monotone_steps: bool = True, restarted: bool = True) -> Model:
     state = QuorumState(config, last_quorum_id=seed_id, started_at=started_at, max_step=persisted_step,
                         restart_evidence="a restart in a property test" if restarted else None)
-    model = Model(config, started_at, restarted, seed_id, persisted_step)
+    model = Model(config, started_at, restarted, seed_id, persisted_step, holders_seen_at=started_at)
     now = started_at
+
+    def join(member: Member) -> None:
+        if model.join(member, now):
+            with pytest.raises(StaleReplica):
+                state.join(member, now)
+        else:
+            state.join(member, now)
+
     for op in ops:
         kind = op[0]
         if kind == "heartbeat":
@@ -249,14 +368,19 @@ def run(config: QuorumConfig, ops, *, started_at: float = 0.0, seed_id: int = 0,
             _, rid, increase, shrink_only, failures = op
             step = model.reported_step.get(rid, 0) + increase if monotone_steps else increase
             member = Member(rid, shrink_only, failures, payload=("request", len(model.issued), now), step=step)
-            state.join(member, now)
-            model.join(member, now)
+            join(member)
         elif kind == "join_all":  # every healthy replica (re)joins, as after a step
             for rid in sorted(model.healthy(now)):
                 step = model.reported_step.get(rid, 0) + op[1] if monotone_steps else op[1]
-                member = Member(rid, op[2], payload=("rejoin", now), step=step)
-                state.join(member, now)
-                model.join(member, now)
+                join(Member(rid, op[2], payload=("rejoin", now), step=step))
+        elif kind in ("resume", "resume_all"):
+            for rid in [op[1]] if kind == "resume" else sorted(model.healthy(now)):
+                committed_since, increase = op[-2:]
+                step = model.reported_step.get(rid, 0) + increase if monotone_steps else increase
+                join(Member(rid, payload=("resumed", now), step=step, resumed_from=max(0, step - committed_since)))
+        elif kind == "request_epoch":
+            state.request_epoch("an operator asked for it (property test)")
+            model.requested = True
         elif kind == "heartbeat_all":  # the background heartbeats of every healthy replica
             for rid in sorted(model.healthy(now)):
                 state.heartbeat(rid, now)
@@ -272,16 +396,18 @@ def run(config: QuorumConfig, ops, *, started_at: float = 0.0, seed_id: int = 0,
             now += op[1]
         elif kind == "decide":
             before = {rid for rid, _ in state.heartbeats()}
-            expected_status = model.status(now)
             decision, expired = state.decide(now)
             # expiry: exactly the entries whose heartbeat is too old, each once
             assert set(expired) == {rid for rid in before if rid not in model.healthy(now)}
             assert len(expired) == len(set(expired))
             model.expire(now)
+            expected_status, epoch_started, dropped = model.decide(now)
+            assert (decision.epoch is not None) == epoch_started, (decision.epoch, decision.reason)
+            assert {m.replica_id for m in decision.fenced} == dropped
             assert decision.status is expected_status, (decision.status, expected_status, decision.reason)
             assert decision.reason
             assert decision.ready == (decision.quorum is not None)
-            if decision.status in (Status.WAITING_FOR_STRAGGLERS, Status.STARTUP_GRACE):
+            if decision.status in (Status.WAITING_FOR_STRAGGLERS, Status.STARTUP_GRACE, Status.BEHIND_COMMITTED):
                 assert decision.wake_at is not None and decision.wake_at > now
             if decision.quorum is not None:
                 check_issued(model, decision.quorum, decision.status, now, monotone_steps)

@@ -1,0 +1,68 @@
+"""What the lighthouse is waiting for now, and which changes of it are worth a log line.
+
+Every round passes through waiting states until the members rejoin, so a
+change of decision is DEBUG; a wait with participants that lasts over a
+second is logged once at INFO (that is when someone wants to know why). "No
+participants" is the idle state between steps and stays DEBUG. An issued
+quorum is INFO when its id or membership changed, DEBUG otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable
+
+from lighthouse.quorum import Decision, IssuedQuorum, Status
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DecisionLog", "preview"]
+
+
+class DecisionLog:
+    """The current decision (for the views) and since when it holds."""
+
+    def __init__(self, now: float) -> None:
+        self.current = Decision(Status.NO_PARTICIPANTS, "no participants yet")
+        self._since = now
+        self._logged = False
+
+    def note(self, decision: Decision, now: float) -> None:
+        """``decision`` is what the rules said at ``now``: keep it, and log it if it is worth it."""
+        previous = self.current
+        self.current = decision
+        if decision.status != previous.status:
+            self._since, self._logged = now, False
+            logger.debug("quorum status: %s", decision.reason)
+        elif (not decision.ready and decision.status is not Status.NO_PARTICIPANTS
+              and not self._logged and now - self._since > 1.0):
+            self._logged = True
+            logger.info("quorum status: %s", decision.reason)
+        elif decision.reason != previous.reason:
+            logger.debug("quorum status: %s", decision.reason)
+
+    def restart(self, decision: Decision, now: float) -> None:
+        """A quorum was just served: show what the next round waits for (``decision``), counting from ``now``."""
+        self.current = decision
+        self._since, self._logged = now, False
+
+    def issued(self, quorum: IssuedQuorum, previous: set[str], changed: bool, formation: float) -> None:
+        """Log ``quorum`` (its id ``changed``; ``previous``: the members before) with the reason it was issued."""
+        ids = set(quorum.replica_ids)
+        if changed or ids != previous:
+            joined, left = sorted(ids - previous), sorted(previous - ids)
+            logger.info(
+                "quorum %d issued with %d members (%s%s%s) after %.3fs: %s",
+                quorum.quorum_id, len(ids), preview(quorum.replica_ids),
+                f"; joined {preview(joined)}" if joined else "", f"; left {preview(left)}" if left else "",
+                formation, self.current.reason,
+            )
+        else:
+            logger.debug("quorum %d reissued with %d members after %.3fs", quorum.quorum_id, len(ids), formation)
+
+
+def preview(ids: Iterable[str], limit: int = 8) -> str:
+    """The first ``limit`` ids, comma-separated, and how many more."""
+    ids = list(ids)
+    shown = ", ".join(ids[:limit])
+    return shown + (f", ... {len(ids) - limit} more" if len(ids) > limit else "")

@@ -1,0 +1,195 @@
+"""The stale-quorum guard's bounded way out: holders of the highest step, and new epochs of the job.
+
+The guard (:mod:`lighthouse.quorum`) keeps participants that are all behind
+``max_step``, the highest step a quorum reached, from forming a quorum while a
+replica holding that step may come back. This module tells "may come back"
+from "gone", and fences what comes back too late:
+
+* **Holders**: the members of the last issued quorum at the new ``max_step``.
+  ``holders_seen_at`` is the last time one of them was seen: the quorum's issue,
+  then every heartbeat or join of a holder id. A lighthouse that restored
+  ``max_step`` from its state directory knows no holders and counts from its
+  start.
+* **New epoch**: while the guard blocks (with at least ``min_replicas``
+  eligible participants), it gives way when (a) no holder was seen for
+  ``holder_timeout`` (nor for ``heartbeat_timeout``, if that is longer: never
+  while a holder may be healthy); (b) every eligible participant just resumed
+  from a durable checkpoint (its ``resumed_from`` equals its step) and no
+  holder is healthy (none seen within ``heartbeat_timeout``); or (c) an
+  operator asked for it (the request counts for the next decision only).
+  ``max_step`` drops to the highest step among the eligible participants (0
+  at least) and the next quorum gets a new id, as after a restart.
+* **Fence**: after an epoch started in this process, a replica that reports a
+  step above ``max_step`` and was in none of the quorums issued since the epoch
+  began is from before it (say, a partitioned holder coming back): its join
+  raises :class:`StaleReplica` instead of making it everyone's heal source, and
+  its heartbeats are ignored until it joins at a step the rules accept, so it
+  does not count as a healthy replica either.
+
+Bounded memory: the ids admitted since the epoch are kept only while
+heartbeating or in the last quorum (one that is neither and later comes back
+above ``max_step`` is refused and restarts: it loses nothing but the restart,
+as it heals from the others); the fenced ids are the newest ``MAX_FENCED``
+(an older one's heartbeats count again, its Quorum calls are still refused).
+
+Pure data and rules, no clock: times are the caller's monotonic seconds.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from typing import Container, Iterable
+
+from lighthouse.quorum_data import Epoch, Member
+
+__all__ = ["MAX_FENCED", "RESUMED_FROM_KEY", "EpochBook", "StaleReplica", "resumed_from_of"]
+
+MAX_FENCED = 1024
+RESUMED_FROM_KEY = "resumed_from"
+_INT64_MAX = 2**63 - 1
+
+
+def resumed_from_of(data: str) -> int | None:
+    """The ``resumed_from`` step a member advertises in its ``QuorumMember.data``, or None.
+
+    ``data`` is free-form (a JSON object by convention, and torchft managers put
+    other things there): anything but a JSON object holding an integer from 0 to
+    2**63-1 under ``resumed_from`` means None, never an error.
+    """
+    if not data:
+        return None
+    try:
+        parsed = json.loads(data)
+    except (ValueError, RecursionError):  # not JSON, an integer of too many digits, or nested absurdly deep
+        return None
+    value = parsed.get(RESUMED_FROM_KEY) if isinstance(parsed, dict) else None
+    if type(value) is not int or not 0 <= value <= _INT64_MAX:  # type(): a bool is not a step
+        return None
+    return value
+
+
+class StaleReplica(Exception):
+    """A replica from before the current epoch asked to join; the message tells it what to do."""
+
+    def __init__(self, replica_id: str, step: int, max_step: int, epoch: Epoch) -> None:
+        super().__init__(
+            f"replica {replica_id!r} is from before epoch {epoch.number} of this job (which started at step "
+            f"{epoch.to_step}, down from {epoch.from_step}): it reports step {step}, above step {max_step} that "
+            "quorums reached since, and was in none of them; it must restart, then it resumes from a checkpoint "
+            "or heals from the current replicas"
+        )
+        self.replica_id = replica_id
+        self.step = step
+        self.epoch = epoch
+
+
+class EpochBook:
+    """The holders of ``max_step``, the current epoch and who may join after it.
+
+    :class:`lighthouse.quorum.QuorumState` owns one and tells it what it sees;
+    every call is O(1) except :meth:`issued` (O(quorum size)).
+    """
+
+    def __init__(self, started_at: float) -> None:
+        self.holders: frozenset[str] = frozenset()
+        self.holders_seen_at = started_at
+        """When a holder was last seen; the lighthouse's start when it knows none."""
+        self.current: Epoch | None = None
+        self.requested: str | None = None
+        """An operator's request for a new epoch (its reason), for the next decision."""
+        self._admitted: set[str] = set()
+        self._fenced: OrderedDict[str, None] = OrderedDict()
+
+    @property
+    def number(self) -> int:
+        return 0 if self.current is None else self.current.number
+
+    def is_fenced(self, replica_id: str) -> bool:
+        return bool(self._fenced) and replica_id in self._fenced
+
+    def is_admitted(self, replica_id: str) -> bool:
+        """Whether ``replica_id`` is known to have been in a quorum issued since the epoch began."""
+        return replica_id in self._admitted
+
+    # ------------------------------------------------------------ what the state saw
+
+    def saw(self, replica_id: str, now: float) -> None:
+        """A heartbeat or join of ``replica_id``."""
+        if replica_id in self.holders:
+            self.holders_seen_at = now
+
+    def issued(self, members: Iterable[Member], max_step: int, now: float, *, left: Iterable[str],
+               heartbeating: Container[str]) -> None:
+        """A quorum of ``members`` was issued; ``max_step`` is the new highest step, ``left``
+        the members of the previous quorum not in it."""
+        members = tuple(members)
+        holders = frozenset(m.replica_id for m in members if m.step >= max_step)
+        if holders:  # else every member is behind (a fast quorum ignores steps): the holders stay who they were
+            self.holders, self.holders_seen_at = holders, now
+        if self.current is not None:
+            self._admitted.update(m.replica_id for m in members)
+            for replica_id in left:
+                if replica_id not in heartbeating:
+                    self._admitted.discard(replica_id)
+
+    def dropped(self, replica_id: str, in_last_quorum: bool) -> None:
+        """``replica_id``'s heartbeat expired or it was forgotten."""
+        if not in_last_quorum:
+            self._admitted.discard(replica_id)
+
+    # ------------------------------------------------------------ the guard's way out
+
+    def lift_reason(self, now: float, max_step: int, holder_timeout: float, heartbeat_timeout: float,
+                    all_resumed: bool) -> str | None:
+        """Why the guard, now blocking, should give way to a new epoch (an operator's request aside); None while
+        it should hold."""
+        unseen = now - self.holders_seen_at
+        if unseen >= max(holder_timeout, heartbeat_timeout):
+            return f"{self._unseen(max_step, unseen)} (holder timeout {holder_timeout:.1f}s)"
+        if all_resumed and unseen >= heartbeat_timeout:
+            return (f"every participant resumed from a durable checkpoint and no holder is healthy: "
+                    f"{self._unseen(max_step, unseen)}")
+        return None
+
+    def guard_note(self, now: float, max_step: int, holder_timeout: float, heartbeat_timeout: float,
+                   all_resumed: bool) -> tuple[str, float]:
+        """The blocking guard's countdown, for its reason, and the time it runs out."""
+        lifts_at = self.holders_seen_at + max(holder_timeout, heartbeat_timeout)  # never while one may be healthy
+        note = (f"{self._unseen(max_step, now - self.holders_seen_at)}; a new epoch starts at the participants' "
+                f"step in {max(0.0, lifts_at - now):.1f}s unless one comes back (holder timeout {holder_timeout:.1f}s)")
+        if all_resumed:
+            resumed_at = self.holders_seen_at + heartbeat_timeout
+            note += f", or in {max(0.0, resumed_at - now):.1f}s as every participant resumed from a checkpoint"
+            lifts_at = min(lifts_at, resumed_at)
+        return note, lifts_at
+
+    def _unseen(self, max_step: int, unseen: float) -> str:
+        if self.holders:
+            return f"no holder of step {max_step} seen for {unseen:.1f}s"
+        return (f"no holder of step {max_step} seen in the {unseen:.1f}s since the lighthouse started "
+                "(its state dir holds the step, not who holds it)")
+
+    def start(self, now: float, from_step: int, to_step: int, reason: str, holders: Iterable[str]) -> Epoch:
+        """A new epoch begins: ``holders`` (the participants at ``to_step``) hold the new highest step."""
+        self.current = Epoch(self.number + 1, now, from_step, to_step, reason)
+        self.holders, self.holders_seen_at = frozenset(holders), now
+        self._admitted.clear()
+        return self.current
+
+    # ------------------------------------------------------------ the fence
+
+    def check(self, member: Member, max_step: int) -> None:
+        """Raise :class:`StaleReplica` if ``member`` is from before the current epoch; else it is no longer fenced."""
+        epoch = self.current
+        if epoch is not None and member.step > max_step and member.replica_id not in self._admitted:
+            raise StaleReplica(member.replica_id, member.step, max_step, epoch)
+        if self._fenced:
+            self._fenced.pop(member.replica_id, None)
+
+    def fence(self, replica_id: str) -> None:
+        """Ignore ``replica_id``'s heartbeats until it joins at a step the rules accept."""
+        self._fenced[replica_id] = None
+        self._fenced.move_to_end(replica_id)
+        if len(self._fenced) > MAX_FENCED:
+            self._fenced.popitem(last=False)
