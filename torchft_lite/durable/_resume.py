@@ -13,6 +13,7 @@ process that lets it end its training loop exits with ``EXIT_CODE_FATAL``
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from typing import Any, Callable
@@ -21,10 +22,10 @@ from torchft_lite.checkpointing._decode import decode_bytes, targets_of
 from torchft_lite.checkpointing._format import format_path
 from torchft_lite.durable import _rng
 from torchft_lite.durable._files import read_state_file
-from torchft_lite.durable._layout import CheckpointInfo, Layout
+from torchft_lite.durable._layout import CheckpointInfo, Layout, read_manifest
 from torchft_lite.errors import CheckpointError, CheckpointMismatchError, DurableCheckpointError
 
-__all__ = ["Resumer", "check_fits"]
+__all__ = ["GroupAgreement", "Resumer", "check_fits"]
 
 logger = logging.getLogger(__name__)
 
@@ -33,14 +34,18 @@ class Resumer:
     """Finds, checks and loads one checkpoint for one rank."""
 
     def __init__(self, layout: Layout, manager: Any, *, rank: int, world: int, group: str,
-                 local_loaders: dict[str, Callable[[Any], None]]) -> None:
+                 local_loaders: dict[str, Callable[[Any], None]], agreement: "GroupAgreement | None" = None) -> None:
         self._layout, self._manager = layout, manager
         self._rank, self._world, self._group = rank, world, group
         self._local_loaders = local_loaders
+        self._agreement = agreement or GroupAgreement(None, "", rank, world)
 
     def resume(self) -> int | None:
-        found = self._layout.complete()
-        if not found:
+        found = {info.step: info for info in self._layout.complete()}
+        # Every rank of the group must resume from the same step: a checkpoint that appears while they scan
+        # (other groups live and write) must not split them, nor a file that only one rank finds corrupt.
+        candidates = self._agreement.candidates(list(found))
+        if not candidates:
             on_disk = self._layout.steps_on_disk()
             if on_disk:
                 logger.warning("no complete durable checkpoint in %s (steps %s have no manifest): starting fresh",
@@ -48,22 +53,33 @@ class Resumer:
             else:
                 logger.info("no durable checkpoint in %s: starting fresh", self._layout.root)
             return None
-        for info in found:
+        for step in candidates:
             started = time.monotonic()
+            mismatch: CheckpointMismatchError | None = None
             try:
+                info = found.get(step) or read_manifest(self._layout.step_dir(step))
                 state, local = self._read(info)
                 check_fits(self._manager._manager_state_dict(), state, info)
-            except CheckpointMismatchError:
-                raise
+                readable = True
+            except CheckpointMismatchError as exc:
+                mismatch, readable = exc, False
             except DurableCheckpointError as exc:
-                logger.warning("skipping the durable checkpoint of step %d: %s", info.step, exc)
+                logger.warning("skipping the durable checkpoint of step %d: %s", step, exc)
+                readable = False
+            everyone = self._agreement.all_readable(step, readable)
+            if mismatch is not None:
+                raise mismatch
+            if not everyone:
+                if readable:
+                    logger.warning("skipping the durable checkpoint of step %d: another rank of the group can't "
+                                   "read its part", step)
                 continue
             self._apply(info, state, local)
-            logger.info("resumed from the durable checkpoint of step %d (%s, written by %s) in %.2fs", info.step,
+            logger.info("resumed from the durable checkpoint of step %d (%s, written by %s) in %.2fs", step,
                         info.path, info.writer, time.monotonic() - started)
-            return info.step
+            return step
         logger.error("every durable checkpoint in %s is torn or corrupt (steps %s): starting fresh",
-                     self._layout.root, [info.step for info in found])
+                     self._layout.root, candidates)
         return None
 
     def _read(self, info: CheckpointInfo) -> tuple[Any, Any]:
@@ -155,3 +171,41 @@ def check_fits(live: Any, loaded: Any, info: CheckpointInfo) -> None:
         if extra:
             raise CheckpointMismatchError(f"the checkpoint of step {info.step} holds tensors the model lacks in "
                                           f"{key!r}: {', '.join(extra[:5])} (another model?)")
+
+
+class GroupAgreement:
+    """How the ranks of one group agree on the checkpoint to resume from, through the group's TCPStore.
+
+    Group rank 0's scan is the list every rank tries, newest first; for each
+    step every rank posts whether it read its part intact, and the group
+    resumes from the first step all could read. A group of one rank (or no
+    store) agrees with itself. Each ``get`` waits at most the store's timeout.
+    """
+
+    def __init__(self, store: Any, prefix: str, rank: int, world: int) -> None:
+        self._store = store if world > 1 else None
+        self._prefix, self._rank, self._world = prefix, rank, world
+
+    def candidates(self, mine: list[int]) -> list[int]:
+        if self._store is None:
+            return mine
+        key = self._prefix + "candidates"
+        try:
+            if self._rank == 0:
+                self._store.set(key, json.dumps(mine))
+                return mine
+            return [int(step) for step in json.loads(self._store.get(key))]
+        except RuntimeError as exc:  # the store's own timeout (DistStoreError)
+            raise DurableCheckpointError(f"group rank {self._rank}: group rank 0 did not say which checkpoints "
+                                         f"to resume from in time: {exc}") from exc
+
+    def all_readable(self, step: int, readable: bool) -> bool:
+        if self._store is None:
+            return readable
+        base = f"{self._prefix}{step}/"
+        try:
+            self._store.set(base + str(self._rank), b"1" if readable else b"0")
+            return all(self._store.get(base + str(rank)) == b"1" for rank in range(self._world))
+        except RuntimeError as exc:
+            raise DurableCheckpointError(f"group rank {self._rank}: the group's ranks did not agree on the "
+                                         f"checkpoint of step {step} in time: {exc}") from exc

@@ -47,7 +47,7 @@ from torchft_lite.durable._files import (
     FileRecord, fsync_directory, read_state_file, write_bytes_atomically, write_state_file,
 )
 from torchft_lite.durable._layout import CheckpointInfo, Layout
-from torchft_lite.durable._resume import Resumer
+from torchft_lite.durable._resume import GroupAgreement, Resumer
 from torchft_lite.errors import CheckpointError, ConfigError, DurableCheckpointError
 
 __all__ = ["DurableCheckpointer", "DurableCheckpointStatistics"]
@@ -165,8 +165,13 @@ class DurableCheckpointer:
         tensor names, shapes or dtypes) raises ``DurableCheckpointError``
         before anything is loaded.
         """
+        store = getattr(self._manager._parts, "keep_alive", None)  # the group's TCPStore (DefaultWiring)
+        agreement = GroupAgreement(store if hasattr(store, "get") else None,
+                                   f"torchft_lite/{self._manager._settings.restart_count}/durable_resume/",
+                                   self._rank, self._world)
         resumer = Resumer(self.layout, self._manager, rank=self._rank, world=self._world, group=self._group,
-                          local_loaders={key: load for key, (_, load) in self._local_fns.items()})
+                          local_loaders={key: load for key, (_, load) in self._local_fns.items()},
+                          agreement=agreement)
         step = resumer.resume()
         if step is not None:
             self._resumed_from = step

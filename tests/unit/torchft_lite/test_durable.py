@@ -321,3 +321,54 @@ def test_bad_settings_are_refused(tmp_path, made, bad):
             DurableCheckpointer(manager, tmp_path, **bad)
     finally:
         manager.shutdown()
+
+
+class FakeStore:
+    """A TCPStore's set/get: get waits (bounded) for the key."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+        self.changed = threading.Condition()
+
+    def set(self, key: str, value: Any) -> None:
+        with self.changed:
+            self.data[key] = value.encode() if isinstance(value, str) else value
+            self.changed.notify_all()
+
+    def get(self, key: str) -> bytes:
+        with self.changed:
+            if not self.changed.wait_for(lambda: key in self.data, timeout=10):
+                raise RuntimeError(f"timed out waiting for {key}")  # as torch's DistStoreError is
+            return self.data[key]
+
+
+def test_ranks_of_a_group_agree_on_rank_0s_list_and_on_a_step_every_rank_can_read():
+    from torchft_lite.durable._resume import GroupAgreement
+
+    store = FakeStore()
+    rank0, rank1 = GroupAgreement(store, "p/", 0, 2), GroupAgreement(store, "p/", 1, 2)
+    results: dict[str, Any] = {}
+
+    def rank(name: str, agreement: GroupAgreement, seen: list[int], readable: set[int]) -> None:
+        steps = agreement.candidates(seen)
+        results[name] = (steps, next((s for s in steps if agreement.all_readable(s, s in readable)), None))
+
+    threads = [threading.Thread(target=rank, args=("r0", rank0, [10, 5], {10, 5})),
+               # rank 1 scanned later (a newer checkpoint appeared) and can't read its part of step 10
+               threading.Thread(target=rank, args=("r1", rank1, [15, 10, 5], {15, 5}))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    assert results == {"r0": ([10, 5], 5), "r1": ([10, 5], 5)}
+
+
+def test_a_rank_that_never_hears_from_rank_0_fails_clearly():
+    from torchft_lite.durable._resume import GroupAgreement
+
+    class Silent(FakeStore):
+        def get(self, key: str) -> bytes:
+            raise RuntimeError("Socket Timeout")
+
+    with pytest.raises(DurableCheckpointError, match="group rank 0 did not say"):
+        GroupAgreement(Silent(), "p/", 1, 2).candidates([3])
