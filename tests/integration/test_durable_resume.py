@@ -71,8 +71,11 @@ def test_whole_job_killed_resumes_bit_identically(tmp_path, lighthouse_dies):
     try:
         groups = [start_group(g, lighthouse, run, report, checkpoints, sleep=0.15, ranks=ranks) for g in range(2)]
         layout = Layout(checkpoints)
-        wait_for(lambda: any(info.step >= 2 * EVERY for info in layout.complete()),
-                 f"a durable checkpoint of step {2 * EVERY}", groups=groups)
+        # Killed a few steps after the checkpoint: the lighthouse then holds a higher step than the job resumes
+        # from, and (when it lives on) only a new epoch lets the resumed job form a quorum.
+        wait_for(lambda: any(info.step >= 2 * EVERY for info in layout.complete())
+                 and max(r["step"] for r in read_reports(report)) >= 2 * EVERY + 3,
+                 f"a durable checkpoint of step {2 * EVERY} and 3 more steps", groups=groups)
         first_pids = {r["pid"] for r in read_reports(report)}
         killed_at = max(r["step"] for r in read_reports(report))
         for group in groups:
@@ -96,7 +99,9 @@ def test_whole_job_killed_resumes_bit_identically(tmp_path, lighthouse_dies):
         for group_id in range(2):
             log = (run / f"group{group_id}.1.0.log").read_text()  # both runs append to it
             assert f"resumed from step {newest}" in log
-        if not lighthouse_dies:  # it held a higher step: the groups' resumed_from started a new epoch at once
+        # A group that committed step k joined a quorum at step k - 1: a live lighthouse then held a higher step
+        # than the checkpoint's, and the groups' resumed_from started a new epoch at once.
+        if not lighthouse_dies and killed_at - 1 > newest:
             log = (run / "lighthouse.log").read_text()
             assert f"down to {newest} because" in log and "resumed" in log, log[-2000:]
         writers = {info.writer.split(":")[0] for info in layout.complete()}
