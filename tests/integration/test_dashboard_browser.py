@@ -127,3 +127,33 @@ def test_dashboard_says_when_the_lighthouse_is_unreachable(browser):
                            timeout=30_000)
     lighthouse.stop()
     page.wait_for_function("document.getElementById('error').textContent.includes('unreachable')", timeout=30_000)
+
+
+def test_a_blocked_job_gets_a_new_epoch_from_the_dashboard_button(browser, tmp_path):
+    import threading
+
+    # The lighthouse outlived a job that reached step 300; a new job at step 0 waits behind the guard.
+    (tmp_path / "max_step").write_text("300\n")
+    config = lighthouse_config(min_replicas=1, admin_token="tok", state_dir=tmp_path, holder_timeout=3600.0)
+    with BackgroundLighthouse(config) as lighthouse:
+        waiter = threading.Thread(target=form_quorum, args=(lighthouse, {"fresh": (0, "http://fresh:1")}))
+        waiter.start()
+        page = browser.new_page()
+        errors = []
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        page.on("dialog", lambda dialog: dialog.accept())
+        page.goto(f"http://127.0.0.1:{lighthouse.http_port}/")
+        page.wait_for_selector("#epoch-button", state="visible", timeout=30_000)
+        assert "300" in page.locator("#reason").inner_text()  # the guard says what it waits for
+        assert page.locator("#epoch").is_hidden()
+        page.fill("#token", "tok")
+        page.locator("#epoch-button").click()
+        page.wait_for_function("document.getElementById('flash').textContent.includes('epoch 1 started')",
+                               timeout=30_000)
+        page.wait_for_selector("#epoch", state="visible", timeout=30_000)
+        assert "300" in page.locator("#epoch").inner_text()
+        waiter.join(60)
+        assert not waiter.is_alive()  # the blocked Quorum call got its quorum
+        assert (tmp_path / "max_step").read_text().strip() == "0"
+        page.screenshot(path=str(tmp_path / "epoch.png"))
+        assert errors == []
