@@ -16,7 +16,22 @@ from lighthouse.quorum import Decision, IssuedQuorum, Status
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DecisionLog", "preview"]
+__all__ = ["DecisionLog", "log_serving", "preview"]
+
+
+def log_serving(config, grpc_port: int, http_port: int | None, state, restart_evidence: str | None) -> None:
+    """The line a lighthouse logs once it serves: where, its settings, and whether this is a restart."""
+    grace = state.config.startup_grace
+    logger.info(
+        "lighthouse serving gRPC (%s engine) on %s (port %d)%s; min_replicas=%d join_timeout=%.1fs "
+        "heartbeat_timeout=%.1fs holder_timeout=%.1fs; highest step reached %d; first quorum id will be > %d; %s",
+        config.grpc_engine, config.bind, grpc_port,
+        f", HTTP on port {http_port}" if http_port is not None else ", HTTP disabled",
+        config.min_replicas, config.join_timeout, config.heartbeat_timeout, config.holder_timeout, state.max_step,
+        state.quorum_id,
+        "first start: no startup grace" if restart_evidence is None
+        else f"restarted ({restart_evidence}): startup grace of {grace:.1f}s before the first quorum",
+    )
 
 
 class DecisionLog:

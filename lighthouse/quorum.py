@@ -33,20 +33,14 @@ steps, and every wait has a bounded way out):
 * **Stale-quorum guard**: no quorum of eligible participants that are all
   behind ``max_step``, the highest step a quorum reached (restored from the
   state directory after a restart), while a holder of it may come back.
-* **New epoch** and **fence** (rules in :mod:`lighthouse.epochs`): the guard
-  gives way after ``holder_timeout`` without a holder, at once when every
-  eligible participant resumed from a durable checkpoint and no holder is
-  healthy, or when an operator asks; ``max_step`` drops to the participants'
-  highest step. Then a replica above ``max_step`` that was in no quorum since
-  is refused (:meth:`QuorumState.join` raises :class:`StaleReplica`).
-  :meth:`~QuorumState.evaluate` only reads; :meth:`~QuorumState.decide` starts
-  the epoch.
+* **New epoch** and **fence** (rules in :mod:`lighthouse.epochs`): ``decide``
+  lets the guard give way at the participants' step; a replica from before
+  the epoch is refused (``join`` raises :class:`StaleReplica`).
 
-Cost: each join, heartbeat and :meth:`QuorumState.evaluate` is O(1)
-amortized (counters are kept incrementally and stale heartbeats are pruned
-from the front of a list ordered by last-seen time); only issuing a quorum
-(O(n log n)) and starting an epoch (O(n)) look at every participant. torchft
-recomputes every set on every call, which makes a round of n joins O(n^2).
+Cost: a join, heartbeat or ``evaluate`` is O(1) amortized (incremental
+counters; heartbeats pruned from the front of a list in last-seen order); only
+issuing a quorum (O(n log n)) and starting an epoch (O(n)) visit every
+participant. torchft recomputes every set per call: O(n^2) a round.
 """
 
 from __future__ import annotations
@@ -57,13 +51,9 @@ from dataclasses import dataclass, replace
 from typing import Iterator
 
 from lighthouse.epochs import EpochBook, StaleReplica
-from lighthouse.quorum_data import Decision, Epoch, IssuedQuorum, Member, QuorumConfig, Status
+from lighthouse.quorum_data import Decision, Epoch, IssuedQuorum, Member, QuorumConfig, Status, plural
 
 __all__ = ["Decision", "Epoch", "IssuedQuorum", "Member", "QuorumConfig", "QuorumState", "StaleReplica", "Status"]
-
-
-def _n(count: int, noun: str) -> str:
-    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 @dataclass
@@ -224,23 +214,23 @@ class QuorumState:
             return Decision(
                 Status.FAST_QUORUM,
                 f"fast quorum: all {len(prev.members)} members of quorum {prev.quorum_id} rejoined"
-                f"{shrink_note}, {_n(eligible, 'participant')}",
+                f"{shrink_note}, {plural(eligible, 'participant')}",
             )
         if joined == 0:
-            return Decision(Status.NO_PARTICIPANTS, f"no participants; {_n(healthy, 'healthy replica')} heartbeating")
+            return Decision(Status.NO_PARTICIPANTS, f"no participants; {plural(healthy, 'healthy replica')} heartbeating")
         grace_left = self._started_at + cfg.startup_grace - now
         if prev is None and self._restart_evidence is not None and grace_left > 0:
             return Decision(
                 Status.STARTUP_GRACE,
                 f"waiting: the lighthouse restarted ({self._restart_evidence}); replicas already training get "
                 f"{cfg.startup_grace:.1f}s to re-register before the first quorum ({grace_left:.1f}s left, "
-                f"{_n(joined, 'participant')})",
+                f"{plural(joined, 'participant')})",
                 wake_at=self._started_at + cfg.startup_grace,
             )
         if eligible < cfg.min_replicas:
             return Decision(
                 Status.BELOW_MIN_REPLICAS,
-                f"waiting: {_n(eligible, 'eligible participant')}{shrink_note}, need min_replicas={cfg.min_replicas}",
+                f"waiting: {plural(eligible, 'eligible participant')}{shrink_note}, need min_replicas={cfg.min_replicas}",
             )
         if self._max_step > 0 and up_to_date == 0:
             note, lifts_at = self._epochs.guard_note(now, self._max_step, cfg.holder_timeout, cfg.heartbeat_timeout,
@@ -254,7 +244,7 @@ class QuorumState:
         if eligible * 2 <= healthy:
             return Decision(
                 Status.SPLIT_BRAIN_GUARD,
-                f"waiting: {_n(eligible, 'participant')} is not more than half of {_n(healthy, 'healthy replica')} "
+                f"waiting: {plural(eligible, 'participant')} is not more than half of {plural(healthy, 'healthy replica')} "
                 "(split-brain guard)",
             )
         stragglers = healthy - joined
@@ -264,18 +254,18 @@ class QuorumState:
             if now < deadline:
                 return Decision(
                     Status.WAITING_FOR_STRAGGLERS,
-                    f"waiting for {_n(stragglers, 'straggler')}, "
+                    f"waiting for {plural(stragglers, 'straggler')}, "
                     f"{deadline - now:.1f} s of join timeout left ({joined} of {healthy} healthy replicas joined)",
                     wake_at=deadline,
                 )
             return Decision(
                 Status.VALID_QUORUM,
-                f"valid quorum: {_n(eligible, 'participant')}{shrink_note}; join timeout expired with "
-                f"{_n(stragglers, 'healthy replica')} not joined",
+                f"valid quorum: {plural(eligible, 'participant')}{shrink_note}; join timeout expired with "
+                f"{plural(stragglers, 'healthy replica')} not joined",
             )
         return Decision(
             Status.VALID_QUORUM,
-            f"valid quorum: {_n(eligible, 'participant')}{shrink_note}, all healthy replicas joined",
+            f"valid quorum: {plural(eligible, 'participant')}{shrink_note}, all healthy replicas joined",
         )
 
     def decide(self, now: float) -> tuple[Decision, list[str]]:
@@ -317,8 +307,7 @@ class QuorumState:
         return self._epochs.current
 
     @property
-    def epochs(self) -> EpochBook:
-        """The holders of ``max_step``, when one was last seen, and who is fenced: read it, don't change it."""
+    def epochs(self) -> EpochBook:  # holders of max_step, when one was last seen, who is fenced: read only
         return self._epochs
 
     @property

@@ -131,3 +131,8 @@ class Decision:
     @property
     def ready(self) -> bool:
         return self.status.ready
+
+
+def plural(count: int, noun: str) -> str:
+    """"2 participants", "1 participant"."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"

@@ -23,7 +23,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from lighthouse.config import LighthouseConfig
-from lighthouse.decision_log import DecisionLog, preview
+from lighthouse.decision_log import DecisionLog, log_serving, preview
 from lighthouse.epochs import StaleReplica, resumed_from_of
 from lighthouse.fencing import QuorumIdStore
 from lighthouse.leases import LeaseTable
@@ -137,17 +137,7 @@ class LighthouseServer:
             except BaseException:
                 await self._stop_grpc()
                 raise
-        grace = self._state.config.startup_grace
-        logger.info(
-            "lighthouse serving gRPC (%s engine) on %s (port %d)%s; min_replicas=%d join_timeout=%.1fs heartbeat_timeout=%.1fs "
-            "holder_timeout=%.1fs; highest step reached %d; first quorum id will be > %d; %s",
-            self.config.grpc_engine, self.config.bind, self._grpc_port,
-            f", HTTP on port {self._http_port}" if self._http_port is not None else ", HTTP disabled",
-            self.config.min_replicas, self.config.join_timeout, self.config.heartbeat_timeout,
-            self.config.holder_timeout, self._state.max_step, self._state.quorum_id,
-            "first start: no startup grace" if self._restart_evidence is None
-            else f"restarted ({self._restart_evidence}): startup grace of {grace:.1f}s before the first quorum",
-        )
+        log_serving(self.config, self._grpc_port, self._http_port, self._state, self._restart_evidence)
 
     async def _shutdown(self) -> None:
         self._stopping = True  # lease streams ending now are our doing, not their replicas dying
