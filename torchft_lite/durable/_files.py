@@ -19,7 +19,7 @@ import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Callable
 
 from torchft_lite.checkpointing._decode import TensorWriter
 from torchft_lite.checkpointing._encode import FlatStateDict, encode
@@ -64,22 +64,19 @@ def describe_os_error(exc: OSError, what: str) -> str:
 def write_state_file(path: Path, step: int, flat: FlatStateDict) -> FileRecord:
     """Write ``flat`` (CPU tensors the caller leaves alone meanwhile) as ``path``, atomically."""
     encoded = encode(step, flat)
-    tmp = path.with_name(path.name + ".tmp")
     trailer = b""
+
+    def write(file: BinaryIO) -> None:
+        nonlocal trailer
+        file.write(encoded.header)
+        pieces, _ = encoded.body()
+        for piece in pieces:
+            if isinstance(piece, bytes):  # the block sums come last, as bytes
+                trailer = piece
+            file.write(piece)
+
     try:
-        with open(tmp, "wb") as file:
-            file.write(encoded.header)
-            pieces, _ = encoded.body()
-            for piece in pieces:
-                if isinstance(piece, bytes):  # the block sums come last, as bytes
-                    trailer = piece
-                file.write(piece)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(tmp, path)
-    except OSError as exc:
-        _remove_quietly(tmp)
-        raise DurableCheckpointError(describe_os_error(exc, f"writing {path}")) from exc
+        _write_atomically(path, write)
     finally:
         encoded.release()
     return FileRecord(path.name, len(encoded.header) + encoded.data_bytes + len(trailer),
@@ -124,10 +121,15 @@ def read_state_file(path: Path, expected: FileRecord | None = None) -> tuple[int
 
 def write_bytes_atomically(path: Path, data: bytes) -> None:
     """``data`` as ``path``: temp name, fsync, rename. Raises ``DurableCheckpointError``."""
+    _write_atomically(path, lambda file: file.write(data))
+
+
+def _write_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """``write(file)`` into ``NAME.tmp``, fsync, rename over ``path``; an OSError (a full disk) is named."""
     tmp = path.with_name(path.name + ".tmp")
     try:
         with open(tmp, "wb") as file:
-            file.write(data)
+            write(file)
             file.flush()
             os.fsync(file.fileno())
         os.replace(tmp, path)
