@@ -11,19 +11,27 @@ the baseline speed, injects faults until ``--faults`` have been injected:
   partition   cut a group off the network for a few seconds (each group runs in its own
               network namespace behind a veth pair; the host side is set down, then up)
   lighthouse  SIGKILL the lighthouse and restart it on the same port
+  kill-all    SIGKILL every group at once (in half the draws the lighthouse too, counted as
+              kill-all+lighthouse) and restart them all after a delay: the job resumes
+              from the newest complete durable checkpoint and redoes the steps after it
 
-The lighthouse runs as a production one should: min_replicas = a majority of
-the groups, a --state-dir (so a restart remembers the highest committed step),
-its startup grace, and a 2 s heartbeat timeout.
+The groups save a durable checkpoint every ``--checkpoint-every`` steps
+(0: none, and no kill-all). The lighthouse runs as a production one should:
+min_replicas = a majority of the groups, a --state-dir (so a restart remembers
+the highest committed step), its startup grace, and a 2 s heartbeat timeout.
 
 Verified from the groups' per-step reports (one JSON line per committed step
-and rank, with a parameter checksum):
+and rank, with a parameter checksum), split into job epochs at the kill-alls
+(see benchmarks/_chaos_checks.py):
 
-* at every committed step, group rank r of every group holds bit-identical parameters;
-* no step is committed twice by one process, none is skipped, and every
+* at every committed step of an epoch, group rank r of every group holds bit-identical parameters;
+* within an epoch, no step is committed twice by one process, none is skipped, and every
   step's ``batches_committed`` is the running sum of the participants;
+* after a kill-all the job goes on from step C+1, C the newest complete checkpoint at the kill;
+  no other rewind (a new epoch the lighthouse starts without a kill-all);
 * no hang: every group makes progress within ``--progress-timeout`` after the last fault;
-* efficiency: committed steps per second under faults / fault-free.
+* efficiency: net progress (steps redone after a kill-all count once) per second under
+  faults / fault-free.
 
 Prints a summary table and one JSON line (the last line); exit code 0 when
 every check passed.
@@ -37,23 +45,24 @@ import argparse
 import json
 import os
 import random
-import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks._chaos_checks import (complete_checkpoints, heal_and_stall_figures, print_summary,  # noqa: E402
+                                      read_reports, verify)
 from torchft_lite.local_cluster import LighthouseProcess, ReplicaGroup  # noqa: E402
 
 SCRIPT = REPO / "examples" / "train_ddp.py"
-KINDS = ("kill", "kill-rank", "term", "hang", "partition", "lighthouse")
+KINDS = ("kill", "kill-rank", "term", "hang", "partition", "lighthouse", "kill-all")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -69,33 +78,35 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--baseline", type=float, default=15.0, help="fault-free seconds first (default 15)")
     parser.add_argument("--progress-timeout", type=float, default=120.0,
                         help="a live group must commit within this after the last fault (default 120)")
-    parser.add_argument("--workdir", help="logs and reports (default: a temporary directory)")
+    parser.add_argument("--checkpoint-every", type=int, default=20,
+                        help="the groups save a durable checkpoint every this many steps; 0: none, and no "
+                             "kill-all faults (default 20)")
+    parser.add_argument("--kill-all-weight", type=float, default=1.0,
+                        help="weight of kill-all in the draw of each fault's kind, each other kind weighing 1 "
+                             "(default 1; 0 with --first-fault kill-all: exactly one)")
+    parser.add_argument("--first-fault", choices=KINDS,
+                        help="inject this kind first (tried at each fault time until it can be), then draw as usual")
+    parser.add_argument("--workdir", help="logs, reports and checkpoints (default: a temporary directory)")
     args = parser.parse_args(argv)
     kinds = args.kinds.split(",")
     unknown = set(kinds) - set(KINDS)
     if unknown:
         parser.error(f"unknown fault kinds {sorted(unknown)}; choose from {', '.join(KINDS)}")
+    if args.checkpoint_every < 0 or args.kill_all_weight < 0:
+        parser.error("--checkpoint-every and --kill-all-weight must be >= 0")
     if "kill-rank" in kinds and args.ranks < 2:
         kinds.remove("kill-rank")  # needs a group with more than one rank
+    if "kill-all" in kinds and not args.checkpoint_every:
+        kinds.remove("kill-all")  # with nothing on disk, a job that lost every copy starts over
     if "partition" in kinds:
         why = Network.unavailable()
         if why:
             print(f"partition faults skipped: {why}", flush=True)
             kinds.remove("partition")
+    if args.first_fault and args.first_fault not in kinds:
+        parser.error(f"--first-fault {args.first_fault} is not among the kinds in use ({', '.join(kinds)})")
     args.kinds = kinds
     return args
-
-
-def read_reports(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass  # a line cut by a SIGKILL mid-write; the step is verified from the other ranks/groups
-    return rows
 
 
 class Network:
@@ -173,6 +184,9 @@ class Chaos:
         self.workdir = Path(args.workdir or tempfile.mkdtemp(prefix="torchft-lite-chaos-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.report = self.workdir / "report.jsonl"
+        if self.report.exists():  # its rows, logs and checkpoints would mix with this run's
+            raise SystemExit(f"{self.workdir} holds a previous run's report.jsonl; use an empty --workdir")
+        self.checkpoints = self.workdir / "checkpoints"
         # A majority, as production jobs should run: with fewer, a lone fresh group could
         # train on its own while the groups holding the latest state are hung (a fork).
         self.network = Network(args.groups) if "partition" in args.kinds else None
@@ -185,7 +199,10 @@ class Chaos:
         self.down: dict[int, float] = {}  # group -> when to restart it
         self.hung: dict[int, float] = {}  # group -> when to SIGCONT it
         self.faults: Counter[str] = Counter()
+        self.forced = args.first_fault
         self.restarts = 0
+        self.starts: list[dict] = []  # every group start: its pids by rank, for the checker to find a row's log
+        self.kill_alls: list[dict] = []  # what the checker needs of each kill-all (see _chaos_checks.verify)
         self.log: list[str] = []
 
     def say(self, message: str) -> None:
@@ -199,6 +216,8 @@ class Chaos:
         self.lighthouse.start()
         train = ["--steps", "100000000", "--step-sleep", "0.02", "--report", str(self.report), "--timeout", "10",
                  "--pg", self.args.pg]
+        if self.args.checkpoint_every:
+            train += ["--checkpoint-dir", str(self.checkpoints), "--checkpoint-every", str(self.args.checkpoint_every)]
         for g in range(self.args.groups):
             env = {"TORCHFT_QUORUM_RETRIES": "3"}
             where: dict = {}
@@ -211,19 +230,36 @@ class Chaos:
                              prefix=["ip", "netns", "exec", self.network.ns(g)])
             group = ReplicaGroup(g, self.args.groups, lighthouse, SCRIPT, train,
                                  world_size=self.args.ranks, log_dir=self.workdir, env=env, **where)
-            self.groups.append(group.start())
+            self.groups.append(group)
+            self.start_group(g)
 
     def stop(self) -> None:
         for g in list(self.hung):
             self.groups[g].kill(signal.SIGCONT)
+        for group in self.groups:
+            # Every rank at once, as a scheduler stops a job: signalled one by one (stop() alone), a
+            # rank saving a checkpoint before it leaves would wait for ranks not yet told to leave.
+            group.kill(signal.SIGTERM)
         for group in self.groups:
             group.stop()
         self.lighthouse.stop()
         if self.network:
             self.network.teardown()
 
+    def start_group(self, g: int) -> None:
+        group = self.groups[g].start()
+        self.starts.append({"at": time.time(), "group": g, "incarnation": group.incarnation,
+                            "pids": [p.pid for p in group.procs]})
+
+    def epoch_rows(self) -> list[dict]:
+        """The rows of the current job epoch: written since the last kill-all."""
+        since = self.kill_alls[-1]["at"] if self.kill_alls else 0.0
+        return [r for r in read_reports(self.report) if r["time"] > since]
+
     def committed(self) -> int:
-        return max((r["step"] for r in read_reports(self.report)), default=0)
+        """The job's step: the highest of this epoch (the step resumed from, before its first commit)."""
+        resumed = self.kill_alls[-1]["checkpoint"] if self.kill_alls else 0
+        return max((r["step"] for r in self.epoch_rows()), default=resumed)
 
     def supervise(self, now: float) -> None:
         """Restart groups that are due, resume hung ones, replace groups that lost a rank."""
@@ -241,7 +277,7 @@ class Chaos:
             if g in self.down or g in self.hung:
                 if g in self.down and now >= self.down[g]:
                     group.stop()
-                    group.start()
+                    self.start_group(g)
                     self.restarts += 1
                     del self.down[g]
                     self.say(f"group {g}: restarted (incarnation {group.incarnation})")
@@ -253,25 +289,35 @@ class Chaos:
                 self.down[g] = now + self.rng.uniform(0.5, 2.0)
                 self.say(f"group {g}: ranks exited {codes}; replacing it")
 
-    def inject(self, now: float) -> None:
+    def draw(self) -> str:
+        kinds = self.args.kinds
+        weights = [self.args.kill_all_weight if kind == "kill-all" else 1.0 for kind in kinds]
+        return self.rng.choices(kinds, weights)[0] if sum(weights) else kinds[0]
+
+    def inject(self, now: float, kind: str) -> bool:
+        """Inject a fault of ``kind`` unless it can't be now; whether it was."""
+        if kind == "kill-all":
+            return self.kill_all(now)
         live = [g for g in range(len(self.groups))
                 if g not in self.down and g not in self.hung and g not in self.partitioned]
-        kind = self.rng.choice(self.args.kinds)
         if kind != "lighthouse" and len(live) < 2:
-            return  # keep at least one group training, or there is nothing to verify
+            return False  # keep at least one group training, or there is nothing to verify
         if kind == "lighthouse":
             self.faults[kind] += 1
             self.lighthouse.kill()
-            time.sleep(self.rng.uniform(0.2, 1.5))
-            self.lighthouse.start()
+            self.restart_lighthouse()
             self.say(f"fault {sum(self.faults.values())}: lighthouse killed and restarted")
-            return
+            return True
         g = self.rng.choice(live)
         group = self.groups[g]
-        if kind in ("kill", "kill-rank", "term") and not self.another_holder(g, live):
-            # Destroying the only live process that holds the latest committed state loses
-            # it for good (the lighthouse then rightly refuses to go on from older state).
-            return
+        # Destroying the only live copy of the latest committed state makes the job redo steps: the
+        # lighthouse refuses a quorum of older state until its holder timeout, then starts a new epoch
+        # from it (a checkpoint's, or step 0). With checkpoints, a hang or a cut of that copy longer than
+        # the heartbeat timeout does too when the others all just resumed from disk (no wait then).
+        # Only a kill-all may rewind the job: the checker counts any other new epoch as a failure.
+        guarded = ("kill", "kill-rank", "term") + (("hang", "partition") if self.args.checkpoint_every else ())
+        if kind in guarded and not self.another_holder(g, live):
+            return False
         self.faults[kind] += 1
         if kind == "kill":
             group.kill(signal.SIGKILL)
@@ -288,6 +334,37 @@ class Chaos:
             self.network.cut(g, connected=False)
             self.partitioned[g] = now + self.rng.uniform(1.0, 5.0)
         self.say(f"fault {sum(self.faults.values())}: {kind} group {g}")
+        return True
+
+    def restart_lighthouse(self) -> None:
+        time.sleep(self.rng.uniform(0.2, 1.5))
+        self.lighthouse.start()
+
+    def kill_all(self, now: float) -> bool:
+        """SIGKILL every group (and the lighthouse in half the draws), as a power cut would; the
+        supervisor restarts them all after the usual delay, and they resume from the newest
+        checkpoint. Not before the job committed a step since the last kill-all, nor before a checkpoint."""
+        if not self.epoch_rows() or not complete_checkpoints(self.checkpoints):
+            return False
+        with_lighthouse = "lighthouse" in self.args.kinds and self.rng.random() < 0.5
+        for group in self.groups:
+            group.kill(signal.SIGKILL)  # a hung group too: SIGKILL needs no SIGCONT
+        if with_lighthouse:
+            self.lighthouse.kill()
+        at = time.time()  # every process is dead: rows before it are the old epoch's, rows after the new one's
+        killed_step, on_disk = self.committed(), complete_checkpoints(self.checkpoints)
+        self.kill_alls.append({"at": at, "killed_step": killed_step, "checkpoint": on_disk[0],
+                               "lighthouse": with_lighthouse})
+        self.hung.clear()
+        for g in range(len(self.groups)):  # down ones too: a scheduler restarts the whole job
+            self.down[g] = now + self.rng.uniform(0.5, 3.0)
+        kind = "kill-all+lighthouse" if with_lighthouse else "kill-all"
+        self.faults[kind] += 1
+        self.say(f"fault {sum(self.faults.values())}: {kind} at step {killed_step}; the newest complete "
+                 f"checkpoint is step {on_disk[0]} (on disk: {on_disk[:4]})")
+        if with_lighthouse:
+            self.restart_lighthouse()
+        return True
 
     def run(self) -> dict:
         self.start()
@@ -306,7 +383,8 @@ class Chaos:
             now = time.monotonic()
             self.supervise(now)
             if now >= next_fault:
-                self.inject(now)
+                if self.inject(now, self.forced or self.draw()):
+                    self.forced = None
                 next_fault = now + self.rng.expovariate(1.0 / self.args.interval)
             time.sleep(0.05)
         last_fault = time.monotonic()
@@ -329,8 +407,8 @@ class Chaos:
                 "chaos_seconds": last_fault - chaos_start, "hangs": hangs}
 
     def another_holder(self, g: int, live: list[int]) -> bool:
-        """Whether a live group other than ``g`` holds the latest committed step."""
-        rows = read_reports(self.report)
+        """Whether a live group other than ``g`` holds the latest committed step (of this epoch)."""
+        rows = self.epoch_rows()
         latest = max((r["step"] for r in rows), default=0)
         for other in live:
             pids = {p.pid for p in self.groups[other].procs}
@@ -339,51 +417,7 @@ class Chaos:
         return False
 
     def last_step_of(self, group: int) -> int:
-        return max((r["step"] for r in read_reports(self.report) if r["group"] == group), default=0)
-
-
-def verify(rows: list[dict]) -> dict:
-    """The invariants, from the reports: divergence, duplicates, gaps, batch accounting."""
-    sums: dict[tuple[int, int], set[str]] = defaultdict(set)
-    participants: dict[int, set[int]] = defaultdict(set)
-    batches: dict[int, set[int]] = defaultdict(set)
-    per_process: dict[tuple[int, int], list[int]] = defaultdict(list)
-    for row in rows:
-        sums[(row["step"], row["rank"])].add(row["checksum"])
-        participants[row["step"]].add(row["participants"])
-        batches[row["step"]].add(row["batches_committed"])
-        per_process[(row["pid"], row["rank"])].append(row["step"])
-    divergent = sorted({step for (step, _), s in sums.items() if len(s) > 1})
-    duplicated = sorted({s for steps in per_process.values() for s in steps if steps.count(s) > 1})
-    steps = sorted(participants)
-    missing = sorted(set(range(1, steps[-1] + 1)) - set(steps)) if steps else []
-    inconsistent = sorted(s for s in steps if len(participants[s]) > 1 or len(batches[s]) > 1)
-    running, bad_batches = 0, []
-    for s in range(1, (steps[-1] if steps else 0) + 1):
-        if s in participants and len(participants[s]) == 1:
-            running += next(iter(participants[s]))
-            if s in batches and batches[s] != {running}:
-                bad_batches.append(s)
-    return {"committed_steps": steps[-1] if steps else 0, "divergent_steps": divergent,
-            "duplicated_steps": duplicated, "missing_steps": missing,
-            "inconsistent_steps": inconsistent, "batch_accounting_errors": bad_batches[:20]}
-
-
-def heal_and_stall_figures(workdir: Path, rows: list[dict]) -> dict:
-    """Heals and their bytes (from the groups' logs) and stalls: gaps between committed steps over 1 s."""
-    heals, heal_mb = 0, 0.0
-    for log in workdir.glob("group*.log"):
-        for match in re.finditer(r"healed: ([\d.]+) MB", log.read_text(errors="replace")):
-            heals += 1
-            heal_mb += float(match.group(1))
-    first_commit: dict[int, float] = {}
-    for row in rows:
-        first_commit[row["step"]] = min(first_commit.get(row["step"], row["time"]), row["time"])
-    times = [first_commit[s] for s in sorted(first_commit)]
-    gaps = [b - a for a, b in zip(times, times[1:])]
-    stalls = [g for g in gaps if g > 1.0]
-    return {"heals": heals, "heal_mb": round(heal_mb, 1), "stalls_over_1s": len(stalls),
-            "longest_stall_s": round(max(gaps, default=0.0), 2), "stalled_s": round(sum(stalls), 1)}
+        return max((r["step"] for r in self.epoch_rows() if r["group"] == group), default=0)
 
 
 def main(argv=None) -> int:
@@ -397,28 +431,12 @@ def main(argv=None) -> int:
     finally:
         chaos.stop()
     rows = read_reports(chaos.report)
-    checks = verify(rows)
-    figures = heal_and_stall_figures(chaos.workdir, rows)
-    ok = (not checks["divergent_steps"] and not checks["duplicated_steps"] and not checks["missing_steps"]
-          and not checks["inconsistent_steps"] and not checks["batch_accounting_errors"] and not outcome["hangs"])
-    print("\n================ chaos summary ================")
-    print(f"seed / groups x ranks          {args.seed} / {args.groups} x {args.ranks}")
-    print(f"process group                  {args.pg}")
-    print(f"faults injected                {sum(chaos.faults.values())} "
-          f"({', '.join(f'{k} {v}' for k, v in sorted(chaos.faults.items()))})")
-    print(f"group restarts                 {chaos.restarts}")
-    print(f"heals (bytes)                  {figures['heals']} ({figures['heal_mb']:.0f} MB)")
-    print(f"stalls over 1 s                {figures['stalls_over_1s']} ({figures['stalled_s']:.0f} s in all, "
-          f"longest {figures['longest_stall_s']:.1f} s)")
-    print(f"committed steps                {checks['committed_steps']}")
-    print(f"divergent steps                {len(checks['divergent_steps'])}")
-    print(f"duplicated / missing steps     {len(checks['duplicated_steps'])} / {len(checks['missing_steps'])}")
-    print(f"batch accounting errors        {len(checks['batch_accounting_errors'])}")
-    print(f"hangs                          {len(outcome['hangs'])}")
-    print(f"efficiency                     {outcome['efficiency']:.0%} "
-          f"({outcome['chaos_steps_per_s']:.1f} vs {outcome['baseline_steps_per_s']:.1f} steps/s fault-free)")
-    print(f"verdict                        {'PASS' if ok else 'FAIL'}")
-    print("================================================")
+    checks = verify(rows, chaos.kill_alls, chaos.starts, chaos.workdir)
+    figures = heal_and_stall_figures(chaos.workdir, rows, chaos.kill_alls)
+    ok = not (checks["divergent_steps"] or checks["duplicated_steps"] or checks["missing_steps"]
+              or checks["inconsistent_steps"] or checks["batch_accounting_errors"] or checks["kill_all_errors"]
+              or checks["unplanned_rewinds"] or outcome["hangs"])
+    print_summary(args, chaos.faults, chaos.restarts, checks, figures, outcome, ok)
     short: dict = {}
     for key, value in checks.items():  # counts, and the first few steps of each kind of violation
         if isinstance(value, list):

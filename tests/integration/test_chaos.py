@@ -1,29 +1,123 @@
-"""A short chaos run (the long one is `python benchmarks/chaos.py --seed 1 --faults 200`)."""
+"""A short chaos run (the long one is `python benchmarks/chaos.py --seed 1 --faults 200`), and its checker.
+
+The run's first fault is a kill-all (every group SIGKILLed at once, the lighthouse too in
+some draws), and it is the only one: every run proves the job resumes from its newest
+durable checkpoint, in about the time the run took before kill-alls existed. The checker's
+tests feed it a made-up run (no processes) with two kill-alls, then spoil it one way at a time.
+"""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+from benchmarks._chaos_checks import verify
 
 CHAOS = Path(__file__).resolve().parents[2] / "benchmarks" / "chaos.py"
 
 
+@pytest.mark.integration
+@pytest.mark.slow
 def test_twenty_faults_of_every_kind_lose_nothing(tmp_path):
     out = subprocess.run(
         [sys.executable, str(CHAOS), "--seed", "3", "--faults", "20", "--ranks", "2", "--baseline", "5",
-         "--workdir", str(tmp_path)],
+         "--first-fault", "kill-all", "--kill-all-weight", "0", "--workdir", str(tmp_path)],
         capture_output=True, text=True, timeout=900,
     )
     assert out.stdout.strip(), out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
+    table = out.stdout[-4000:]  # the summary table, and the first errors under it
     assert sum(summary["faults"].values()) >= 20
-    assert summary["divergent_steps"] == 0 and summary["duplicated_steps"] == 0
-    assert summary["missing_steps"] == 0 and summary["batch_accounting_errors"] == 0
-    assert summary["hangs"] == [] and summary["committed_steps"] > 0
-    assert out.returncode == 0 and summary["ok"], out.stdout[-3000:]
+    # First: a rewind no kill-all caused also shows as divergent steps, and this says why.
+    assert summary["unplanned_rewinds"] == 0, table
+    assert summary["divergent_steps"] == 0 and summary["duplicated_steps"] == 0, table
+    assert summary["missing_steps"] == 0 and summary["batch_accounting_errors"] == 0, table
+    assert summary["hangs"] == [] and summary["committed_steps"] > 0, table
+    # The kill-all: the new job epoch went on from the step after the newest checkpoint.
+    assert summary["kill_alls"] == 1 and summary["kill_all_errors"] == 0, table
+    assert summary["kill_alls_first"][0]["recovery_s"] is not None
+    assert out.returncode == 0 and summary["ok"], table
+
+
+T = 1_700_000_000.0  # the made-up run's wall clock; job epoch k runs from T + 100 k
+
+
+def made_up_run(tmp_path: Path, spans: list[tuple[int, int]], checkpoints: list[int]):
+    """Two one-rank groups; job epoch k commits steps ``spans[k]``, and kill-all k ends it at
+    T + 100 k + 90 with ``checkpoints[k]`` the newest on disk. Writes the groups' and the lighthouse's logs."""
+    rows, starts, kill_alls, batches = [], [], [], {0: 0}
+    lighthouse = []
+    for k, (first, last) in enumerate(spans):
+        resumed = checkpoints[k - 1] if k else None
+        for g in range(2):
+            starts.append({"at": T + 100 * k, "group": g, "incarnation": k + 1, "pids": [1000 * (k + 1) + g]})
+            said = f"resumed from step {resumed}" if k else "no checkpoint: starting fresh"
+            (tmp_path / f"group{g}.{k + 1}.0.log").write_text(f"[group {g} rank 0] {said}\n")
+        if k:
+            when = T + 100 * k + 0.5  # after the kill, before the new epoch's first commit
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when)) + ",500"
+            lighthouse.append(f"{stamp} WARNING lighthouse.server: epoch {k} of the job starts: the highest step a "
+                              f"quorum reached goes from {spans[k - 1][1]} down to {resumed} because ...")
+        running = batches[first - 1]
+        for s in range(first, last + 1):
+            running = batches[s] = running + 2
+            rows += [{"group": g, "rank": 0, "step": s, "checksum": f"{k}-{s}", "participants": 2,
+                      "batches_committed": running, "time": T + 100 * k + 1 + (s - first) * 0.1,
+                      "pid": 1000 * (k + 1) + g} for g in range(2)]
+        if k + 1 < len(spans):
+            kill_alls.append({"at": T + 100 * k + 90, "killed_step": last, "checkpoint": checkpoints[k],
+                              "lighthouse": False})
+    (tmp_path / "lighthouse.log").write_text("\n".join(lighthouse) + "\n")
+    return rows, kill_alls, starts
+
+
+# Killed at step 30 (checkpoint 20), again at 25 before the next checkpoint (so 20 again).
+SPANS, CHECKPOINTS = [(1, 30), (21, 25), (21, 40)], [20, 20]
+
+
+def test_checker_passes_a_job_resumed_twice(tmp_path):
+    checks = verify(*made_up_run(tmp_path, SPANS, CHECKPOINTS), tmp_path)
+    for key in ("divergent_steps", "duplicated_steps", "missing_steps", "inconsistent_steps",
+                "batch_accounting_errors", "kill_all_errors", "unplanned_rewinds"):
+        assert checks[key] == [], key
+    assert checks["committed_steps"] == 40 and checks["commits"] == 30 + 5 + 20
+    events = [(e["killed_step"], e["checkpoint"], e["redone"]) for e in checks["kill_alls"]]
+    assert events == [(30, 20, 10), (25, 20, 5)]
+    assert checks["steps_redone"] == 15 and checks["kill_all_recovery_max_s"] == 11.0
+
+
+def test_checker_catches_a_resume_from_the_wrong_step(tmp_path):
+    rows, kill_alls, starts = made_up_run(tmp_path, SPANS, CHECKPOINTS)
+    kill_alls[1]["checkpoint"] = 25  # a newer checkpoint was on disk at the second kill
+    checks = verify(rows, kill_alls, starts, tmp_path)
+    assert any("first committed step is 21, not 26" in e for e in checks["kill_all_errors"])
+    assert any("resumed from step 20, not from step 25" in e for e in checks["kill_all_errors"])
+    assert checks["unplanned_rewinds"]  # the lighthouse's epoch went down to 20, not 25
+
+
+def test_checker_catches_a_fresh_start_and_a_lost_step(tmp_path):
+    rows, kill_alls, starts = made_up_run(tmp_path, SPANS, CHECKPOINTS)
+    (tmp_path / "group1.2.0.log").write_text("[group 1 rank 0] no checkpoint: starting fresh\n")
+    rows = [r for r in rows if not (r["time"] > T + 200 and r["step"] == 21)]  # the last epoch starts at 22
+    checks = verify(rows, kill_alls, starts, tmp_path)
+    assert any("group 1 rank 0 (pid 2001) committed step 21 but started fresh" in e for e in checks["kill_all_errors"])
+    assert any("first committed step is 22, not 21" in e for e in checks["kill_all_errors"])
+    assert checks["missing_steps"] == [[2, 21]]
+
+
+def test_checker_catches_divergence_and_an_unplanned_rewind(tmp_path):
+    rows, kill_alls, starts = made_up_run(tmp_path, SPANS, CHECKPOINTS)
+    rows[-1]["checksum"] = "forked"
+    with (tmp_path / "lighthouse.log").open("a") as log:  # a rewind in the middle of the first epoch
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(T + 50))
+        log.write(f"{stamp},000 WARNING lighthouse.server: epoch 1 of the job starts: the highest step a quorum "
+                  "reached goes from 30 down to 20 because ...\n")
+    checks = verify(rows, kill_alls, starts, tmp_path)
+    assert checks["divergent_steps"] == [[2, 40]]
+    assert len(checks["unplanned_rewinds"]) == 1 and "from step 30 down to 20 because" in checks["unplanned_rewinds"][0]
+    assert checks["kill_all_errors"] == []
