@@ -10,10 +10,11 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from lighthouse.quorum import QuorumConfig
+from lighthouse.rpc.access import INSECURE_ENV, TOKEN_ENV, TOKEN_FILE_ENV, Access
 from lighthouse.rpc.addresses import split_host_port
 
 ADMIN_TOKEN_ENV = "TORCHFT_LITE_ADMIN_TOKEN"
@@ -51,8 +52,10 @@ class LighthouseConfig:
     POST /api/epoch starts one at once."""
     http_bind: str | None = DEFAULT_HTTP_BIND
     """HOST:PORT for the dashboard, /api/status and /metrics; None disables HTTP."""
-    admin_token: str | None = None
+    admin_token: str | None = field(default=None, repr=False)
     """Bearer token required by admin actions (kill, new epoch); None disables them."""
+    access: Access = field(default_factory=Access)
+    """Who may call the gRPC and HTTP sides: the job token, else loopback peers only (lighthouse.rpc.access)."""
     state_dir: Path | None = None
     """Where the last quorum id and the highest committed step are kept, so ids
     keep increasing across restarts even if the clock steps back, and a restart
@@ -156,6 +159,17 @@ class LighthouseConfig:
             "Without one, admin actions are disabled",
         )
         parser.add_argument(
+            "--token-file", "--token_file", type=Path, default=None,
+            help=f"file holding the job token; every gRPC call and HTTP request must then carry "
+            f"'authorization: Bearer <token>' (the dashboard: open it once as /?token=<token>). Also read from "
+            f"${TOKEN_FILE_ENV} or ${TOKEN_ENV}. Without a token only loopback peers are served",
+        )
+        parser.add_argument(
+            "--insecure", action="store_true",
+            help=f"with no job token, serve every peer instead of loopback ones only (also ${INSECURE_ENV}=1); "
+            "logs a WARNING. Anyone who reaches the ports can then steer the job",
+        )
+        parser.add_argument(
             "--state-dir", "--state_dir", type=Path, default=None,
             help="directory to keep the last quorum id and the highest committed step in, so ids keep increasing "
             "across restarts and a restart is told from a first start (startup grace, stale-quorum guard); "
@@ -190,6 +204,7 @@ class LighthouseConfig:
             startup_grace=None if args.startup_grace_ms is None else args.startup_grace_ms / 1000,
             http_bind=http_bind,
             admin_token=token,
+            access=Access.from_env(environ, token_file=args.token_file, insecure=args.insecure),
             state_dir=args.state_dir,
             grpc_engine=args.grpc_engine,
         )

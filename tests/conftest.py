@@ -49,6 +49,22 @@ async def wait_until(predicate: Callable[[], bool | Awaitable[bool]], what: str,
         await asyncio.sleep(0.05)
 
 
+def non_loopback_address() -> str:
+    """An address of this machine other than loopback, for tests of protected mode (a peer that is not
+    loopback); skips, naming why, on a machine that has none."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))  # no packet is sent: this only picks the outgoing interface
+            address = probe.getsockname()[0]
+        except OSError:
+            address = ""
+    if not address or address.startswith("127.") or address == "0.0.0.0":
+        pytest.skip("skipped: this machine has no IPv4 address other than loopback to call a server from")
+    return address
+
+
 def wait_until_sync(predicate: Callable[[], bool], what: str, timeout: float = WAIT) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
