@@ -7,7 +7,7 @@
 * the savers, told of each committed step on the training thread right after ``optimizer.step()``:
   :class:`Saver` (none, the baseline), :class:`Ours` (``DurableCheckpointer``), :class:`Dcp`
   (``torch.distributed.checkpoint.async_save``, no process group) and :class:`TorchSave`;
-* :func:`run_window`: warm-up steps, then timed steps, then the drain (saves still in flight);
+* :func:`run_segment`: one method's turn in a block: a lead-in step, timed steps, the drain;
 * ``python -m benchmarks._checkpoint_workloads --method M --dir D ...``: a job restarted after the whole
   job was killed: it resumes from ``D`` and commits one step, then prints one JSON line of wall-clock times.
 """
@@ -99,7 +99,10 @@ class Trainer:
 
 
 class Saver:
-    """No checkpoints (the baseline). Subclasses save every ``every`` committed steps into ``directory``."""
+    """No checkpoints (the baseline). Subclasses save every ``every`` committed steps into ``directory``.
+
+    A saver lives for a whole block and is attached only during its own segments.
+    """
 
     method = "none"
 
@@ -110,11 +113,17 @@ class Saver:
         self.write_seconds: list[float] = []
         self.saves = self.skipped = self.failed = 0
 
+    def attach(self) -> None:
+        """From the next step on, this saver sees the loop's commits."""
+
+    def detach(self) -> None:
+        """Commits from now on are not this saver's (a save due is dropped)."""
+
     def after_commit(self, step: int) -> None:
         """Right after ``optimizer.step()`` of committed step ``step``, on the training thread."""
 
-    def finish(self, timeout: float) -> None:
-        """Wait (bounded) for saves in flight."""
+    def drain(self, timeout: float) -> None:
+        """Wait (bounded) for a save in flight."""
 
     def newest_files(self) -> list[Path]:
         """The files of the newest complete checkpoint."""
@@ -137,6 +146,7 @@ class Ours(Saver):
         for event in ("step_committed", "step_starting", "state_changing"):  # the Manager looks them up by name
             setattr(self.checkpointer, event, self._timed(getattr(self.checkpointer, event)))
         self._seen: int | None = None
+        self.detach()
 
     def _timed(self, hook: Any) -> Any:
         def timed(*args: Any) -> Any:
@@ -146,6 +156,13 @@ class Ours(Saver):
             finally:
                 self.blocked += time.perf_counter() - started
         return timed
+
+    def attach(self) -> None:
+        self.trainer.manager.add_step_listener(self.checkpointer)
+
+    def detach(self) -> None:
+        # A save due then is dropped at the next step_starting, whose step is not the one due.
+        self.trainer.manager.remove_step_listener(self.checkpointer)
 
     def _collect(self) -> None:
         # One save is in flight at a time and the next starts only at a step: polling every step sees each.
@@ -158,8 +175,8 @@ class Ours(Saver):
     def after_commit(self, step: int) -> None:
         self._collect()
 
-    def finish(self, timeout: float) -> None:
-        self.checkpointer.close(timeout)
+    def drain(self, timeout: float) -> None:
+        self.checkpointer.wait(timeout)
         self._collect()
 
     def newest_files(self) -> list[Path]:
@@ -167,11 +184,10 @@ class Ours(Saver):
         if not found:
             return []
         local = self.checkpointer.layout.local_dir(found[0].step)
-        return [p for p in found[0].path.iterdir()] + (list(local.iterdir()) if local.exists() else [])
+        return list(found[0].path.iterdir()) + (list(local.iterdir()) if local.exists() else [])
 
     def extra(self) -> dict[str, Any]:
-        stats = self.checkpointer.statistics()
-        return {"snapshot_wait_s": stats.snapshot_wait_seconds, "last_bytes": stats.last_bytes}
+        return {"snapshot_wait_s": self.checkpointer.statistics().snapshot_wait_seconds}
 
 
 class Dcp(Saver):
@@ -214,7 +230,7 @@ class Dcp(Saver):
         self._future.add_done_callback(lambda _: self.write_seconds.append(time.perf_counter() - called))
         self.blocked += time.perf_counter() - started
 
-    def finish(self, timeout: float) -> None:
+    def drain(self, timeout: float) -> None:
         self._wait(timeout)
 
     def newest_files(self) -> list[Path]:
@@ -245,46 +261,16 @@ class TorchSave(Saver):
             old.unlink()
 
     def newest_files(self) -> list[Path]:
-        files = sorted(self.directory.glob("step-*.pt"), key=lambda p: p.stat().st_mtime)
-        return files[-1:]
+        return sorted(self.directory.glob("step-*.pt"), key=lambda p: p.stat().st_mtime)[-1:]
 
 
 SAVERS: dict[str, type[Saver]] = {cls.method: cls for cls in (Saver, Ours, Dcp, TorchSave)}
 METHODS = ("ours", "dcp", "torch_save")
 
 
-def run_window(trainer: Trainer, saver: Saver, warmup: int, steps: int, timeout: float) -> dict[str, Any]:
-    """``warmup`` steps (and more until the step is a multiple of ``every``), ``steps`` timed ones, the drain."""
-    def one() -> float:
-        started = time.perf_counter()
-        if trainer.step():
-            saver.after_commit(trainer.manager.current_step())
-        else:
-            window["uncommitted"] += 1
-        return time.perf_counter() - started
-
-    window: dict[str, Any] = {"method": saver.method, "every": saver.every, "uncommitted": 0}
-    for _ in range(warmup):
-        one()
-    for _ in range(saver.every):  # start the timed steps at a checkpoint step: each method gets steps/every saves
-        if trainer.manager.current_step() % saver.every == 0:
-            break
-        one()
-    blocked_before, saves_before, skipped_before = saver.blocked, saver.saves, saver.skipped
-    cpu, started = cpu_seconds(), time.perf_counter()
-    times = [one() for _ in range(steps)]
-    window["wall_s"] = time.perf_counter() - started
-    window["cpu_s"] = cpu_seconds() - cpu
-    window["blocked_s"] = saver.blocked - blocked_before
-    drain = time.perf_counter()
-    saver.finish(timeout)
-    window["drain_s"] = time.perf_counter() - drain
-    window.update(mean_ms=statistics.fmean(times) * 1e3, p50_ms=statistics.median(times) * 1e3,
-                  times_ms=[round(t * 1e3, 2) for t in times], saves=saver.saves - saves_before,
-                  skipped=saver.skipped - skipped_before,
-                  failed=saver.failed, write_s=statistics.median(saver.write_seconds) if saver.write_seconds else None,
-                  bytes=sum(p.stat().st_size for p in saver.newest_files() if p.is_file()) or None, **saver.extra())
-    return window
+def make_saver(method: str, trainer: Trainer, directory: Path, every: int) -> Saver:
+    directory.mkdir(parents=True, exist_ok=True)
+    return SAVERS[method](trainer, directory, every)
 
 
 def cpu_seconds() -> float:
@@ -293,9 +279,46 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def make_saver(method: str, trainer: Trainer, directory: Path, every: int) -> Saver:
-    directory.mkdir(parents=True, exist_ok=True)
-    return SAVERS[method](trainer, directory, every)
+def run_segment(trainer: Trainer, saver: Saver, steps: int, timeout: float) -> dict[str, Any]:
+    """``steps`` timed steps (a multiple of ``every``) with ``saver`` attached: ``steps / every`` saves.
+
+    Untimed first: steps until the next commit is a checkpoint step S0, then that
+    step (the lead-in), which commits S0. Every method's save of step S is called
+    (or, for ours, starts at the next ``start_quorum``) right after the commit of
+    S, and is timed in step S+1: the timed steps S0+1 .. S0+steps hold the saves
+    of S0, S0+every, ..., S0+steps-every, whatever the method. The save of the
+    last step is dropped; a write still in flight is waited for, untimed.
+    """
+    every = saver.every
+    uncommitted = 0
+    while (trainer.manager.current_step() + 1) % every:
+        trainer.step()
+    saver.attach()
+    pending = trainer.manager.current_step() + 1
+    if not trainer.step():
+        pending, uncommitted = None, 1
+    blocked, cpu = saver.blocked, cpu_seconds()
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        if pending is not None:
+            saver.after_commit(pending)
+        pending = trainer.manager.current_step() + 1
+        if not trainer.step():
+            pending, uncommitted = None, uncommitted + 1
+        times.append(time.perf_counter() - started)
+    segment = {"cpu_s": cpu_seconds() - cpu, "blocked_s": saver.blocked - blocked, "times": times,
+               "uncommitted": uncommitted}
+    saver.detach()
+    saver.drain(timeout)
+    return segment
+
+
+def saver_totals(saver: Saver) -> dict[str, Any]:
+    """What a saver did over its block: saves, write time (median per save), bytes of its newest checkpoint."""
+    return dict(saves=saver.saves, skipped=saver.skipped, failed=saver.failed,
+                write_s=statistics.median(saver.write_seconds) if saver.write_seconds else None,
+                bytes=sum(p.stat().st_size for p in saver.newest_files() if p.is_file()) or None, **saver.extra())
 
 
 # ------------------------------------------------------------ the restarted job (a child process)

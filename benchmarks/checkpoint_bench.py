@@ -16,16 +16,22 @@ one baseline serves all of them:
 * ``torch_save``: ``torch.save`` of both state dicts right after
   ``optimizer.step()``, then fsync (as durable as the other two).
 
-For each ``--every``, a block runs ``none``, the methods, and ``none`` again,
-each for ``--warmup`` steps then ``--steps`` timed ones (starting at a
-checkpoint step, so each method has steps/every saves in the window); the
-baseline is both ``none`` windows pooled. ``--repeats`` runs every block again
-with the methods rotated, and the table shows medians over repeats. Columns:
+For each ``--every`` a block runs the methods and the baseline in turns,
+round-robin, ``--segment`` timed steps each (rotated every round, so slow
+drifts of this shared machine's speed fall on all of them alike), until each
+has ``--steps`` timed steps. A saver lives through its block and sees only the
+commits of its own turns. Each turn starts with an untimed lead-in step that
+commits a checkpoint step S0; every method's save of a step S is called (ours:
+starts at the next ``start_quorum``) right after S commits and is timed in
+step S+1, so the timed steps S0+1 .. S0+segment hold the saves of S0, S0+every,
+.., whatever the method; a write still in flight at the end of a turn is
+waited for, untimed. ``--repeats`` runs every block again; the table shows
+medians over repeats. Columns:
 
 * ``mean``/``p50 ms``: step time (mean is what the wall clock pays: the write
   runs in the background and slows the steps it overlaps); ``+mean``/``+p50``:
-  overhead over the baseline in %; ``wall s``: the timed steps' wall time;
-* ``saves``: completed in the window and its drain (``+N sk``: ours skips a save
+  overhead over the baseline in %; ``wall s``: the method's timed steps in all;
+* ``saves``: completed in the block (``+N sk``: ours skips a save
   due while the previous one is still being written); ``ms/save``: the extra
   wall time per save, (mean - baseline mean) x steps / saves, the figure to
   scale to your own step time and interval;
@@ -34,8 +40,9 @@ with the methods rotated, and the table shows medians over repeats. Columns:
   ``get_state_dict``, staging, waiting for the previous save; torch_save: the
   whole call); ``write s``: median per save (ours: ``last_write_seconds``, after
   the copy; dcp: from the call until the future completes; torch_save: the
-  call); ``MB``: the newest checkpoint on disk. The JSON adds each window's
-  process CPU time (every thread) and the extra CPU seconds per save.
+  call); ``MB``: the newest checkpoint on disk. The JSON adds each method's
+  process CPU time in its timed steps (every thread), the extra CPU seconds per
+  save, and every turn's mean step time.
 
 Then the restart: for each method, a fresh Python process builds the same
 model, resumes from that method's newest checkpoint (its pages dropped from the
@@ -57,6 +64,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import shutil
 import statistics
 import subprocess
@@ -100,10 +108,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--every", type=integers, default=[1, 5, 10],
                         help="checkpoint every N committed steps, comma-separated, one block each (default 1,5,10)")
     parser.add_argument("--steps", type=int, default=40,
-                        help="timed steps per method and block (default 40: 4 saves at every 10)")
-    parser.add_argument("--warmup", type=int, default=2,
-                        help="untimed steps before each window, plus up to (every - 1) more to start at a checkpoint step "
-                             "(default 2)")
+                        help="timed steps per method and block, rounded up to whole segments (default 40: 4 saves "
+                             "at every 10)")
+    parser.add_argument("--segment", type=int, default=10,
+                        help="timed steps of one method's turn, rounded up to a multiple of every; the methods and "
+                             "the baseline take turns round-robin (default 10)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps at the start of each block (default 2)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads for training (default: torch's, every core). Fewer than the "
+                             "cores leaves the background saves a core of their own, as on a GPU host whose "
+                             "trainer hardly uses the CPU; all cores makes every byte they copy or write slow the "
+                             "steps down")
     parser.add_argument("--repeats", type=int, default=1,
                         help="run every block this many times, methods rotated; the table shows medians (default 1)")
     parser.add_argument("--methods", type=methods, default=list(work.METHODS),
@@ -119,42 +134,64 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"exit 1 when the goal is missed or can't be judged (ours at every {GOAL_EVERY} <= "
                              f"{GOAL_PCT}%% mean overhead and below dcp's, both measured); default: report it only")
     args = parser.parse_args(argv)
-    if min(args.hidden, args.layers, args.batch, args.steps, args.repeats) < 1 or args.warmup < 0:
-        parser.error("--hidden, --layers, --batch, --steps and --repeats must be >= 1, --warmup >= 0")
+    if min(args.hidden, args.layers, args.batch, args.steps, args.segment, args.repeats) < 1 or args.warmup < 0:
+        parser.error("--hidden, --layers, --batch, --steps, --segment and --repeats must be >= 1, --warmup >= 0")
+    if args.threads is not None and args.threads < 1:
+        parser.error("--threads must be >= 1")
     return args
 
 
 # ------------------------------------------------------------ the runs
 
-def run_blocks(args: argparse.Namespace, sizes: work.Sizes, root: Path) -> tuple[list[dict[str, Any]], dict]:
-    """Every window of every block; and, per method, the directory of its last window (kept for the restart)."""
+def run_blocks(args: argparse.Namespace, sizes: work.Sizes, root: Path) -> tuple[list[dict], list[dict], dict]:
+    """One row per (repeat, every, method) and one record per segment; each method's directory of the last block."""
     model, optimizer, batch = work.build(sizes)
     trainer = work.Trainer(model, optimizer, batch)
-    windows: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = []
+    segments: list[dict[str, Any]] = []
     kept: dict[str, Path] = {}
+    order = ["none"] + args.methods
     try:
         for repeat in range(args.repeats):
             for every in args.every:
-                shift = repeat % len(args.methods)
-                order = ["none"] + args.methods[shift:] + args.methods[:shift] + ["none"]
-                for position, method in enumerate(order):
-                    directory = root / f"r{repeat}-every{every}-{position}-{method}"
-                    saver = work.make_saver(method, trainer, directory, every)
-                    window = work.run_window(trainer, saver, args.warmup, args.steps, args.timeout)
-                    window.update(repeat=repeat, position=position)
-                    windows.append(window)
-                    print(f"  repeat {repeat} every {every:<3} {method:<11} mean {window['mean_ms']:8.1f} ms  "
-                          f"saves {window['saves']}", file=sys.stderr, flush=True)
-                    del saver
+                length = -(-args.segment // every) * every  # a multiple of every
+                rounds = max(1, -(-args.steps // length))
+                savers = {m: work.make_saver(m, trainer, root / f"r{repeat}-every{every}-{m}", every) for m in order}
+                for _ in range(args.warmup):
+                    trainer.step()
+                pooled = {m: {"times": [], "cpu_s": 0.0, "blocked_s": 0.0, "uncommitted": 0} for m in order}
+                for round_ in range(rounds):
+                    shift = (round_ + repeat) % len(order)  # every method takes every place in the rotation
+                    for method in order[shift:] + order[:shift]:
+                        segment = work.run_segment(trainer, savers[method], length, args.timeout)
+                        total = pooled[method]
+                        total["times"] += segment["times"]
+                        for key in ("cpu_s", "blocked_s", "uncommitted"):
+                            total[key] += segment[key]
+                        segments.append({"repeat": repeat, "every": every, "round": round_, "method": method,
+                                         "mean_ms": statistics.fmean(segment["times"]) * 1e3})
+                for method in order:
+                    total = pooled[method]
+                    rows.append({"repeat": repeat, "every": every, "method": method, "steps": len(total["times"]),
+                                 "saves_due": rounds * length // every, "times_ms": [t * 1e3 for t in total["times"]],
+                                 "wall_s": sum(total["times"]), "cpu_s": total["cpu_s"],
+                                 "blocked_s": total["blocked_s"], "uncommitted": total["uncommitted"],
+                                 **work.saver_totals(savers[method])})
+                    print(f"  repeat {repeat} every {every:<3} {method:<11} mean "
+                          f"{statistics.fmean(total['times']) * 1e3:8.1f} ms  saves {savers[method].saves}",
+                          file=sys.stderr, flush=True)
+                del savers
+                for method in order:  # keep each method's newest directory for the restart
                     if method in kept:
                         shutil.rmtree(kept.pop(method), ignore_errors=True)
+                    directory = root / f"r{repeat}-every{every}-{method}"
                     if method == "none":
                         shutil.rmtree(directory, ignore_errors=True)
                     else:
                         kept[method] = directory
     finally:
         trainer.close()
-    return windows, kept
+    return rows, segments, kept
 
 
 def resume_once(method: str, directory: Path, sizes: work.Sizes, timeout: float) -> dict[str, Any]:
@@ -181,35 +218,32 @@ def median(values: list[float | None]) -> float | None:
     return statistics.median(present) if present else None
 
 
-def summarize(windows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, dict[str, dict[str, Any]]]:
-    """``results[method][every]``: medians over repeats; overheads against the block's pooled baseline."""
+def summarize(rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, dict[str, dict[str, Any]]]:
+    """``results[method][every]``: medians over repeats; overheads against the baseline of the same block."""
     results: dict[str, dict[str, dict[str, Any]]] = {}
     for every in args.every:
         per_method: dict[str, list[dict[str, Any]]] = {}
         for repeat in range(args.repeats):
-            block = [w for w in windows if w["every"] == every and w["repeat"] == repeat]
-            base_windows = [w for w in block if w["method"] == "none"]
-            base = [t for w in base_windows for t in w["times_ms"]]
-            base_mean, base_p50 = statistics.fmean(base), statistics.median(base)
-            base_cpu = statistics.fmean(w["cpu_s"] for w in base_windows)
-            for w in block:
-                # saves whose work fell in the timed steps: one per `every` steps, less those ours skipped
-                saved = max(args.steps // every - w["skipped"], 1)
-                per_method.setdefault(w["method"], []).append(dict(
-                    w, over_mean_pct=(w["mean_ms"] / base_mean - 1) * 100,
-                    over_p50_pct=(w["p50_ms"] / base_p50 - 1) * 100,
-                    extra_ms_per_save=(w["mean_ms"] - base_mean) * args.steps / saved,
-                    extra_cpu_s_per_save=(w["cpu_s"] - base_cpu) / saved,
-                    blocked_ms_per_save=w["blocked_s"] / saved * 1e3))
+            block = {r["method"]: r for r in rows if r["every"] == every and r["repeat"] == repeat}
+            base = block["none"]
+            base_mean, base_p50 = statistics.fmean(base["times_ms"]), statistics.median(base["times_ms"])
+            for method, r in block.items():
+                mean, p50 = statistics.fmean(r["times_ms"]), statistics.median(r["times_ms"])
+                saved = max(r["saves_due"] - r["skipped"], 1)  # the saves whose work fell in the timed steps
+                per_method.setdefault(method, []).append(dict(
+                    r, mean_ms=mean, p50_ms=p50, over_mean_pct=(mean / base_mean - 1) * 100,
+                    over_p50_pct=(p50 / base_p50 - 1) * 100, extra_ms_per_save=(mean - base_mean) * r["steps"] / saved,
+                    extra_cpu_s_per_save=(r["cpu_s"] - base["cpu_s"]) / saved,
+                    blocked_ms_per_save=r["blocked_s"] / saved * 1e3))
         for method, runs in per_method.items():
             row = {key: median([r.get(key) for r in runs]) for key in (
                 "mean_ms", "p50_ms", "over_mean_pct", "over_p50_pct", "extra_ms_per_save", "extra_cpu_s_per_save",
-                "wall_s", "cpu_s", "drain_s", "blocked_s", "blocked_ms_per_save", "write_s", "bytes", "saves",
+                "wall_s", "cpu_s", "blocked_s", "blocked_ms_per_save", "write_s", "bytes", "saves", "saves_due",
                 "skipped", "failed", "snapshot_wait_s")}
-            if method == "none":  # the baseline against itself: zero by definition
-                row.update(over_mean_pct=0.0, over_p50_pct=0.0, extra_ms_per_save=None, extra_cpu_s_per_save=None)
+            if method == "none":  # the baseline against itself
+                row.update(extra_ms_per_save=None, extra_cpu_s_per_save=None, saves_due=0)
+            row["steps"] = runs[0]["steps"]
             row["uncommitted"] = sum(r["uncommitted"] for r in runs)
-            row["windows"] = len(runs)
             results.setdefault(method, {})[str(every)] = row
     return results
 
@@ -235,8 +269,10 @@ def fmt(value: float | None, spec: str) -> str:
 
 def print_table(results: dict, resumes: dict, args: argparse.Namespace, sizes: work.Sizes) -> None:
     print(f"model: {sizes.layers} x Linear({sizes.hidden}, {sizes.hidden}), {sizes.param_bytes / 1e6:.0f} MB of "
-          f"parameters, AdamW, batch {sizes.batch}; {args.steps} timed steps per window, {args.repeats} repeat(s); "
-          f"baseline: the same Manager loop without checkpoints (both 'none' windows of each block)")
+          f"parameters, AdamW, batch {sizes.batch}; per method and block {args.steps}+ timed steps in turns of "
+          f"{args.segment}+, {args.repeats} repeat(s); baseline 'none': the same Manager loop without checkpoints, "
+          f"interleaved; training on {'torch default' if args.threads is None else args.threads} intra-op "
+          f"thread(s) of {os.cpu_count()} core(s)")
     header = (f"{'method':<11}{'every':>6}{'mean ms':>9}{'p50 ms':>9}{'+mean':>9}{'+p50':>9}{'wall s':>8}"
               f"{'saves':>10}{'ms/save':>9}{'blocked':>9}{'write s':>9}{'MB':>6}")
     print(header)
@@ -268,11 +304,15 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("torchft_lite.durable.checkpointer").setLevel(logging.ERROR)  # skipped saves: counted
     sizes = work.Sizes(args.hidden, args.layers, args.batch)
+    if args.threads is not None:
+        import torch  # the workloads module imported it already
+
+        torch.set_num_threads(args.threads)
     args.dir.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="checkpoint-bench-", dir=args.dir))
     try:
-        windows, kept = run_blocks(args, sizes, root)
-        results = summarize(windows, args)
+        rows, segments, kept = run_blocks(args, sizes, root)
+        results = summarize(rows, args)
         resumes = {m: resume_once(m, kept[m], sizes, args.timeout) for m in args.methods} if args.resume else {}
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -280,14 +320,13 @@ def main(argv: list[str] | None = None) -> int:
     print_table(results, resumes, args, sizes)
     print(f"goal ({goal['what']}): " + ("n/a, " + goal["why"] if goal["passed"] is None else
                                         "pass" if goal["passed"] else "MISSED"))
-    for window in windows:
-        window.pop("times_ms")
     print(json.dumps({
-        "sizes": {"hidden": sizes.hidden, "layers": sizes.layers, "batch": sizes.batch,
+        "threads": args.threads, "sizes": {"hidden": sizes.hidden, "layers": sizes.layers, "batch": sizes.batch,
                   "param_bytes": sizes.param_bytes},
         "steps": args.steps, "warmup": args.warmup, "repeats": args.repeats, "every": args.every,
-        "methods": args.methods, "baseline": "the same Manager loop without checkpoints, both windows of each block",
-        "results": results, "resume": resumes, "goal": goal, "windows": windows,
+        "methods": args.methods, "baseline": "the same Manager loop without checkpoints, interleaved in each block",
+        "segment": args.segment, "results": results, "resume": resumes, "goal": goal,
+        "segments": [{**seg, "mean_ms": round(seg["mean_ms"], 2)} for seg in segments],
     }))
     return 1 if args.check and not goal["passed"] else 0
 
