@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from typing import AsyncIterator, Awaitable, Callable
 
@@ -47,6 +48,18 @@ async def wait_until(predicate: Callable[[], bool | Awaitable[bool]], what: str,
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
         await asyncio.sleep(0.05)
+
+
+REQUIRE_TORCHFT_ENV = "TORCHFT_LITE_REQUIRE_TORCHFT"
+
+
+def needs_torchft(available: bool, reason: str) -> pytest.MarkDecorator:
+    """Skip (naming ``reason``) tests that need torchft where it is missing, except where
+    ``TORCHFT_LITE_REQUIRE_TORCHFT=1`` (``.ci/run`` sets it): there collecting them fails, loudly."""
+    if not available and os.environ.get(REQUIRE_TORCHFT_ENV) == "1":
+        raise RuntimeError(f"{reason}, and {REQUIRE_TORCHFT_ENV}=1 requires the tests that compare with torchft "
+                           f"to run: install torchft-nightly (make does)")
+    return pytest.mark.skipif(not available, reason=reason)
 
 
 def non_loopback_address() -> str:

@@ -13,12 +13,13 @@ import pytest
 from tests.compat.cases import EXCLUDED, FILES
 from tests.compat.pytest_process import ALIAS_DIR, REPO
 from tests.compat.run import find_wheel_dir
+from tests.conftest import needs_torchft
 
 pytestmark = pytest.mark.integration
 
 WHEEL = find_wheel_dir()
-needs_torchft = pytest.mark.skipif(
-    WHEEL is None, reason="torchft is not installed: make compat runs the test files of its wheel")
+requires_torchft = needs_torchft(WHEEL is not None,
+                                 "torchft is not installed: make compat runs the test files of its wheel")
 
 
 def run_with_alias(code: str) -> subprocess.CompletedProcess:
@@ -52,7 +53,7 @@ def test_alias_imports_torchft_lite_under_the_torchft_name() -> None:
     assert result.returncode == 0, result.stderr
 
 
-@needs_torchft
+@requires_torchft
 def test_alias_loads_test_code_from_the_wheel() -> None:
     result = run_with_alias(f"""
         import torchft.data_test, torchft_lite.data
@@ -62,7 +63,7 @@ def test_alias_loads_test_code_from_the_wheel() -> None:
     assert result.returncode == 0, result.stderr
 
 
-@needs_torchft
+@requires_torchft
 def test_files_in_scope_are_in_the_wheel() -> None:
     assert [file for file in FILES if not (WHEEL / file).is_file()] == []
 
@@ -80,7 +81,7 @@ def _test_methods(tree: ast.Module, class_name: str) -> set[str]:
     return methods
 
 
-@needs_torchft
+@requires_torchft
 def test_excluded_tests_exist_in_the_wheel() -> None:
     missing = []
     for test_id, reason in EXCLUDED.items():

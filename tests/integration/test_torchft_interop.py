@@ -3,7 +3,8 @@
 torchft's ManagerServer/ManagerClient drive our lighthouse, and our client
 drives torchft's lighthouse. Uses torchft's native extension directly
 (benchmarks/torchft_ref.py), so it needs neither torch nor OpenTelemetry and
-takes well under a second. Skipped when torchft-nightly is not installed.
+takes well under a second. Skipped when torchft-nightly is not installed, except under
+.ci/run, where that fails the run (tests.conftest.needs_torchft).
 """
 
 import asyncio
@@ -15,12 +16,12 @@ import pytest
 from benchmarks import torchft_ref
 from lighthouse.client import LighthouseClient
 from lighthouse.thread import BackgroundLighthouse
-from tests.conftest import lighthouse_config
+from tests.conftest import lighthouse_config, needs_torchft
 
 pytestmark = pytest.mark.integration
 
 native = torchft_ref.load()
-requires_torchft = pytest.mark.skipif(native is None, reason="torchft-nightly not installed (make installs it)")
+requires_torchft = needs_torchft(native is not None, "torchft-nightly not installed (make installs it)")
 
 
 @requires_torchft
