@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from torchft_lite.local_cluster import LighthouseProcess, ReplicaGroup  # noqa: E402
+from torchft_lite.local_cluster import LighthouseProcess, ReplicaGroup, job_token_env  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parent / "train_ddp.py"
 HEALED = re.compile(r"healed: ([\d.]+) MB in ([\d.]+)s \(([\d.]+) MB/s\)")
@@ -72,7 +72,8 @@ def main() -> int:
     print(f"torchft_lite demo: logs and per-step reports in {workdir}")
     lighthouse = LighthouseProcess(min_replicas=2, join_timeout=2.0, heartbeat_timeout=2.0,
                                    log_path=workdir / "lighthouse.log").start()
-    print(f"lighthouse at {lighthouse.address} (min_replicas=2, heartbeat timeout 2s)")
+    print(f"lighthouse at {lighthouse.address} (min_replicas=2, heartbeat timeout 2s); every call carries the job "
+          f"token ({'a random one made for this run' if job_token_env() else 'yours, from TORCHFT_LITE_TOKEN/_FILE'})")
     checkpoints = workdir / "checkpoints"
     train_args = ["--steps", "1000000", "--step-sleep", "0.05", "--hidden", str(args.hidden), "--report", str(report),
                   "--timeout", "10", "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "10"]

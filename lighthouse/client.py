@@ -12,6 +12,7 @@ import asyncio
 import grpc
 
 from lighthouse.protocol import torchft_pb2 as pb
+from lighthouse.rpc.access import Access
 from lighthouse.rpc.channel import UnaryChannel
 
 
@@ -32,10 +33,11 @@ class LighthouseClient(UnaryChannel):
 
     service = "torchft.LighthouseService"
 
-    def __init__(self, address: str, *, connect_timeout: float = 60.0) -> None:
+    def __init__(self, address: str, *, connect_timeout: float = 60.0, access: Access | None = None) -> None:
+        """``access``: the job token every call carries; None reads it from the environment (see UnaryChannel)."""
         if not address:
             raise ValueError("lighthouse address is empty (set TORCHFT_LIGHTHOUSE or pass lighthouse_addr)")
-        super().__init__(address)
+        super().__init__(address, access=access)
         self.connect_timeout = connect_timeout
 
     async def connect(self, *, timeout: float) -> None:

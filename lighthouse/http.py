@@ -104,7 +104,7 @@ class _Handlers:
                     request_serializer=pb.KillRequest.SerializeToString,
                     response_deserializer=pb.KillResponse.FromString,
                 )
-                await call(pb.KillRequest(msg=msg), timeout=timeout)
+                await call(pb.KillRequest(msg=msg), timeout=timeout, metadata=self.server.config.access.metadata())
         except grpc.aio.AioRpcError as exc:
             details = (exc.details() or "").lower()
             # torchft's manager exits inside the Kill handler, so its answer is a dropped

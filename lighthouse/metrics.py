@@ -49,6 +49,13 @@ class _StatisticsCollector(Collector):
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
+        refused = CounterMetricFamily(
+            "lighthouse_unauthorized_requests", "Calls refused by the access policy: kind 'unauthenticated' (no "
+            "or a wrong job token), 'forbidden' (not loopback while no token is set).", labels=["interface", "kind"],
+        )
+        for kind in ("unauthenticated", "forbidden"):
+            refused.add_metric(["grpc", kind], self._server.refusals.counts.get(kind, 0))
+        yield refused
         status = GaugeMetricFamily(
             "lighthouse_quorum_status", "1 for the current quorum status category.", labels=["status"]
         )

@@ -31,8 +31,7 @@ from lighthouse.protocol import torchft_pb2 as pb
 from lighthouse.quorum import Epoch, IssuedQuorum, Member, QuorumState, Status
 from lighthouse.rpc.addresses import split_host_port
 from lighthouse.rpc.broadcast import Broadcast
-from lighthouse.rpc.engines import Service, start_service
-from lighthouse.rpc.h2grpc import GrpcServer
+from lighthouse.rpc.engines import RefusalLog, Server, Service, start_service
 from lighthouse.view import LighthouseStatistics
 
 logger = logging.getLogger(__name__)
@@ -80,7 +79,8 @@ class LighthouseServer:
         self._formation_observers: list[Callable[[float], None]] = []
         self._published_id: int | None = None
         self._previous_ids: set[str] = set()
-        self._grpc: grpc.aio.Server | GrpcServer | None = None
+        self._grpc: Server | None = None
+        self.refusals = RefusalLog("lighthouse")  # gRPC calls refused by config.access; read by /metrics
         self._http = None  # aiohttp AppRunner, see lighthouse.http
         self._grpc_port: int | None = None
         self._http_port: int | None = None
@@ -125,10 +125,10 @@ class LighthouseServer:
 
     async def _bind(self) -> None:
         try:
-            server, self._grpc_port = await start_service(self._service(), self.config.bind, self.config.grpc_engine)
+            self._grpc, self._grpc_port = await start_service(self._service(), self.config.bind, self.config.grpc_engine,
+                                                              access=self.config.access, refusals=self.refusals)
         except OSError as exc:
             raise OSError(f"lighthouse could not bind gRPC to {self.config.bind}: {exc}") from exc
-        self._grpc = server
         if self.config.http_bind is not None:
             from lighthouse.http import start_http  # aiohttp is only needed with HTTP on
 

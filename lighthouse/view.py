@@ -12,6 +12,7 @@ from typing import Callable, Protocol
 from lighthouse.config import LighthouseConfig
 from lighthouse.protocol import torchft_pb2 as pb
 from lighthouse.quorum_data import Epoch
+from lighthouse.rpc.refusals import RefusalLog
 
 __all__ = ["LighthouseStatistics", "LighthouseView"]
 
@@ -50,6 +51,8 @@ class LighthouseView(Protocol):
     """What the HTTP side reads and asks of a lighthouse; every call on the lighthouse's event loop."""
 
     config: LighthouseConfig
+    refusals: RefusalLog
+    """gRPC calls refused by ``config.access`` (no or a wrong job token, or a peer protected mode does not serve)."""
 
     @property
     def grpc_port(self) -> int: ...

@@ -17,6 +17,7 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 import grpc  # noqa: E402
 
 from lighthouse.protocol import torchft_pb2 as pb  # noqa: E402
+from lighthouse.rpc.access import Access  # noqa: E402
 from lighthouse.rpc.channel import UnaryChannel  # noqa: E402
 from torchft_lite.errors import ManagerError, ManagerTimeout, QuorumError, QuorumTimeout  # noqa: E402
 
@@ -30,10 +31,11 @@ class ManagerClient(UnaryChannel):
 
     service = SERVICE
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, *, access: Access | None = None) -> None:
+        """``access``: the job token every call carries; None reads it from the environment (see UnaryChannel)."""
         if not address:
             raise ValueError("ManagerServer address is empty")
-        super().__init__(address)
+        super().__init__(address, access=access)
 
     async def _invoke(self, method: str, request, response_cls, timeout: float, what: str,
                       error=ManagerError, timeout_error=ManagerTimeout):

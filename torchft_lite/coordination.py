@@ -175,6 +175,7 @@ class LighthouseServer:
     ) -> None:
         # The server's modules are loaded here, never by importing this module.
         from lighthouse.config import LighthouseConfig
+        from lighthouse.rpc.access import Access
         from lighthouse.thread import BackgroundLighthouse
 
         # torchft's in-process defaults (its CLI waits far longer for stragglers to join).
@@ -187,7 +188,9 @@ class LighthouseServer:
                     raise ConfigError(f"{name}_ms must be an integer number of milliseconds >= 0, got {value!r}")
                 settings[name] = value / 1000
         try:
-            config = LighthouseConfig(min_replicas=min_replicas, bind=bind, http_bind=None, **settings)
+            # The job token of this process's environment, as `python -m lighthouse` reads it.
+            config = LighthouseConfig(min_replicas=min_replicas, bind=bind, http_bind=None, access=Access.from_env(),
+                                      **settings)
         except ValueError as exc:
             raise ConfigError(f"LighthouseServer: {exc}") from exc
         self._lighthouse = BackgroundLighthouse(config, start_timeout=start_timeout).start()

@@ -6,12 +6,17 @@ job would) or directly, one process per rank, with the group's TCPStore hosted
 by this process (leaner: no agent process per group). Each group runs in its
 own process group/session, so :meth:`ReplicaGroup.kill` takes down every rank
 at once, like a machine dying.
+
+Jobs started here are secured as a real one should be: the lighthouse and
+every group get one job token (see :func:`job_token_env`) through their
+environment, never a command line (which ``ps`` shows to every user) or a log.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import secrets
 import select
 import signal
 import socket
@@ -22,9 +27,30 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Sequence
 
-__all__ = ["LighthouseProcess", "ReplicaGroup", "free_port"]
+from lighthouse.rpc.access import TOKEN_ENV, TOKEN_FILE_ENV, Access
+
+__all__ = ["LighthouseProcess", "ReplicaGroup", "free_port", "job_access", "job_token_env"]
 
 _LISTENING = re.compile(r"Lighthouse listening on: (\S+)")
+_generated_token: str | None = None
+
+
+def job_token_env() -> dict[str, str]:
+    """What the processes started here add to their environment for the job token: nothing when this
+    process has ``TORCHFT_LITE_TOKEN`` or ``TORCHFT_LITE_TOKEN_FILE`` (they inherit it), else a random
+    token made once per process, so a lighthouse and groups started here (and restarted) share it."""
+    global _generated_token
+    if TOKEN_ENV in os.environ or TOKEN_FILE_ENV in os.environ:
+        return {}
+    if _generated_token is None:
+        _generated_token = secrets.token_urlsafe(32)
+    return {TOKEN_ENV: _generated_token}
+
+
+def job_access() -> Access:
+    """The access of the jobs started here, for a client in this process (a test, a benchmark) that
+    calls their lighthouse or ManagerServers."""
+    return Access.from_env({**os.environ, **job_token_env()})
 
 
 def free_port() -> int:
@@ -96,7 +122,7 @@ class LighthouseProcess:
     def start(self) -> "LighthouseProcess":
         if self.port and self.address:  # a restart binds the same port again
             self.args[1] = f"{self.host}:{self.port}"
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **job_token_env())
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         # stdout carries the "listening on" line; logs go to stderr.
         self.proc = subprocess.Popen([sys.executable, "-m", "lighthouse", *self.args], stdout=subprocess.PIPE,
@@ -156,7 +182,9 @@ class ReplicaGroup:
         self._store = None
 
     def _env(self) -> dict[str, str]:
-        env = dict(os.environ)
+        # A token the caller set for this group (a test of a wrong one) replaces the job's.
+        own_token = TOKEN_ENV in self.extra_env or TOKEN_FILE_ENV in self.extra_env
+        env = dict(os.environ, **({} if own_token else job_token_env()))
         env.update(REPLICA_GROUP_ID=str(self.group_id), NUM_REPLICA_GROUPS=str(self.num_groups),
                    TORCHFT_LIGHTHOUSE=self.lighthouse, TORCHFT_LITE_HOSTNAME=self.advertise,
                    PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")

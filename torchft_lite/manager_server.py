@@ -22,6 +22,12 @@ lease on it (:class:`~torchft_lite._lighthouse_link.LighthouseLink`: a
 ``Lease`` stream, closed first on stop, so the lighthouse drops the group at
 once when this process dies or leaves). It runs on the control-plane event
 loop and serves with the RPC kit's h2c gRPC server (``lighthouse.rpc``).
+
+Only the job's own processes may call it (a ``Kill`` ends the process, a
+forged ``Quorum`` or ``ShouldCommit`` steers the group): every call must carry
+the job token (``TORCHFT_LITE_TOKEN``/``_FILE``), else, with no token, come
+from loopback (see :mod:`lighthouse.rpc.access`). Its lighthouse calls carry
+the same token.
 """
 
 from __future__ import annotations
@@ -38,8 +44,10 @@ from google.protobuf.message import DecodeError
 
 from lighthouse.client import LighthouseClient
 from lighthouse.protocol import torchft_pb2 as pb
+from lighthouse.rpc.access import Access
 from lighthouse.rpc.addresses import split_host_port
 from lighthouse.rpc.h2grpc import GrpcServer, RpcAbort
+from lighthouse.rpc.refusals import RefusalLog
 from torchft_lite._lighthouse_link import LighthouseLink
 from torchft_lite._quorum_compute import QuorumMember, compute_quorum_result, heal_sources_of, member_data, response_of
 from torchft_lite.errors import QuorumError, QuorumTimeout
@@ -115,6 +123,8 @@ class ManagerServerStatistics:
     quorum_failures: int
     heartbeat_failures: int
     last_quorum_id: int | None
+    refused: dict[str, int] = field(default_factory=dict)
+    """Calls refused by the access check, by kind ('unauthenticated', 'forbidden')."""
 
 
 class ManagerServer:
@@ -126,11 +136,16 @@ class ManagerServer:
         *,
         lighthouse: LighthouseClient | None = None,
         on_kill: Callable[[str], None] | None = None,
+        access: Access | None = None,
     ) -> None:
+        """``access``: who may call this server, and the token its lighthouse calls carry; None reads
+        ``TORCHFT_LITE_TOKEN``/``_TOKEN_FILE``/``_INSECURE`` once, here (a bad value raises ``ValueError``)."""
         self.config = config
-        self._lighthouse = lighthouse or LighthouseClient(config.lighthouse_addr, connect_timeout=config.connect_timeout)
+        self.access = Access.from_env() if access is None else access
+        self._lighthouse = lighthouse or LighthouseClient(config.lighthouse_addr, connect_timeout=config.connect_timeout,
+                                                          access=self.access)
         self._on_kill = on_kill or _exit_process
-        self._grpc = GrpcServer()
+        self._grpc = GrpcServer(access=self.access, refusals=RefusalLog(f"ManagerServer {config.replica_id}"))
         for name, handler in {
             "Quorum": self._rpc_quorum,
             "CheckpointMetadata": self._rpc_checkpoint_metadata,
@@ -156,8 +171,9 @@ class ManagerServer:
         host, port = split_host_port(self.config.bind)
         self._port = await self._grpc.start(host, port)
         self._link.start()
-        logger.info("[%s] ManagerServer listening on %s for %d rank(s)",
-                    self.config.replica_id, self.address(), self.config.world_size)
+        logger.log(logging.WARNING if self.access.mode == "insecure" else logging.INFO,
+                   "[%s] ManagerServer listening on %s for %d rank(s); %s",
+                   self.config.replica_id, self.address(), self.config.world_size, self.access.describe())
 
     def advertise(self, key: str, value: object) -> None:
         """Add ``key`` to the JSON object this group sends as ``QuorumMember.data`` from the next quorum on
@@ -195,7 +211,8 @@ class ManagerServer:
 
     def statistics(self) -> ManagerServerStatistics:
         return ManagerServerStatistics(
-            self._quorums, self._quorum_failures, self._link.heartbeat_failures, self._last_quorum_id
+            self._quorums, self._quorum_failures, self._link.heartbeat_failures, self._last_quorum_id,
+            dict(self._grpc.refusals.counts),
         )
 
     # ------------------------------------------------------------ lighthouse events

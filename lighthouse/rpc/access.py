@@ -25,6 +25,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 import os
+import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
@@ -152,11 +153,12 @@ def peer_host(peer: str | None) -> str | None:
         return "unix"
     for prefix in ("ipv4:", "ipv6:"):
         if peer.startswith(prefix):
-            rest = peer[len(prefix):]
+            # grpcio writes a URI ('ipv6:%5B::1%5D:5', a zone as %25); the native server writes it plain.
+            rest = urllib.parse.unquote(peer[len(prefix):])
             if rest.startswith("["):
                 return rest[1:rest.find("]")] if "]" in rest else None
             host, sep, _ = rest.rpartition(":")
-            return (host if sep else rest).replace("%25", "%")
+            return host if sep else rest
     return peer
 
 

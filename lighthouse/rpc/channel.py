@@ -2,12 +2,19 @@
 
 ``lighthouse.client.LighthouseClient`` and torchft_lite's ManagerService client
 are both one of these plus their own calls and error translation.
+
+Every call it makes carries the job token (``authorization: Bearer ...``
+metadata, from an :class:`~lighthouse.rpc.access.Access`), so a subclass's
+calls need not think of it.
 """
 
 from __future__ import annotations
 
+import functools
+
 import grpc
 
+from lighthouse.rpc.access import Access
 from lighthouse.rpc.addresses import grpc_target
 
 __all__ = ["CHANNEL_OPTIONS", "UnaryChannel"]
@@ -30,13 +37,17 @@ class UnaryChannel:
     """A lazily opened gRPC channel with cached unary callables for one service.
 
     Create and use it on a single event loop. Subclasses set ``service`` and
-    add their calls.
+    add their calls. ``access``: whose token every call carries; None reads
+    ``TORCHFT_LITE_TOKEN``/``TORCHFT_LITE_TOKEN_FILE`` now (a bad one raises
+    ``ValueError`` here, not at the first call).
     """
 
     service = ""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, *, access: Access | None = None) -> None:
         self.address = address
+        self.access = Access.from_env() if access is None else access
+        self._metadata = self.access.metadata() or None
         self._channel: grpc.aio.Channel | None = None
         self._calls: dict[str, grpc.aio.UnaryUnaryMultiCallable] = {}
 
@@ -48,20 +59,24 @@ class UnaryChannel:
     def _call(self, method: str, request_cls, response_cls) -> grpc.aio.UnaryUnaryMultiCallable:
         call = self._calls.get(method)
         if call is None:
-            call = self._open().unary_unary(
+            call = self._with_token(self._open().unary_unary(
                 f"/{self.service}/{method}",
                 request_serializer=request_cls.SerializeToString,
                 response_deserializer=response_cls.FromString,
-            )
+            ))
             self._calls[method] = call
         return call
 
     def _stream_call(self, method: str, request_cls, response_cls) -> grpc.aio.UnaryStreamMultiCallable:
-        return self._open().unary_stream(
+        return self._with_token(self._open().unary_stream(
             f"/{self.service}/{method}",
             request_serializer=request_cls.SerializeToString,
             response_deserializer=response_cls.FromString,
-        )
+        ))
+
+    def _with_token(self, call):
+        """``call`` with the token's metadata bound (a caller's own ``metadata=`` replaces it)."""
+        return call if self._metadata is None else functools.partial(call, metadata=self._metadata)
 
     async def close(self) -> None:
         if self._channel is not None:

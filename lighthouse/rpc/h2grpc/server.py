@@ -14,6 +14,11 @@ Handlers have the same shape as grpc.aio generic handlers over raw bytes:
 ``async def server_stream(request: bytes, context) -> AsyncIterator[bytes]``;
 ``context`` offers ``peer()`` and ``await abort(code, details)``, so the same
 handler functions run on either engine.
+
+Every call passes the server's :class:`~lighthouse.rpc.access.Access` check
+(the job token, else loopback peers only) before its method is even looked up;
+a refused call is answered UNAUTHENTICATED or PERMISSION_DENIED and counted in
+``GrpcServer.refusals``, and nothing else happens.
 """
 
 from __future__ import annotations
@@ -25,10 +30,12 @@ from typing import AsyncIterator, Awaitable, Callable
 
 import grpc
 
+from lighthouse.rpc.access import HEADER, Access
 from lighthouse.rpc.addresses import dual_stack_socket
 from lighthouse.rpc.h2grpc import wire
 from lighthouse.rpc.h2grpc.connection import H2Connection
 from lighthouse.rpc.h2grpc.streams import Stream
+from lighthouse.rpc.refusals import RefusalLog, status_of
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +54,7 @@ def _status_block(code: grpc.StatusCode, details: str = "", trailers_only: bool 
 
 
 _OK_TRAILERS = _status_block(grpc.StatusCode.OK)
+_AUTHORIZATION = HEADER.encode()
 
 
 class RpcAbort(Exception):
@@ -87,7 +95,12 @@ class GrpcServer:
         max_request_bytes: int = 4 * 1024 * 1024,
         max_connection_request_bytes: int = 32 * 1024 * 1024,
         handshake_timeout: float = 10.0,
+        access: Access | None = None,
+        refusals: RefusalLog | None = None,
     ) -> None:
+        # None: Access(), the secure default (no token: loopback peers only).
+        self.access = Access() if access is None else access
+        self.refusals = RefusalLog("gRPC server") if refusals is None else refusals
         self.max_concurrent_streams = max_concurrent_streams
         self.handshake_timeout = handshake_timeout  # seconds a new connection has to send the HTTP/2 preface
         self.max_request_bytes = max_request_bytes
@@ -152,6 +165,11 @@ class GrpcServer:
             connection.trailers_only(stream, wire.encode_headers([(b":status", b"415")]))
             return
         path = headers.get(b":path", b"").decode("utf-8", "replace")
+        refusal = self.access.check(connection.peer, headers.get(_AUTHORIZATION))
+        if refusal is not None:
+            self.refusals.note(connection.peer, path, refusal)
+            connection.trailers_only(stream, _status_block(status_of(refusal), refusal.message, True))
+            return
         method = self._methods.get(path)
         if method is None:
             connection.trailers_only(
