@@ -19,7 +19,7 @@ import torch
 
 from torchft_lite.checkpointing import HTTPTransport
 from torchft_lite.checkpointing import _decode, _encode, _format
-from torchft_lite.checkpointing import _http_server
+from torchft_lite.checkpointing import _http_server, _http_socket
 from torchft_lite.errors import CheckpointError, CheckpointHTTPError, CheckpointTimeout, CheckpointTransferError
 from tests.conftest import WAIT, wait_until_sync
 
@@ -89,7 +89,7 @@ def test_the_token_is_required_and_checked(make_transport):
     with pytest.raises(CheckpointHTTPError, match="HTTP Error 401: .*check the token") as caught:
         make_transport().recv_checkpoint(0, server.metadata(), 5, LONG)
     assert caught.value.code == 401
-    with pytest.raises(CheckpointHTTPError, match="HTTP Error 403: .*check the token"):
+    with pytest.raises(CheckpointHTTPError, match="HTTP Error 401: .*check the token.*wrong job token"):
         make_transport(token="guess").recv_checkpoint(0, server.metadata(), 5, LONG)
     received = make_transport(token="s3cret").recv_checkpoint(0, server.metadata(), 5, LONG)
     assert received["torchft"]["step"] == 5
@@ -328,7 +328,7 @@ def big_state_dict(megabytes: int = 48) -> dict:
 def test_mutating_right_after_disallow_leaves_what_was_served_intact(make_transport, threads, monkeypatch):
     # Small kernel buffers on both ends: most of the stream waits in the server's own write queue,
     # which holds views of the tensors, not copies.
-    monkeypatch.setattr(_http_server, "_SEND_BUFFER_BYTES", 64 << 10)
+    monkeypatch.setattr(_http_socket, "SEND_BUFFER_BYTES", 64 << 10)
     server = make_transport()
     sent = big_state_dict()
     expected = digest(5, sent)
@@ -525,10 +525,22 @@ def _post_done(server: HTTPTransport, step: int, session: str, ok: bool = True) 
         return exc.code
 
 
+def _ask(server: HTTPTransport, step: int, session: str) -> int:
+    """A request for ``step``'s header that the server holds for no time: it notes the session, as a striping
+    receiver's does before it reports done to a secondary that served it nothing."""
+    try:
+        with urllib.request.urlopen(f"{server.metadata()}/{step}/header?session={session}&timeout=0",
+                                    timeout=WAIT) as answer:
+            return answer.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
 def test_a_done_that_arrives_before_the_publish_counts_for_it(make_transport, threads):
     # A striping receiver whose primary took over every range of this (slow) secondary can finish, and say so,
     # before this replica publishes: the publish must count it, not wait its whole timeout for it.
     server = make_transport(timeout=timedelta(seconds=3 * WAIT))
+    assert _ask(server, 5, "early") == 504  # not published: held for no time, but the session is noted
     assert _post_done(server, 5, "early") == 200
     server.send_checkpoint([1], 5, state_dict(), timedelta(seconds=3 * WAIT))
     assert server.statistics().receivers_finished == 1
@@ -540,6 +552,7 @@ def test_a_done_that_arrives_before_the_publish_counts_for_it(make_transport, th
 def test_early_done_reports_are_bounded(make_transport):
     server = make_transport()
     for step in range(100, 130):
+        assert _ask(server, step, "s") == 504
         assert _post_done(server, step, "s") == 200
     assert len(server._server._early_done) <= _http_server._MAX_EARLY_STEPS
     server.send_checkpoint([1, 2], 6, state_dict(), LONG)

@@ -4,8 +4,9 @@ Where things live::
 
     transport.py           CheckpointTransport: the interface the Manager heals through
     http_transport.py      HTTPTransport: the training thread's API; serving and receiving run on the control plane
-    _http_server.py        CheckpointServer: routes, held requests, receiver sessions, publish and release
+    _http_server.py        CheckpointServer: access, routes, held requests, receiver sessions, publish and release
     _http_snapshot.py      Snapshot (one published step, encoded on first request) and Session (one receiver)
+    _http_socket.py        the checkpoint server's socket: where it listens, send buffers, flushing
     _http_receive.py       Receiver: one heal, from one source or striped over several (the first is the truth)
     _http_client.py        the heal's HTTP client: response bodies land straight in tensor memory
     _body_sinks.py         where those bodies go: a whole encoding, a data range, a small answer

@@ -83,12 +83,12 @@ class Receiver:
 
     Args:
         num_chunks: data ranges to fetch at once (at least one per source).
-        token: sent as ``Authorization: Bearer <token>`` when set.
+        headers: sent with every request (the job token's ``Authorization``, ``Access.headers()``).
     """
 
-    def __init__(self, num_chunks: int, token: str | None) -> None:
+    def __init__(self, num_chunks: int, headers: dict[str, str]) -> None:
         self._num_chunks = num_chunks
-        self._headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+        self._headers = dict(headers)
 
     def _auth_headers(self) -> dict[str, str]:
         return self._headers
@@ -135,7 +135,7 @@ class Receiver:
         finally:
             # Every source of a striped heal waits for this receiver, whether or not it got a range to serve.
             told = heal.joined if len(urls) == 1 else set(urls)
-            await asyncio.gather(*(self._tell_done(url, heal.session_id, ok) for url in told))
+            await asyncio.gather(*(self._tell_done(url, heal, ok) for url in told))
 
     def _params(self, heal: _Heal, **extra: int) -> dict[str, str]:
         remaining = max(0.0, heal.deadline - time.monotonic())
@@ -156,23 +156,29 @@ class Receiver:
         assert sink is not None
         return sink
 
-    async def _get_bytes(self, heal: _Heal, url: str, path: str, limit: int, *, exact: bool = False) -> bytes:
+    async def _get_bytes(self, heal: _Heal, url: str, path: str, limit: int, *, exact: bool = False,
+                         hold: float | None = None) -> bytes:
         """GET a small answer (a header, block sums) whole.
 
         An answer longer than ``limit`` (or of any other length, with ``exact``)
-        is refused before it is read.
+        is refused before it is read. ``hold``: how long the server may hold the
+        request for a step not published yet (default: the rest of the heal).
         """
         sink: BytesSink | None = None
 
         def sink_for(length: int) -> BytesSink:
             nonlocal sink
+            heal.joined.add(url)  # it answered: it knows this session
             if length > limit or (exact and length != limit):
                 raise CheckpointTransferError(f"{url}{path} answered {length} bytes, expected "
                                               f"{limit if exact else f'at most {limit}'}")
             sink = BytesSink(length)
             return sink
 
-        await _http_client.get_into(url + path, self._params(heal), self._auth_headers(), sink_for)
+        params = self._params(heal)
+        if hold is not None:
+            params["timeout"] = f"{hold:.3f}"
+        await _http_client.get_into(url + path, params, self._auth_headers(), sink_for)
         assert sink is not None
         return bytes(sink.data)
 
@@ -344,15 +350,23 @@ class Receiver:
 
         await _all([asyncio.create_task(fetch_again(start, end)) for start, end in blocks.ranges_of(differing)])
 
-    async def _tell_done(self, url: str, session_id: str, ok: bool) -> None:
+    async def _tell_done(self, url: str, heal: _Heal, ok: bool) -> None:
+        """Tell ``url`` this session has finished: a server counts a done only from a session that asked it
+        for the step, so a source that has not answered this session yet (a secondary that served no range)
+        is first asked for its header without waiting (it notes the session, or serves the header)."""
         try:
             async with asyncio.timeout(DONE_TIMEOUT):
-                await _http_client.post(f"{url}/done", {"session": session_id, "ok": "1" if ok else "0"},
+                if url not in heal.joined:
+                    try:
+                        await self._get_bytes(heal, url, "/header", _MAX_HEADER_ANSWER, hold=0.0)
+                    except _http_client.HTTPStatusError:
+                        pass  # 504: not published yet, but the session is noted; 400: that step is over anyway
+                await _http_client.post(f"{url}/done", {"session": heal.session_id, "ok": "1" if ok else "0"},
                                         self._auth_headers())
         except _http_client.HTTPStatusError as exc:
             logger.debug("%s/done answered HTTP %d", url, exc.status)
         except (CheckpointTransferError, OSError) as exc:  # refused, reset, unreachable, timed out (TimeoutError)
-            logger.debug("could not tell %s that session %s finished: %r", url, session_id, exc)
+            logger.debug("could not tell %s that session %s finished: %r", url, heal.session_id, exc)
 
 
 def _lagging(part: _Range, now: float, primary_rate: float) -> str | None:

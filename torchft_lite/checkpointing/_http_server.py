@@ -9,41 +9,44 @@ session with ``?session=<id>``; held requests also pass ``?timeout=<seconds>``):
     GET  /checkpoint/{step}/checksums            the sum64 of every data block (uint64 LE each)
     POST /checkpoint/{step}/done?ok=1|0          the receiver has finished (also before the step is published)
 
-A request for a step not published yet is held until it is (or until its
-timeout: 504). A request for an older step, or one already released, will
-never be served: 400 ("invalid checkpoint requested, serving N but got
-step=M", torchft's answer).
+Every request is checked first against the transport's access policy
+(``lighthouse.rpc.access``: the job token, else loopback peers only): 401 or
+403, and nothing served. A request for a step not published yet is held until
+it is (or until its timeout: 504). A request for an older step, or one already
+released, will never be served: 400 ("invalid checkpoint requested, serving N
+but got step=M", torchft's answer). More than ``_MAX_SESSIONS`` receivers of
+one step, or ``_MAX_HELD`` held requests, are answered 503 (logged once).
 
 :meth:`CheckpointServer.release` waits until as many receiver sessions as
 were expected have finished: every data byte written to them, a ``done``
 report (a receiver that fails verification says so), or a broken stream. At
 the send's timeout it aborts the streams still running. Sending a header or
 the checksums never finishes a session: a striping receiver asks for them
-before or after its data.
+before or after its data. A ``done`` ends only its own session: one that has
+asked this server for the step (a request held before the publish counts, so
+a striping receiver can finish before this replica publishes); a done naming
+any other session is a 409 and counts for nothing, so a stray or repeated
+report can never stand in for a receiver that is still to come.
 
-The socket: ``::`` binds through ``lighthouse.rpc.addresses.dual_stack_socket``,
-as the other servers of a trainer do. ``lighthouse.rpc.sites.start_site`` is
-not used: its runner has aiohttp's default shutdown timeout (this server
-gives held requests one second), and it binds every address a host name
-resolves to where this server binds one.
+The socket and its tuning are ``_http_socket``'s.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import hmac
 import itertools
 import logging
 import math
 import re
-import socket
 from typing import Iterable
 
 from aiohttp import web
 
-from lighthouse.rpc.addresses import dual_stack_socket
+from lighthouse.rpc.access import Access
+from lighthouse.rpc.refusals import RefusalLog
 from torchft_lite.checkpointing._encode import EncodedStateDict, FlatStateDict
+from torchft_lite.checkpointing._http_socket import flushed, listen, tune
 from torchft_lite.checkpointing._http_snapshot import Session, Snapshot
 from torchft_lite.errors import CheckpointError
 
@@ -53,11 +56,11 @@ logger = logging.getLogger("torchft_lite.checkpointing.http_transport")  # one l
 
 ABORT_GRACE = 10.0  # seconds a release waits for aborted streams and encoding to stop
 _SESSION_ID = re.compile(r"[0-9A-Za-z_-]{1,64}")
-# Done reports kept for steps not published yet: a bound against a flood of them.
+# Sessions that asked for (or reported done on) steps not published yet: a bound against a flood of them.
 _MAX_EARLY_DONE = 1024  # sessions per step
 _MAX_EARLY_STEPS = 8
-_SEND_BUFFER_BYTES = 8 << 20
-_QUEUE_BYTES = 16 << 20  # views of tensor memory the transport may queue before the stream waits
+_MAX_SESSIONS = 256  # receivers of one published step: more is a flood (a source serves a few behind groups)
+_MAX_HELD = 1024  # requests waiting for a step to be published
 
 
 class CheckpointServer:
@@ -65,8 +68,7 @@ class CheckpointServer:
 
     Args:
         timeout: the longest a request is held for a step not published yet.
-        token: when set, every request must carry ``Authorization: Bearer <token>``
-            (401 without, 403 when wrong).
+        access: who may ask (``Access.check`` on every request: 401 or 403 and nothing else).
         hostname: the name the transport advertises, for the log.
 
     The transport reads ``snapshot``, ``last_step``, ``held`` and
@@ -74,9 +76,10 @@ class CheckpointServer:
     statistics and torchft's attributes).
     """
 
-    def __init__(self, timeout: float, token: str | None, hostname: str) -> None:
+    def __init__(self, timeout: float, access: Access, hostname: str) -> None:
         self._timeout = timeout
-        self._token = token
+        self._access = access
+        self._refusals = RefusalLog("checkpoint server")
         self._hostname = hostname
         self.snapshot: Snapshot | None = None
         """The step being served, or None between a release and the next publish."""
@@ -87,14 +90,16 @@ class CheckpointServer:
         self.bytes_served = 0
         """Bytes of state dicts written since the server started."""
         self._released_step: int | None = None
-        self._early_done: dict[int, dict[str, bool]] = {}  # step -> session -> ok, reported before publishing
+        # step -> session -> ok reported, or None (asked, no report yet): receivers of steps not published yet
+        self._early_done: dict[int, dict[str, bool | None]] = {}
+        self._held_refused = 0  # held requests refused (503) since the last publish
         self._stopped = False
         self._runner: web.AppRunner | None = None
         self._changed = asyncio.Condition()
 
     async def start(self, bind_host: str, port: int) -> int:
         """Listen on ``bind_host:port`` (port 0: a free one); returns the port."""
-        app = web.Application(client_max_size=4096)
+        app = web.Application(client_max_size=4096, middlewares=[self._guard])
         app.router.add_get("/checkpoint/{step}", functools.partial(self._serve, part="all"))
         app.router.add_get("/checkpoint/{step}/header", functools.partial(self._serve, part="header"))
         app.router.add_get("/checkpoint/{step}/data", functools.partial(self._serve, part="data"))
@@ -103,13 +108,15 @@ class CheckpointServer:
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
         await self._runner.setup()
         try:
-            sock = _listen(bind_host, port)
+            sock = listen(bind_host, port)
         except OSError as exc:
             await self._runner.cleanup()
             raise CheckpointError(f"cannot listen on {bind_host}:{port} for checkpoints: {exc}") from exc
         await web.SockSite(self._runner, sock).start()
-        logger.info("checkpoint server listening on %s:%d (advertised as %s)", bind_host, sock.getsockname()[1],
-                    self._hostname)
+        logger.info("checkpoint server listening on %s:%d (advertised as %s; access: %s)", bind_host,
+                    sock.getsockname()[1], self._hostname, self._access.describe())
+        if self._access.mode == "insecure":
+            logger.warning("checkpoint server on port %d: %s", sock.getsockname()[1], self._access.describe())
         return sock.getsockname()[1]
 
     async def publish(self, expected: int, step: int, flat: FlatStateDict, timeout: float) -> None:
@@ -124,11 +131,15 @@ class CheckpointServer:
             snapshot = self.snapshot = Snapshot(step, flat, expected, timeout, deadline=now + timeout,
                                                 published_at=now)
             self.last_step = step
+            self._held_refused = 0
             early = self._early_done.pop(step, {})
             self._early_done = {s: d for s, d in self._early_done.items() if s > step}  # older ones never come
-            for session_id, ok in early.items():  # receivers that finished before this publish
-                snapshot.sessions[session_id] = Session(peer="?", ok=ok)
-                snapshot.finished += 1
+            for session_id, ok in early.items():
+                if ok is None:  # asked before this publish: may report done without asking again
+                    snapshot.known.add(session_id)
+                else:  # finished before this publish
+                    snapshot.sessions[session_id] = Session(peer="?", ok=ok)
+                    snapshot.finished += 1
             self._changed.notify_all()
         logger.debug("published step %d for %d receivers", step, expected)
 
@@ -193,19 +204,18 @@ class CheckpointServer:
 
     # ------------------------------------------------------------ requests
 
-    def _authorize(self, request: web.Request) -> None:
-        if self._token is None:
-            return
-        given = request.headers.get("Authorization")
-        if given is None:
-            raise web.HTTPUnauthorized(text="this checkpoint server needs a bearer token",
-                                       headers={"WWW-Authenticate": "Bearer"})
-        # Header bytes that are not UTF-8 arrive as surrogate escapes: compare them as the bytes they were.
-        if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"), f"Bearer {self._token}".encode()):
-            raise web.HTTPForbidden(text="wrong bearer token for this checkpoint server")
+    @web.middleware
+    async def _guard(self, request: web.Request, handler) -> web.StreamResponse:
+        """Every route: a caller the access policy refuses gets 401/403 and its reason, nothing else."""
+        refusal = self._access.check(request.remote, request.headers.get("Authorization"))
+        if refusal is None:
+            return await handler(request)
+        self._refusals.note(request.remote or "unknown", f"{request.method} {request.path}", refusal)
+        if refusal.kind == "unauthenticated":
+            raise web.HTTPUnauthorized(text=refusal.message, headers={"WWW-Authenticate": "Bearer"})
+        raise web.HTTPForbidden(text=refusal.message)
 
     def _request_args(self, request: web.Request) -> tuple[int, str]:
-        self._authorize(request)
         try:
             step = int(request.match_info["step"])
         except ValueError as exc:
@@ -218,6 +228,13 @@ class CheckpointServer:
     async def _snapshot_for(self, step: int, hold: float) -> Snapshot:
         """The published snapshot of ``step``, waiting up to ``hold`` seconds for it to be published."""
         deadline = asyncio.get_running_loop().time() + hold
+        if self.held >= _MAX_HELD and not (self.snapshot is not None and self.snapshot.step == step):
+            self._held_refused += 1
+            if self._held_refused == 1:
+                logger.warning("%d requests are already waiting for a step to be published; refusing more (503) "
+                               "until the next publish", self.held)
+            raise web.HTTPServiceUnavailable(text=f"too many requests ({self.held}) are waiting for a step to be "
+                                                  "published here; retry later")
         self.held += 1
         try:
             async with self._changed:
@@ -252,8 +269,18 @@ class CheckpointServer:
         except ValueError as exc:
             raise web.HTTPBadRequest(text="timeout must be a number of seconds") from exc
         hold = min(hold, self._timeout) if math.isfinite(hold) else self._timeout
+        self._note_asked(step, session_id)
         snapshot = await self._snapshot_for(step, hold)
-        session = snapshot.sessions.setdefault(session_id, Session(peer=request.remote or "?"))
+        session = snapshot.sessions.get(session_id)
+        if session is None:
+            if len(snapshot.sessions) >= _MAX_SESSIONS:
+                snapshot.refused += 1
+                if snapshot.refused == 1:
+                    logger.warning("step %d: %d receiver sessions already; refusing more (503)", step,
+                                   len(snapshot.sessions))
+                raise web.HTTPServiceUnavailable(text=f"step {step} already has {len(snapshot.sessions)} receivers "
+                                                      f"here (at most {_MAX_SESSIONS}); heal from another replica")
+            session = snapshot.sessions[session_id] = Session(peer=request.remote or "?")
         if session.finished:
             raise web.HTTPConflict(text=f"session {session_id} has already finished")
         task = asyncio.current_task()
@@ -272,7 +299,7 @@ class CheckpointServer:
             response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
             response.content_length = length
             await response.prepare(request)
-            _tune(request.transport)
+            tune(request.transport)
             for piece in pieces:  # views of tensor memory, written without a copy
                 if snapshot.closed:
                     raise ConnectionAbortedError(f"step {step} was released mid-stream")
@@ -281,7 +308,7 @@ class CheckpointServer:
                 self.bytes_served += len(piece)
             # Until the kernel has taken every byte, the transport may still hold views of tensor memory:
             # only then may this session count as finished (and the trainer mutate the state dict).
-            await _flushed(request.transport)
+            await flushed(request.transport)
             await response.write_eof()
             session.data_sent += data_bytes
             # Only data finishes a session: a header (of a state dict that has data) or the checksums are asked
@@ -337,23 +364,34 @@ class CheckpointServer:
                 snapshot.finished += 1
             self._changed.notify_all()
 
+    def _note_asked(self, step: int, session_id: str) -> None:
+        """Remember a session that asks for a step not published yet: it may report ``done`` on it later."""
+        if (self.snapshot is not None and self.snapshot.step == step) or not self._may_publish_later(step):
+            return  # the published step's sessions are its Snapshot's; an older step is refused
+        if step not in self._early_done and len(self._early_done) >= _MAX_EARLY_STEPS:
+            del self._early_done[max(self._early_done)]  # the furthest ahead is the least likely to come
+        early = self._early_done.setdefault(step, {})
+        if len(early) < _MAX_EARLY_DONE:
+            early.setdefault(session_id, None)
+
     async def _done(self, request: web.Request) -> web.Response:
         step, session_id = self._request_args(request)
         snapshot = self.snapshot
         ok = request.query.get("ok") == "1"
         if snapshot is None or snapshot.step != step:
-            if self._may_publish_later(step):
-                # A striping receiver can finish before this replica publishes (its primary took over our
-                # ranges): kept for the publish to count, else this replica would wait its timeout for it.
-                if step not in self._early_done and len(self._early_done) >= _MAX_EARLY_STEPS:
-                    del self._early_done[max(self._early_done)]  # the furthest ahead is the least likely to come
-                early = self._early_done.setdefault(step, {})
-                if len(early) < _MAX_EARLY_DONE:
-                    early[session_id] = ok
-                return web.Response(text="ok (before the step was published)")
-            raise web.HTTPConflict(text=f"no receiver session {session_id} for step {step}")
-        # A striping receiver that needed no range from this replica (a small state dict has fewer blocks than
-        # sources) still reports, so this replica stops waiting for it.
+            # A striping receiver can finish before this replica publishes (its primary took over our ranges):
+            # kept for the publish to count, else this replica would wait its timeout for it.
+            early = self._early_done.get(step, {})
+            if session_id not in early:
+                raise web.HTTPConflict(text=f"no receiver session {session_id} for step {step} (a done must come "
+                                            f"from a session that asked this server for the step)")
+            early[session_id] = ok
+            return web.Response(text="ok (before the step was published)")
+        # A striping receiver that got no range from this replica (a small state dict has fewer blocks than
+        # sources) still reports, so this replica stops waiting for it: its own session only.
+        if session_id not in snapshot.sessions and session_id not in snapshot.known:
+            raise web.HTTPConflict(text=f"no receiver session {session_id} for step {step} (a done must come from "
+                                        f"a session that asked this server for the step)")
         session = snapshot.sessions.setdefault(session_id, Session(peer=request.remote or "?"))
         await self._finish(snapshot, session, ok=ok)
         return web.Response(text="ok")
@@ -363,42 +401,3 @@ class CheckpointServer:
         newest = max((s for s in (self._released_step, self.snapshot.step if self.snapshot else None)
                       if s is not None), default=None)
         return newest is None or step > newest
-
-
-# ---------------------------------------------------------------- the socket
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    if host == "::":
-        sock = dual_stack_socket(port)
-        if sock.family != socket.AF_INET6:
-            logger.info("IPv6 unavailable; the checkpoint server listens on 0.0.0.0 instead of ::")
-        return sock
-    if ":" in host:
-        return socket.create_server((host, port), family=socket.AF_INET6)
-    return socket.create_server((host, port))
-
-
-def _tune(transport: asyncio.BaseTransport | None) -> None:
-    """Big kernel send buffers and a deep write queue: the queue holds views, never copies."""
-    if transport is None:
-        return
-    sock = transport.get_extra_info("socket")
-    if sock is not None:
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SEND_BUFFER_BYTES)
-        except OSError as exc:
-            logger.debug("could not enlarge the send buffer: %r", exc)
-    transport.set_write_buffer_limits(high=_QUEUE_BYTES)  # type: ignore[attr-defined]
-
-
-async def _flushed(transport: asyncio.BaseTransport | None) -> None:
-    """Wait until ``transport`` has handed every queued byte to the kernel (or is closing).
-
-    Duck-typed: uvloop's transports are not registered as ``asyncio.WriteTransport``.
-    """
-    delay = 0.0001
-    while transport is not None and not transport.is_closing() \
-            and transport.get_write_buffer_size():  # type: ignore[attr-defined]
-        await asyncio.sleep(delay)
-        delay = min(2 * delay, 0.005)

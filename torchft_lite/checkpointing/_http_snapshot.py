@@ -57,6 +57,8 @@ class Snapshot:
     deadline: float
     published_at: float
     sessions: dict[str, Session] = field(default_factory=dict)
+    known: set[str] = field(default_factory=set)  # sessions that asked before the publish: may report done
+    refused: int = 0  # new sessions refused (503) past the cap
     finished: int = 0  # sessions finished; a counter, so other threads can read it
     streams: set[asyncio.Task] = field(default_factory=set)
     encoding: asyncio.Future | None = None

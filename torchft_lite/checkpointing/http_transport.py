@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Coroutine, Sequence, TypeVar
 
+from lighthouse.rpc.access import Access
 from torchft_lite._control_plane import control_plane
 from torchft_lite.checkpointing._decode import targets_of
 from torchft_lite.checkpointing._encode import FlatStateDict, flatten
@@ -62,8 +63,16 @@ class HTTPTransport(CheckpointTransport[T]):
         hostname: advertised in :meth:`metadata`; defaults to ``socket.gethostname()``.
         bind_host: the address the server listens on ("::" is dual-stack).
         port: the port to listen on; 0 picks a free one.
-        token: when set, every request must carry ``Authorization: Bearer <token>``
-            (401 without, 403 when wrong) and :meth:`recv_checkpoint` sends it.
+        token: the job token, as ``access=Access(token)`` (kept for callers of
+            earlier versions; pass one of ``token`` and ``access``).
+        access: who may fetch this replica's state dict, and what this
+            transport's receives send (``lighthouse.rpc.access``): with a job
+            token, every request must carry ``Authorization: Bearer <token>``
+            (401 without or when wrong, nothing served) and every receive sends
+            it; without one, only loopback peers are served (403), unless
+            insecure. None: from ``TORCHFT_LITE_TOKEN``/``TORCHFT_LITE_TOKEN_FILE``
+            /``TORCHFT_LITE_INSECURE``, so the Manager's own transport follows
+            the job's environment.
         state_dict: when given, returns the local state dict; a received tensor
             whose path, dtype and shape match one of its tensors is written into
             that tensor (which the result then holds) instead of a new one: no
@@ -73,7 +82,13 @@ class HTTPTransport(CheckpointTransport[T]):
 
     def __init__(self, timeout: timedelta, num_chunks: int = 0, *, hostname: str | None = None,
                  bind_host: str = "::", port: int = 0, token: str | None = None,
-                 state_dict: Callable[[], T] | None = None) -> None:
+                 state_dict: Callable[[], T] | None = None, access: Access | None = None) -> None:
+        if token is not None and access is not None:
+            raise ConfigError("pass the job token as token= or access=, not both")
+        try:
+            access = Access(token) if token is not None else access if access is not None else Access.from_env()
+        except ValueError as exc:
+            raise ConfigError(f"checkpoint transport: {exc}") from exc
         if num_chunks < 0:
             raise ConfigError(f"num_chunks must be >= 0, got {num_chunks}")
         if timeout.total_seconds() <= 0:
@@ -85,8 +100,8 @@ class HTTPTransport(CheckpointTransport[T]):
         self._plane = control_plane()
         self._last_sent: FlatStateDict | None = None  # for allow_checkpoint
         self._stopped = False
-        self._receiver = Receiver(num_chunks, token)
-        self._server = CheckpointServer(self._timeout, token, self._hostname)
+        self._receiver = Receiver(num_chunks, access.headers())
+        self._server = CheckpointServer(self._timeout, access, self._hostname)
         self._port: int = self._call(self._server.start(bind_host, port), self._timeout,
                                      "the checkpoint server to start")
 

@@ -1,0 +1,59 @@
+"""The checkpoint server's socket: where it listens, and how a stream's connection is tuned.
+
+``::`` binds through ``lighthouse.rpc.addresses.dual_stack_socket``, as the
+other servers of a trainer do. ``lighthouse.rpc.sites.start_site`` is not
+used: its runner has aiohttp's default shutdown timeout (the checkpoint server
+gives held requests one second), and it binds every address a host name
+resolves to where this server binds one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+
+from lighthouse.rpc.addresses import dual_stack_socket
+
+__all__ = ["QUEUE_BYTES", "SEND_BUFFER_BYTES", "flushed", "listen", "tune"]
+
+logger = logging.getLogger("torchft_lite.checkpointing.http_transport")  # one logger for the transport
+
+SEND_BUFFER_BYTES = 8 << 20
+QUEUE_BYTES = 16 << 20  # views of tensor memory the transport may queue before the stream waits
+
+
+def listen(host: str, port: int) -> socket.socket:
+    if host == "::":
+        sock = dual_stack_socket(port)
+        if sock.family != socket.AF_INET6:
+            logger.info("IPv6 unavailable; the checkpoint server listens on 0.0.0.0 instead of ::")
+        return sock
+    if ":" in host:
+        return socket.create_server((host, port), family=socket.AF_INET6)
+    return socket.create_server((host, port))
+
+
+def tune(transport: asyncio.BaseTransport | None) -> None:
+    """Big kernel send buffers and a deep write queue: the queue holds views, never copies."""
+    if transport is None:
+        return
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
+        except OSError as exc:
+            logger.debug("could not enlarge the send buffer: %r", exc)
+    transport.set_write_buffer_limits(high=QUEUE_BYTES)  # type: ignore[attr-defined]
+
+
+async def flushed(transport: asyncio.BaseTransport | None) -> None:
+    """Wait until ``transport`` has handed every queued byte to the kernel (or is closing).
+
+    Duck-typed: uvloop's transports are not registered as ``asyncio.WriteTransport``.
+    """
+    delay = 0.0001
+    while transport is not None and not transport.is_closing() \
+            and transport.get_write_buffer_size():  # type: ignore[attr-defined]
+        await asyncio.sleep(delay)
+        delay = min(2 * delay, 0.005)
