@@ -11,40 +11,140 @@ POST /api/epoch                        start a new epoch of the job now, when th
                                        {"epoch": {...}, "status": {...}} once it started (the quorum
                                        then forms as usual); 409 when nothing is blocked (nothing
                                        is kept for later)
+
+Every route answers only callers that ``config.access`` admits
+(``lighthouse.rpc.access``): with a job token, requests carrying
+``Authorization: Bearer <token>`` or the dashboard's login cookie; without
+one, loopback peers (unless ``--insecure``). Others get 401 (with
+``WWW-Authenticate: Bearer``) or 403 and the reason, and nothing else
+happens; ``lighthouse_http_unauthorized_requests_total{kind}`` counts them.
+A browser logs in once by opening ``/?token=<token>``: the answer sets an
+HttpOnly, SameSite=Strict cookie holding a value derived from the token (never
+the token itself) and redirects (303) to ``/``, so the token leaves the address
+bar and the history. The admin actions need the admin token on top: the
+dashboard sends it in ``Authorization`` and its login in the cookie; a script
+can do the same (``curl -c jar '.../?token=...'`` once, then ``curl -b jar -H
+'Authorization: Bearer <admin token>' ...``), or use one value for both tokens.
 """
 
 from __future__ import annotations
 
 import hmac
+import html
 import importlib.resources
 import json
 import logging
+from typing import Iterator
 
 import grpc
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from lighthouse.config import ADMIN_TOKEN_ENV
 from lighthouse.metrics import build_registry
 from lighthouse.protocol import torchft_pb2 as pb
+from lighthouse.rpc.access import Access, Refusal
 from lighthouse.rpc.addresses import grpc_target
+from lighthouse.rpc.refusals import RefusalLog
 from lighthouse.rpc.sites import start_site
 from lighthouse.view import LighthouseView
 
 logger = logging.getLogger(__name__)
 
 MAX_KILL_BODY = 4096
+_REFUSAL_STATUS = {"unauthenticated": 401, "forbidden": 403}
 
 
 def _error(status: int, message: str, **headers: str) -> web.Response:
     return web.json_response({"error": message}, status=status, headers=headers)
 
 
+def _refusal_page(message: str, login: bool) -> str:
+    """What a browser sees instead of the dashboard: why, and (``login``: the job has a token) how to log in."""
+    hint = ("<p id=\"login-hint\">To log in, open this page once as <code>/?token=&lt;job token&gt;</code> (the "
+            "value of TORCHFT_LITE_TOKEN, or of the file TORCHFT_LITE_TOKEN_FILE names). The browser then keeps a "
+            "login cookie and the token leaves the address bar.</p>") if login else ""
+    return ("<!doctype html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>torchft_lite lighthouse: refused"
+            f"</title></head><body><h1>torchft_lite lighthouse</h1><p id=\"refusal\">{html.escape(message)}</p>"
+            f"{hint}</body></html>")
+
+
+class _RefusalCounts(Collector):
+    """``lighthouse_http_unauthorized_requests_total{kind}``: HTTP requests the access policy refused."""
+
+    def __init__(self, refusals: RefusalLog) -> None:
+        self._refusals = refusals
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "lighthouse_http_unauthorized_requests", "HTTP requests refused by the access policy: kind "
+            "'unauthenticated' (no or a wrong job token), 'forbidden' (not loopback while no token is set).",
+            labels=["kind"])
+        for kind in _REFUSAL_STATUS:
+            family.add_metric([kind], self._refusals.counts.get(kind, 0))
+        yield family
+
+
 class _Handlers:
     def __init__(self, server: LighthouseView) -> None:
         self.server = server
         self.registry = build_registry(server)
+        self.refusals = RefusalLog("lighthouse HTTP")
+        self.registry.register(_RefusalCounts(self.refusals))
         self.dashboard = (importlib.resources.files("lighthouse") / "static" / "dashboard.html").read_bytes()
+
+    @property
+    def _cookie(self) -> str:
+        """The login cookie's name: a browser keeps cookies per host, not per port, so two lighthouses on one
+        host must not overwrite each other's."""
+        return f"torchft_lite_session_{self.server.http_port}"
+
+    @web.middleware
+    async def guard(self, request: web.Request, handler) -> web.StreamResponse:
+        """Every route: callers the access policy admits go on; others are refused and nothing else happens."""
+        access = self.server.config.access
+        if request.method == "GET" and request.path == "/" and "token" in request.query:
+            return self._login(request, access)
+        header = request.headers.get("Authorization")
+        cookie = request.cookies.get(self._cookie)
+        refusal = access.check(request.remote, header, cookie)  # a header is judged before a cookie
+        if refusal is not None and header and cookie:
+            # The dashboard's admin actions: the admin token in the header, the login in the cookie.
+            refusal = access.check(request.remote, None, cookie)
+        if refusal is not None:
+            return self._refuse(request, refusal)
+        return await handler(request)
+
+    def _login(self, request: web.Request, access: Access) -> web.Response:
+        """``GET /?token=``: set the login cookie and send the browser to ``/`` (the token leaves the URL)."""
+        if access.token is None:
+            refusal = access.check(request.remote, None)  # nothing to log in to: only the peer counts
+        else:
+            refusal = access.check(request.remote, f"Bearer {request.query.get('token', '')}")
+        if refusal is not None:
+            return self._refuse(request, refusal)
+        response = web.Response(status=303, headers={"Location": "/", "Cache-Control": "no-store",
+                                                     "Referrer-Policy": "no-referrer"})
+        if access.token is not None:
+            response.set_cookie(self._cookie, access.session_cookie(), path="/", httponly=True, samesite="Strict")
+        return response
+
+    def _refuse(self, request: web.Request, refusal: Refusal) -> web.Response:
+        """401/403 with the refusal's message (which never holds the token): a page for ``/``, JSON under
+        ``/api/``, text elsewhere. Only the path is logged: a login's query holds a token."""
+        self.refusals.note(request.remote or "unknown", f"{request.method} {request.path}", refusal)
+        status = _REFUSAL_STATUS[refusal.kind]
+        headers = {"Cache-Control": "no-store"}
+        if status == 401:
+            headers["WWW-Authenticate"] = 'Bearer realm="lighthouse"'
+        if request.path == "/":
+            return web.Response(status=status, text=_refusal_page(refusal.message, login=status == 401),
+                                content_type="text/html", headers=headers)
+        if request.path.startswith("/api/"):
+            return _error(status, refusal.message, **headers)
+        return web.Response(status=status, text=refusal.message + "\n", headers=headers)
 
     async def index(self, request: web.Request) -> web.Response:
         return web.Response(body=self.dashboard, content_type="text/html", charset="utf-8",
@@ -137,7 +237,7 @@ class _Handlers:
 async def start_http(server: LighthouseView, bind: str) -> tuple[web.AppRunner, int]:
     """Start the HTTP site on ``bind``; returns the runner (for cleanup) and the bound port."""
     handlers = _Handlers(server)
-    app = web.Application(client_max_size=64 * 1024)
+    app = web.Application(client_max_size=64 * 1024, middlewares=[handlers.guard])
     app.add_routes([
         web.get("/", handlers.index),
         web.get("/api/status", handlers.status),

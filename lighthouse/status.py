@@ -86,6 +86,7 @@ def build_status(
             "quorum_tick_s": config.quorum_tick,
             "holder_timeout_s": config.holder_timeout,
             "admin_enabled": config.admin_token is not None,
+            "access": config.access.mode,  # the mode only: the token is never shown
         },
         "status": {"state": stats.status, "reason": stats.reason},
         "epoch": epoch_row(state.epoch, now),
