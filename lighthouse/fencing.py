@@ -1,4 +1,4 @@
-"""Quorum ids that strictly increase across lighthouse restarts.
+"""Quorum ids that strictly increase across lighthouse restarts, and the job's highest agreed step.
 
 Managers prefix their process-group store keys with the quorum id, so a
 restarted lighthouse must never hand out an id that an earlier incarnation
@@ -6,9 +6,29 @@ already used. Without a state directory the first id is seeded from wall-clock
 milliseconds: ids only grow by one per membership change, far slower than one
 per millisecond. With a state directory the last issued id is also kept on disk
 (written atomically before it is handed out), which covers a clock that steps
-back; the seed is the larger of the two. The directory also keeps the highest
-step a quorum reached (raised as quorums advance, lowered only when a new epoch
-of the job starts), and only it can tell a restart from a first start.
+back; the seed is the larger of the two. Only the directory can tell a restart
+from a first start.
+
+The directory also keeps the highest step the job reached, for the
+stale-quorum guard of the next incarnation. That step is one a quorum agreed
+on, not one member's claim: of each issued quorum, the highest step that more
+than half of its members report (:func:`agreed_step`; a lone member's own step,
+the lower of two). It is raised as quorums advance and lowered only when a new
+epoch of the job starts. A member that heals in a quorum reports the quorum's
+step at its next one, so a job's honest progress reaches the disk one round
+later at most. What a forged member (a process with the job token, or any
+loopback process without one) can still do: claim any step below 2**53 (see
+:mod:`lighthouse.validation`) and, in a quorum, become its members' heal source
+(the managers pick the highest step) and raise the running lighthouse's guard,
+which then waits ``holder_timeout`` for it before a new epoch; it moves the
+persisted step only in a quorum where it holds more than half of the slots
+(many replica ids of its own), or alone while no replica of the job
+heartbeats (the split-brain guard keeps a minority from forming a quorum).
+
+A write that fails (a full disk) never stops the lighthouse: it logs an ERROR
+once per streak of failures, counts it (``write_failures``), serves on, and
+writes the value again at the next chance. Meanwhile a restart relies on the
+wall-clock seed and an older step.
 """
 
 from __future__ import annotations
@@ -18,26 +38,35 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "last_quorum_id"
-MAX_STEP_FILE = "max_step"  # the highest step a quorum reached (the stale-quorum guard's memory)
+MAX_STEP_FILE = "max_step"  # the highest step quorums agreed on (the stale-quorum guard's memory)
 
 
 def time_seed(wall_clock: Callable[[], float] = time.time) -> int:
     return int(wall_clock() * 1000)
 
 
+def agreed_step(steps: Iterable[int]) -> int:
+    """The highest step that more than half of a quorum's members hold: 5 for [5, 2**53 - 1], 7 for [7, 7, 9]."""
+    ordered = sorted(steps, reverse=True)
+    return ordered[len(ordered) // 2] if ordered else 0
+
+
 class QuorumIdStore:
-    """Reads the starting quorum id and persists each newly issued one."""
+    """Reads the starting quorum id and step, and persists each newly issued id and agreed step."""
 
     def __init__(self, state_dir: Path | None, wall_clock: Callable[[], float] = time.time) -> None:
         self._path = None if state_dir is None else Path(state_dir) / STATE_FILE
         self._wall_clock = wall_clock
         self._last_saved: int | None = None
-        self._kept_step, self._kept_at = 0, -math.inf  # see keep_max_step
+        self._agreed = 0  # the highest step quorums agreed on (see agreed_step)
+        self._kept_step, self._kept_at = 0, -math.inf  # the step on disk and when it was written; see keep_max_step
+        self.write_failures = 0
+        self._failing = False
         self.earlier_quorum_id: int | None = None
         """The last id an earlier incarnation issued, as read by :meth:`initial`;
         None without a state directory or when none was ever issued with it."""
@@ -71,14 +100,14 @@ class QuorumIdStore:
         return max(seed, stored)
 
     def save(self, quorum_id: int) -> None:
-        """Durably record ``quorum_id`` (a no-op without a state directory)."""
+        """Durably record ``quorum_id`` (a no-op without a state directory; a failed write is logged and counted)."""
         if self._path is None or quorum_id == self._last_saved:
             return
-        _write_atomically(self._path, quorum_id)
-        self._last_saved = quorum_id
+        if self._write(self._path, quorum_id):
+            self._last_saved = quorum_id
 
     def initial_max_step(self) -> int:
-        """The highest step an earlier incarnation saw a quorum reach (0 without a state directory)."""
+        """The highest step an earlier incarnation saw quorums agree on (0 without a state directory)."""
         if self._path is None:
             return 0
         path = self._path.with_name(MAX_STEP_FILE)
@@ -87,36 +116,63 @@ class QuorumIdStore:
         except FileNotFoundError:
             return 0
         try:
-            self._kept_step = int(text)
+            self._kept_step = self._agreed = int(text)
         except ValueError:
             raise ValueError(f"{path} does not hold a step (got {text[:40]!r}); fix or remove it") from None
         return self._kept_step
 
-    def save_max_step(self, step: int) -> None:
-        if self._path is not None:
-            _write_atomically(self._path.with_name(MAX_STEP_FILE), step)
+    def save_max_step(self, step: int) -> bool:
+        """Write ``step`` as the job's highest step now; False when the write failed (logged and counted)."""
+        return self._path is None or self._write(self._path.with_name(MAX_STEP_FILE), step)
 
-    def keep_max_step(self, step: int, now: float, *, force: bool = False) -> None:
-        """Save ``step`` when it is a new high, at most once a second (``now``: monotonic seconds) unless ``force``.
+    def quorum_reached(self, steps: Iterable[int], now: float) -> None:
+        """A quorum was issued to members at ``steps``: raise the agreed step (see :func:`agreed_step`) and keep it."""
+        self._agreed = max(self._agreed, agreed_step(steps))
+        self.keep_max_step(now)
+
+    def keep_max_step(self, now: float, *, force: bool = False) -> None:
+        """Save the agreed step when it differs from the one on disk, at most once a second (``now``:
+        monotonic seconds) unless ``force``.
 
         A slightly stale value still stops replicas at step 0 from redoing
         history after a restart, without an fsync per step.
         """
-        if step > self._kept_step and (force or now - self._kept_at >= 1.0):
-            self.save_max_step(step)
-            self._kept_step, self._kept_at = step, now
+        if self._agreed != self._kept_step and (force or now - self._kept_at >= 1.0):
+            self._kept_at = now  # a failing disk is retried once a second, not at every quorum
+            if self.save_max_step(self._agreed):
+                self._kept_step = self._agreed
 
     def reset_max_step(self, step: int, now: float) -> None:
-        """Save ``step`` at once even when it is lower than the kept one (a new epoch of the job lowered it),
-        so a restart does not wait for holders of the old step again."""
-        self.save_max_step(step)
-        self._kept_step, self._kept_at = step, now
+        """A new epoch of the job lowered the highest step to ``step``: save it (or the agreed step, if lower)
+        at once, so a restart does not wait for holders of the old step again."""
+        self._agreed = min(self._agreed, step)
+        self.keep_max_step(now, force=True)
+
+    def _write(self, path: Path, value: int) -> bool:
+        try:
+            _write_atomically(path, value)
+        except OSError as exc:
+            self.write_failures += 1
+            if not self._failing:
+                logger.error("could not write %d to %s: %s. The lighthouse serves on without it (a restart would "
+                             "start from an older value; free space or fix %s); retrying at the next change",
+                             value, path, exc, path.parent)
+            self._failing = True
+            return False
+        if self._failing:
+            logger.info("writes to %s succeed again (%d failed)", path.parent, self.write_failures)
+        self._failing = False
+        return True
 
 
 def _write_atomically(path: Path, value: int) -> None:
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(f"{value}\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(f"{value}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk must not also keep half a file
+        raise

@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from lighthouse.validation import REASONS
 from lighthouse.view import LighthouseView
 
 
@@ -39,16 +40,24 @@ class _StatisticsCollector(Collector):
              s.quorum_id_changes),
             ("lighthouse_quorum_requests", "Quorum RPCs received.", s.quorum_requests),
             ("lighthouse_heartbeats", "Heartbeat RPCs received.", s.heartbeats),
-            ("lighthouse_invalid_requests", "Requests rejected with INVALID_ARGUMENT.", s.invalid_requests),
             ("lighthouse_expired_replicas", "Replicas forgotten after their heartbeat timed out.", s.expired_replicas),
             ("lighthouse_leases_ended", "Lease streams that ended (their replica treated as gone at once).",
              s.leases_ended),
             ("lighthouse_epochs", "New epochs of the job started (the stale-quorum guard gave way).", s.epochs),
             ("lighthouse_fenced_requests", "Quorum calls refused with FAILED_PRECONDITION as from before the "
              "current epoch.", s.fenced_requests),
+            ("lighthouse_lease_refusals", "Lease calls refused: another live connection holds that replica's lease.",
+             s.lease_refusals),
+            ("lighthouse_state_dir_write_failures", "Writes to --state-dir that failed (full disk?); served on "
+             "without them.", s.state_write_failures),
         ]
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)
+        invalid = CounterMetricFamily("lighthouse_invalid_requests", "Requests refused with INVALID_ARGUMENT, by "
+                                      "reason (the field out of range, or malformed bytes).", labels=["reason"])
+        for reason in REASONS:
+            invalid.add_metric([reason], s.invalid_reasons.get(reason, 0))
+        yield invalid
         refused = CounterMetricFamily(
             "lighthouse_unauthorized_requests", "Calls refused by the access policy: kind 'unauthenticated' (no "
             "or a wrong job token), 'forbidden' (not loopback while no token is set).", labels=["interface", "kind"],

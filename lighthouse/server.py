@@ -20,24 +20,23 @@ import time
 from typing import AsyncIterator, Callable
 
 import grpc
-from google.protobuf.message import DecodeError
 
 from lighthouse.config import LighthouseConfig
 from lighthouse.decision_log import DecisionLog, log_serving, preview
 from lighthouse.epochs import StaleReplica, resumed_from_of
 from lighthouse.fencing import QuorumIdStore
-from lighthouse.leases import LeaseTable
+from lighthouse.leases import LeaseHeld, LeaseTable
 from lighthouse.protocol import torchft_pb2 as pb
 from lighthouse.quorum import Epoch, IssuedQuorum, Member, QuorumState, Status
 from lighthouse.rpc.addresses import split_host_port
 from lighthouse.rpc.broadcast import Broadcast
 from lighthouse.rpc.engines import RefusalLog, Server, Service, start_service
+from lighthouse.validation import MAX_REPLICA_ID_LEN, RequestChecks  # noqa: F401  (importable from here)
 from lighthouse.view import LighthouseStatistics
 
 logger = logging.getLogger(__name__)
 
 SERVICE = "torchft.LighthouseService"
-MAX_REPLICA_ID_LEN = 1024
 MAX_FAILURE_BACKLOG = 1024
 
 
@@ -68,12 +67,13 @@ class LighthouseServer:
         # participating or in the last quorum); pruned with them.
         self._known: dict[str, pb.QuorumMember] = {}
         self._failure_subscribers = Broadcast(MAX_FAILURE_BACKLOG)
-        self._leases = LeaseTable()
+        self._leases = LeaseTable(config.heartbeat_timeout)
+        self._checks = RequestChecks()
         self._stopping = False
         self._decisions = DecisionLog(clock())
         self._quorum_created_wall: float | None = None
         self._started_at = clock()
-        self._counts = dict(quorum_requests=0, heartbeats=0, invalid_requests=0, expired_replicas=0, id_changes=0,
+        self._counts = dict(quorum_requests=0, heartbeats=0, expired_replicas=0, id_changes=0,
                             fenced_requests=0)
         self._last_formation: float | None = None
         self._formation_observers: list[Callable[[float], None]] = []
@@ -141,7 +141,7 @@ class LighthouseServer:
 
     async def _shutdown(self) -> None:
         self._stopping = True  # lease streams ending now are our doing, not their replicas dying
-        self._ids.keep_max_step(self._state.max_step, self._clock(), force=True)
+        self._ids.keep_max_step(self._clock(), force=True)  # the step quorums agreed on (see fencing)
         for replica_id in list(self._waiters):
             self._fail_waiters(replica_id, _Shutdown())
         if self._http is not None:
@@ -191,30 +191,11 @@ class LighthouseServer:
             server_streams={"SubscribeFailures": self._rpc_subscribe_failures, "Lease": self._rpc_lease},
         )
 
-    async def _invalid(self, context: grpc.aio.ServicerContext, message: str) -> None:
-        self._counts["invalid_requests"] += 1
-        logger.warning("rejected request from %s: %s", context.peer(), message)
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, message)
-
-    async def _parse(self, cls, data: bytes, context: grpc.aio.ServicerContext):
-        try:
-            return cls.FromString(data)
-        except DecodeError as exc:
-            await self._invalid(context, f"malformed {cls.__name__}: {exc}")
-
-    async def _valid_replica_id(self, replica_id: str, what: str, context: grpc.aio.ServicerContext) -> None:
-        if not replica_id:
-            await self._invalid(context, f"{what} must be a non-empty string")
-        if len(replica_id) > MAX_REPLICA_ID_LEN:
-            await self._invalid(context, f"{what} is longer than {MAX_REPLICA_ID_LEN} characters")
-
     async def _rpc_quorum(self, data: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        request = await self._parse(pb.LighthouseQuorumRequest, data, context)
-        if not request.HasField("requester"):
-            await self._invalid(context, "LighthouseQuorumRequest.requester is required")
-        requester = request.requester
+        request = await self._checks.parse(pb.LighthouseQuorumRequest, data, context)
+        requester = await self._checks.member(request, context)  # every field in range
         replica_id = requester.replica_id
-        await self._valid_replica_id(replica_id, "requester.replica_id", context)
+        self._leases.saw(replica_id, context.peer(), self._clock())
         self._counts["quorum_requests"] += 1
         member = Member(replica_id, requester.shrink_only, requester.commit_failures, payload=requester,
                         step=requester.step, resumed_from=resumed_from_of(requester.data))
@@ -258,26 +239,30 @@ class LighthouseServer:
             self._prune_known(replica_id)
 
     async def _rpc_heartbeat(self, data: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        request = await self._parse(pb.LighthouseHeartbeatRequest, data, context)
-        await self._valid_replica_id(request.replica_id, "replica_id", context)
+        request = await self._checks.parse(pb.LighthouseHeartbeatRequest, data, context)
+        await self._checks.replica_id(request.replica_id, "replica_id", context)
+        self._leases.saw(request.replica_id, context.peer(), self._clock())
         self._counts["heartbeats"] += 1
         self._state.heartbeat(request.replica_id, self._clock())
         return b""
 
     async def _rpc_get_config(self, data: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        await self._parse(pb.LighthouseConfigRequest, data, context)
+        await self._checks.parse(pb.LighthouseConfigRequest, data, context)
         return pb.LighthouseConfigResponse(config_data=self.config.advertised()).SerializeToString()
 
     async def _rpc_subscribe_failures(self, data: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
-        await self._parse(pb.SubscribeFailuresRequest, data, context)
+        await self._checks.parse(pb.SubscribeFailuresRequest, data, context)
         async for note in self._failure_subscribers.subscribe():
             yield note
 
     async def _rpc_lease(self, data: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
-        request = await self._parse(pb.LeaseRequest, data, context)
+        request = await self._checks.parse(pb.LeaseRequest, data, context)
         replica_id = request.replica_id
-        await self._valid_replica_id(replica_id, "replica_id", context)
-        lease = self._leases.open(replica_id)
+        await self._checks.replica_id(replica_id, "replica_id", context)
+        try:  # a lease belongs to its connection: see lighthouse.leases
+            lease = self._leases.open(replica_id, context.peer(), self._clock())
+        except LeaseHeld as exc:
+            await self._checks.refuse(context, "lease_held", str(exc), grpc.StatusCode.ALREADY_EXISTS)
         self._state.heartbeat(replica_id, self._clock())
         logger.debug("lease granted to %s (%s)", replica_id, context.peer())
         try:
@@ -350,7 +335,7 @@ class LighthouseServer:
         self._decisions.issued(quorum, previous, changed, formation)
         for replica_id in previous - ids:
             self._prune_known(replica_id)
-        self._ids.keep_max_step(self._state.max_step, self._clock())
+        self._ids.quorum_reached([m.step for m in quorum.members], self._clock())
 
     def _on_epoch(self, epoch: Epoch, fenced: tuple[Member, ...], now: float) -> None:
         self._ids.reset_max_step(epoch.to_step, now)  # a restart must not block on the old step again
@@ -421,7 +406,10 @@ class LighthouseServer:
             quorum_id_changes=self._counts["id_changes"],
             quorum_requests=self._counts["quorum_requests"],
             heartbeats=self._counts["heartbeats"],
-            invalid_requests=self._counts["invalid_requests"],
+            invalid_requests=self._checks.invalid,
+            invalid_reasons=dict(self._checks.refused),
+            lease_refusals=self._checks.refused["lease_held"],
+            state_write_failures=self._ids.write_failures,
             expired_replicas=self._counts["expired_replicas"],
             leases_held=len(self._leases),
             leases_ended=self._leases.broken,

@@ -6,8 +6,8 @@ rather than importing the server, which imports them to start HTTP.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Protocol
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Protocol
 
 from lighthouse.config import LighthouseConfig
 from lighthouse.protocol import torchft_pb2 as pb
@@ -45,6 +45,12 @@ class LighthouseStatistics:
     """New epochs of the job this process started (the current epoch's number)."""
     fenced_requests: int
     """Quorum calls refused as from before the current epoch."""
+    invalid_reasons: Mapping[str, int] = field(default_factory=dict)
+    """Refused requests by reason (see :mod:`lighthouse.validation`), ``lease_held`` included."""
+    lease_refusals: int = 0
+    """Lease calls refused because another live connection holds the replica's lease."""
+    state_write_failures: int = 0
+    """Writes to ``--state-dir`` that failed (a full disk): the lighthouse served on without them."""
 
 
 class LighthouseView(Protocol):

@@ -48,7 +48,8 @@ def test_status_metrics_and_dashboard():
             assert status == 200 and headers["Content-Type"].startswith("text/plain")
             for name in ("lighthouse_quorum_id", "lighthouse_quorum_members 3.0", "lighthouse_participants",
                          "lighthouse_heartbeating_replicas 3.0", "lighthouse_quorums_issued_total 1.0",
-                         "lighthouse_quorum_formation_seconds_count 1.0", "lighthouse_invalid_requests_total 0.0"):
+                         "lighthouse_quorum_formation_seconds_count 1.0",
+                         'lighthouse_invalid_requests_total{reason="malformed"} 0.0'):
                 assert name in text, name
 
             status, page, headers = await http(server, "GET", "/")

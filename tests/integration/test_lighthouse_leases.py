@@ -5,16 +5,58 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+import grpc
 import pytest
 
 from lighthouse.client import LighthouseClient
 from lighthouse.protocol import torchft_pb2 as pb
-from tests.conftest import running_lighthouse, wait_until
+from lighthouse.server import LighthouseServer
+from tests.conftest import lighthouse_config, running_lighthouse, wait_until
 
 pytestmark = pytest.mark.integration
 
 # Long enough that passing can't be explained by heartbeat expiry or the join timeout.
 SLOW = dict(heartbeat_timeout=120.0, join_timeout=120.0)
+
+
+class FrozenClock:
+    """A monotonic clock that moves only when the test moves it."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Connection:
+    """A client on a TCP connection of its own, as another process has: gRPC shares one connection between
+    the channels of a process (``clients`` below) unless told not to."""
+
+    def __init__(self, server: LighthouseServer) -> None:
+        self._channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.grpc_port}",
+                                                  options=[("grpc.use_local_subchannel_pool", 1)])
+
+    def lease(self, replica_id: str):
+        call = self._channel.unary_stream("/torchft.LighthouseService/Lease",
+                                          request_serializer=pb.LeaseRequest.SerializeToString,
+                                          response_deserializer=pb.LeaseEvent.FromString)
+        return call(pb.LeaseRequest(replica_id=replica_id), timeout=60)
+
+    async def heartbeat(self, replica_id: str) -> None:
+        call = self._channel.unary_unary("/torchft.LighthouseService/Heartbeat",
+                                         request_serializer=pb.LighthouseHeartbeatRequest.SerializeToString,
+                                         response_deserializer=pb.LighthouseHeartbeatResponse.FromString)
+        await call(pb.LighthouseHeartbeatRequest(replica_id=replica_id), timeout=30)
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> "Connection":
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
 
 
 async def first_event(call) -> pb.LeaseEvent:
@@ -23,7 +65,8 @@ async def first_event(call) -> pb.LeaseEvent:
 
 @contextlib.asynccontextmanager
 async def clients(server, count: int = 2):
-    """``count`` clients, each with its own connection (a replica process each)."""
+    """``count`` clients, each with its own channel (one process's channels may share a connection: see
+    :class:`Connection`)."""
     opened = [LighthouseClient(f"127.0.0.1:{server.grpc_port}") for _ in range(count)]
     try:
         yield opened
@@ -57,16 +100,76 @@ def test_a_broken_lease_drops_the_member_at_once_and_tells_the_others(engine):
     asyncio.run(scenario())
 
 
-def test_a_replaced_lease_ending_declares_nothing():
-    """Only the current holder's stream counts: a reconnect's old stream can't kill the replica."""
+@pytest.mark.parametrize("engine", ["native", "grpcio"])
+def test_another_connection_can_neither_take_over_a_held_lease_nor_declare_its_replica_gone(engine):
+    """A lease belongs to the connection that opened it (issue 16): a thief claiming the replica id is refused,
+    and its stream ending declares nothing."""
     async def scenario():
-        async with running_lighthouse(min_replicas=1, **SLOW) as server, clients(server) as (old, new):
+        async with running_lighthouse(min_replicas=1, grpc_engine=engine, **SLOW) as server, \
+                clients(server) as (a, b), Connection(server) as thief:
+            lease_a, lease_b = a.lease("a"), b.lease("b")
+            assert (await first_event(lease_a)).kind == pb.LeaseEvent.GRANTED
+            assert (await first_event(lease_b)).kind == pb.LeaseEvent.GRANTED
+            await asyncio.gather(a.quorum("a", timeout=30), b.quorum("b", timeout=30))  # a's going would be news
+
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await first_event(thief.lease("a"))
+            assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
+            assert "already holds a lease on another connection" in info.value.details()
+            await thief.close()
+            stats = server.statistics()
+            assert (stats.leases_held, stats.leases_ended, stats.lease_refusals) == (2, 0, 1)
+            assert server._state.is_heartbeating("a") and server._leases._holders["b"].events.empty()
+
+            await a.close()  # a's own connection is the one that ends its lease
+            event = await first_event(lease_b)
+            assert event.kind == pb.LeaseEvent.MEMBER_GONE and event.replica_id == "a"
+            assert server.statistics().leases_ended == 1
+
+    asyncio.run(scenario())
+
+
+def test_a_reconnecting_process_gets_its_lease_once_the_old_connection_closed():
+    async def scenario():
+        async with running_lighthouse(min_replicas=1, **SLOW) as server, Connection(server) as old, \
+                Connection(server) as new:
             await first_event(old.lease("a"))
-            await first_event(new.lease("a"))
             await old.close()
-            await asyncio.sleep(0.5)
-            assert server._state.is_heartbeating("a")
-            assert server.statistics().leases_held == 1 and server.statistics().leases_ended == 0
+            await wait_until(lambda: server.statistics().leases_ended == 1, "the old connection's lease to end")
+            assert (await first_event(new.lease("a"))).kind == pb.LeaseEvent.GRANTED
+            assert server.statistics().leases_held == 1
+
+    asyncio.run(scenario())
+
+
+def test_a_holder_silent_for_the_heartbeat_timeout_is_replaced_and_its_old_stream_then_declares_nothing():
+    """A connection that died without a close (the lighthouse never saw it end) can't keep a reconnecting
+    process out for longer than heartbeat_timeout; heartbeats from another connection don't keep it either."""
+    async def scenario():
+        clock = FrozenClock()
+        server = LighthouseServer(lighthouse_config(min_replicas=1, heartbeat_timeout=5.0, join_timeout=120.0),
+                                  clock=clock)
+        await server.start()
+        try:
+            async with Connection(server) as old, Connection(server) as new:
+                await first_event(old.lease("a"))
+                held = server._leases._holders["a"]
+                clock.now += 4.0
+                await new.heartbeat("a")  # keeps "a" healthy, but not the old connection's lease
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await first_event(new.lease("a"))
+                assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
+
+                clock.now += 1.5  # 5.5 s since the old connection last called for "a"
+                await new.heartbeat("a")
+                assert (await first_event(new.lease("a"))).kind == pb.LeaseEvent.GRANTED
+                await old.close()
+                await wait_until(lambda: held.ended, "the replaced stream to end")
+                stats = server.statistics()
+                assert (stats.leases_held, stats.leases_ended) == (1, 0)
+                assert server._state.is_heartbeating("a")
+        finally:
+            await server.stop()
 
     asyncio.run(scenario())
 

@@ -1,7 +1,11 @@
+import errno
+import logging
+
 import pytest
 
+from lighthouse import fencing
 from lighthouse.config import LighthouseConfig
-from lighthouse.fencing import QuorumIdStore
+from lighthouse.fencing import QuorumIdStore, agreed_step
 from lighthouse.rpc.addresses import split_host_port
 
 
@@ -44,22 +48,75 @@ class TestQuorumIdStore:
     def test_max_step_is_kept_once_a_second_unless_forced(self, tmp_path):
         store = QuorumIdStore(tmp_path)
         assert store.initial_max_step() == 0
-        store.keep_max_step(5, now=10.0)
-        store.keep_max_step(7, now=10.5)  # within the second: not written
+        store.quorum_reached([5], now=10.0)
+        store.quorum_reached([7], now=10.5)  # within the second: not written
         assert QuorumIdStore(tmp_path).initial_max_step() == 5
-        store.keep_max_step(7, now=10.5, force=True)
+        store.keep_max_step(now=10.5, force=True)
         assert QuorumIdStore(tmp_path).initial_max_step() == 7
-        store.keep_max_step(6, now=20.0)  # not a new high
+        store.quorum_reached([6], now=20.0)  # not a new high
         assert QuorumIdStore(tmp_path).initial_max_step() == 7
 
     def test_a_new_epoch_lowers_the_kept_step_at_once(self, tmp_path):
         store = QuorumIdStore(tmp_path)
-        store.keep_max_step(300, now=10.0)
+        store.quorum_reached([300], now=10.0)
         store.reset_max_step(0, now=10.2)  # within the second, and lower: written anyway
         assert QuorumIdStore(tmp_path).initial_max_step() == 0
         assert not (tmp_path / "max_step.tmp").exists()
-        store.keep_max_step(5, now=11.5)  # a new high of the new epoch is kept again
+        store.quorum_reached([5], now=11.5)  # a new high of the new epoch is kept again
         assert QuorumIdStore(tmp_path).initial_max_step() == 5
+
+    @pytest.mark.parametrize("steps, agreed", [([5], 5), ([5, 2**53 - 1], 5), ([7, 9, 7], 7), ([9, 9, 7], 9),
+                                               ([1, 2, 3, 4], 2), ([4, 4, 4, 2**53 - 1], 4), ([], 0)])
+    def test_the_agreed_step_is_held_by_more_than_half_of_the_members(self, steps, agreed):
+        assert agreed_step(steps) == agreed
+
+    def test_one_forged_member_with_a_huge_step_does_not_move_the_kept_step(self, tmp_path):
+        store = QuorumIdStore(tmp_path)
+        store.quorum_reached([10, 10], now=1.0)
+        store.quorum_reached([11, 2**53 - 1, 11], now=5.0)
+        store.quorum_reached([2**53 - 1, 12], now=9.0)  # two members: the lower is what both reached
+        store.keep_max_step(now=9.0, force=True)
+        assert QuorumIdStore(tmp_path).initial_max_step() == 12
+
+    def test_an_epoch_never_raises_the_kept_step_to_its_own(self, tmp_path):
+        """The epoch's step is its participants' claim: the disk keeps the lower of it and the agreed step."""
+        store = QuorumIdStore(tmp_path)
+        store.quorum_reached([10, 10], now=1.0)
+        store.reset_max_step(2**53 - 1, now=2.0)
+        assert QuorumIdStore(tmp_path).initial_max_step() == 10
+
+    def test_a_full_disk_is_logged_counted_and_retried(self, tmp_path, monkeypatch, caplog):
+        store = QuorumIdStore(tmp_path)
+        store.initial()
+        real_write = fencing._write_atomically
+
+        def full_disk(path, value):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(fencing, "_write_atomically", full_disk)
+        with caplog.at_level(logging.ERROR, logger="lighthouse.fencing"):
+            store.save(41)  # no exception: the lighthouse serves on
+            store.quorum_reached([8], now=1.0)
+            store.save(42)
+        assert store.write_failures == 3
+        errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+        assert len(errors) == 1 and "No space left on device" in errors[0].getMessage()  # once per streak
+        assert not list(tmp_path.iterdir())
+
+        monkeypatch.setattr(fencing, "_write_atomically", real_write)
+        store.quorum_reached([8], now=2.0)  # the step that failed is written at the next chance
+        store.save(43)
+        restarted = QuorumIdStore(tmp_path, wall_clock=lambda: 0.0)
+        assert (restarted.initial(), restarted.initial_max_step()) == (43, 8)
+
+    def test_a_failed_write_leaves_no_temporary_file(self, tmp_path, monkeypatch):
+        def fail_fsync(fd):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(fencing.os, "fsync", fail_fsync)
+        store = QuorumIdStore(tmp_path)
+        store.save(7)
+        assert store.write_failures == 1 and not list(tmp_path.iterdir())
 
     def test_corrupt_state_file_is_a_clear_error(self, tmp_path):
         (tmp_path / "last_quorum_id").write_text("garbage")
