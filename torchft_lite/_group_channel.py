@@ -86,25 +86,51 @@ class ClientChannel:
     async def follow_events(self, listener: EventListener) -> None:
         # Owned here and cancelled in close(); a failure of the stream is retried, never silent.
         self._events = asyncio.get_running_loop().create_task(self._follow(listener))
+        self._events.add_done_callback(self._followed)
 
     async def _follow(self, listener: EventListener) -> None:
-        """The lighthouse's events, relayed by the group's ManagerServer (a torchft one has none)."""
-        backoff = 0.1
+        """The lighthouse's events, relayed by the group's ManagerServer (a torchft one has none).
+
+        Ends only for a server without the ``Events`` RPC: a broken stream or anything unexpected is logged
+        (once per streak of failures) and retried with backoff; a listener's bug is logged per event.
+        """
+        backoff, failing, rank = 0.1, False, self._group_rank
         while True:
-            call = self._client.events(self._group_rank)
+            call = None
             try:
+                call = self._client.events(rank)
                 async for event in call:
-                    backoff = 0.1
-                    listener(event)
+                    backoff, failing = 0.1, False
+                    try:
+                        listener(event)
+                    except Exception:  # a bug in the listener must not cost the events after it
+                        logger.exception("group rank %d: handling a lighthouse event failed", rank)
+                if not failing:
+                    logger.warning("group rank %d: the event stream from %s ended; following it again", rank,
+                                   self.address)
+                failing = True
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    logger.info("group rank %d: %s relays no lighthouse events (torchft's?)", rank, self.address)
                     return
-            except Exception:  # a bug in the listener must not end the stream for good
-                logger.exception("group rank %d: handling a lighthouse event failed", self._group_rank)
+                if not failing:
+                    logger.warning("group rank %d: the event stream from %s failed (%s: %s); retrying", rank,
+                                   self.address, exc.code().name, exc.details())
+                failing = True
+            except Exception:  # anything unexpected: logged with its traceback, then retried
+                logger.exception("group rank %d: following the lighthouse's events failed; retrying", rank)
+                failing = True
             finally:
-                call.cancel()
+                if call is not None:
+                    call.cancel()
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 2.0)
+
+    def _followed(self, task: asyncio.Task) -> None:
+        """Say so if following events ever ends with an error (the loop above should make that impossible)."""
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("group rank %d: stopped following the lighthouse's events", self._group_rank,
+                         exc_info=task.exception())
 
     async def close(self) -> None:
         if self._events is not None:

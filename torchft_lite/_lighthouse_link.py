@@ -75,17 +75,22 @@ class LighthouseLink:
             await asyncio.sleep(interval)
 
     async def _lease_loop(self) -> None:
-        """Hold a lease on the lighthouse, reconnecting when it breaks; relay its events."""
+        """Hold a lease on the lighthouse, reconnecting when it breaks; relay its events.
+
+        Ends only for a lighthouse without leases: anything else (a refusal, a broken stream, an unexpected
+        error) is logged once per streak of failures and retried with backoff.
+        """
         replica_id = self._replica_id
-        backoff = 0.1
+        backoff, failing = 0.1, False
         while True:
-            call = self._lighthouse.lease(replica_id)
+            call = None
             try:
+                call = self._lighthouse.lease(replica_id)
                 async for event in call:
                     if event.kind == pb.LeaseEvent.GRANTED:
                         if not self.lease_held:
                             logger.info("[%s] lease held on the lighthouse", replica_id)
-                        self.lease_held, backoff = True, 0.1
+                        self.lease_held, backoff, failing = True, 0.1, False
                         continue
                     logger.info("[%s] lighthouse: %s left quorum %d (%s)", replica_id, event.replica_id,
                                 event.quorum_id, event.reason)
@@ -96,12 +101,16 @@ class LighthouseLink:
                     logger.info("[%s] the lighthouse has no Lease RPC (torchft's?): failures are detected "
                                 "by heartbeat expiry only", replica_id)
                     return
-                if self.lease_held:
-                    logger.warning("[%s] lease lost (%s); reconnecting", replica_id, exc.code().name)
+                if self.lease_held or not failing:
+                    logger.warning("[%s] lease lost or refused (%s: %s); retrying", replica_id, exc.code().name,
+                                   exc.details())
+                failing = True
             except Exception:  # never let the lease loop die silently
                 logger.exception("[%s] lease loop failed; reconnecting", replica_id)
+                failing = True
             finally:
-                call.cancel()
+                if call is not None:
+                    call.cancel()
             self.lease_held = False
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 2.0)

@@ -7,6 +7,13 @@ exits the process with :data:`EXIT_CODE_RESCHEDULE` (75, ``EX_TEMPFAIL``: "try
 again later", which batch schedulers and torchrun treat as a failure to
 restart). A timeout of ``None`` disables that section.
 
+Exiting must not hang in turn: the thread that hung the step may hold a lock
+the exit needs (a logging handler's, stderr's) or never release the GIL. So
+the first thing the exit does is arm :mod:`faulthandler`'s own timer, a C
+thread that needs neither: if the process is still alive
+:data:`EXIT_BACKSTOP_SEC` later, it dumps every thread's stack and ends the
+process with code 1.
+
 Exit codes of a training process using torchft_lite::
 
     0    finished
@@ -29,9 +36,12 @@ from typing import Callable, Mapping
 __all__ = ["EXIT_CODE_PREEMPTED", "EXIT_CODE_RESCHEDULE", "SECTIONS", "Watchdog", "WatchdogConfig"]
 
 logger = logging.getLogger(__name__)
+_STDERR_FD = 2  # the process's stderr itself, whatever object sys.stderr is by then
 
 EXIT_CODE_RESCHEDULE = 75
 EXIT_CODE_PREEMPTED = 143
+EXIT_BACKSTOP_SEC = 10.0
+"""How long the watchdog's exit may take before faulthandler ends the process (code 1) regardless."""
 SECTIONS = ("quorum", "heal", "step", "checkpoint")
 
 
@@ -144,6 +154,8 @@ class _Section:
 
 
 def _dump_and_exit(section: str, what: str, timeout: float) -> None:
+    # Armed first: everything below needs the GIL and locks that a stuck thread may hold forever.
+    faulthandler.dump_traceback_later(EXIT_BACKSTOP_SEC, exit=True, file=_STDERR_FD)
     logger.critical("watchdog: %s took more than %.0fs waiting for %s; dumping all threads and exiting "
                     "with %d so this replica group is rescheduled", section, timeout, what, EXIT_CODE_RESCHEDULE)
     sys.stderr.write(f"\n=== torchft_lite watchdog: {section} exceeded {timeout:.0f}s ({what}); thread stacks ===\n")

@@ -119,9 +119,19 @@ class ManagedWork(Generic[T]):
         self._fut = fut
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        # The future is already bounded by the Manager's timeout and never raises.
-        self._fut.wait()
-        return True
+        """Block until the future settles (True), or until ``timeout`` passes first (False).
+
+        Never raises: the future itself is bounded by the Manager's timeout and
+        resolves with a default on failure. After a False the collective goes on
+        and its future still settles; the Manager waits for it before the vote.
+        """
+        if timeout is None:
+            self._fut.wait()
+            return True
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+        settled = threading.Event()
+        self._fut.add_done_callback(lambda _: settled.set())  # runs at once when already done
+        return settled.wait(max(seconds, 0.0))
 
     def is_completed(self) -> bool:
         return self._fut.done()

@@ -47,3 +47,22 @@ def test_the_default_action_dumps_stacks_and_exits_for_rescheduling():
     assert out.returncode == EXIT_CODE_RESCHEDULE
     assert "torchft_lite watchdog: g0 step exceeded" in out.stderr and "(a hung allreduce)" in out.stderr
     assert "Current thread" in out.stderr or "Thread 0x" in out.stderr  # faulthandler's stack dump
+
+
+def test_an_exit_that_hangs_behind_a_stuck_thread_is_ended_by_the_backstop():
+    """The thread that hung holds the log handler's lock, so the watchdog's own log line blocks: faulthandler's
+    timer (armed first, needing neither the GIL nor that lock) still ends the process, with code 1."""
+    code = ("import logging, time\n"
+            "import torchft_lite.watchdog as watchdog\n"
+            "watchdog.EXIT_BACKSTOP_SEC = 1.0\n"
+            "logging.basicConfig(level=logging.INFO)\n"
+            "logging.getLogger().handlers[0].acquire()  # this thread holds it, then hangs\n"
+            "watchdog.Watchdog(watchdog.WatchdogConfig(step=0.1), 'g0').begin('step', 'a hung allreduce')\n"
+            "time.sleep(600)\n")
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:  # subprocess.run has killed it
+        pytest.fail("the watchdog's exit hung behind the stuck thread and nothing ended the process")
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "Timeout (0:00:01)!" in out.stderr  # faulthandler's dump, with every thread's stack
+    assert "in <module>" in out.stderr

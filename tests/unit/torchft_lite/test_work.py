@@ -1,6 +1,7 @@
 """guard_future: errors and timeouts become the default value, reported once."""
 
 import threading
+from datetime import timedelta
 
 import torch
 
@@ -55,3 +56,19 @@ def test_work_wrappers():
     assert not work.is_completed()
     fut.set_result(4)
     assert work.wait() and work.result() == 4 and work.get_future() is fut
+
+
+def test_managed_work_wait_honours_its_timeout():
+    fut = torch.futures.Future()
+    work = ManagedWork(fut)
+    answers: list[bool] = []
+    waiter = threading.Thread(target=lambda: answers.append(work.wait(timedelta(seconds=0.05))), daemon=True)
+    try:
+        waiter.start()
+        waiter.join(60)
+        assert answers == [False], "wait(timeout) blocked past its timeout on a future that never settles"
+        assert not work.is_completed()
+    finally:
+        fut.set_result(5)  # lets a waiter that ignored its timeout finish
+    assert work.wait(timedelta(seconds=30)) is True and work.wait(timedelta(0)) is True
+    assert work.result() == 5
