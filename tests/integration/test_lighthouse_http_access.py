@@ -106,7 +106,7 @@ def test_the_login_sets_an_httponly_strict_cookie_without_the_token_and_redirect
     asyncio.run(scenario())
 
 
-def test_admin_actions_need_the_job_login_and_the_admin_token_and_a_refusal_changes_nothing(tmp_path, monkeypatch):
+def test_admin_actions_need_the_admin_token_with_a_login_or_alone_and_a_refusal_changes_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHFT_LITE_TOKEN", TOKEN)
     (tmp_path / "max_step").write_text("300\n")  # an earlier job reached step 300: a new one at 0 waits
 
@@ -121,11 +121,15 @@ def test_admin_actions_need_the_job_login_and_the_admin_token_and_a_refusal_chan
                                                                 address=manager.address))
                     await wait_until(lambda: server.statistics().status == "behind_committed", "the guard to hold")
                     kill = "/api/replicas/fresh/kill"
-                    for headers in ({}, bearer(ADMIN), bearer("wrong")):  # the admin token alone is no login
-                        for path in ("/api/epoch", kill):
+                    for headers, expected in (({}, 401), (bearer("wrong"), 401), (bearer(TOKEN), 403)):
+                        for path in ("/api/epoch", kill):  # the job token alone is no admin token
                             status, body, _ = await call(port, "POST", path, headers=headers)
-                            assert status == 401, (path, headers, body)
+                            assert status == expected, (path, headers, body)
                     assert manager.kills == [] and server.statistics().epochs == 0 and not fresh.done()
+                    # An operator's script: the admin token alone admits an admin action (not a GET).
+                    assert (await call(port, "GET", "/api/status", headers=bearer(ADMIN)))[0] == 401
+                    status, body, _ = await call(port, "POST", kill, headers=bearer(ADMIN), json={"msg": "script"})
+                    assert status == 200 and manager.kills == ["script"], body
 
                     async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as browser:
                         assert (await call(port, "GET", f"/?token={TOKEN}", session=browser))[0] == 303
@@ -133,7 +137,7 @@ def test_admin_actions_need_the_job_login_and_the_admin_token_and_a_refusal_chan
                         assert status == 401 and "admin token" in body["error"]  # logged in, but no admin token
                         status, body, _ = await call(port, "POST", kill, session=browser, headers=bearer(ADMIN),
                                                      json={"msg": "from the test"})
-                        assert status == 200 and manager.kills == ["from the test"]
+                        assert status == 200 and manager.kills == ["script", "from the test"]
                         status, body, _ = await call(port, "POST", "/api/epoch", session=browser,
                                                      headers=bearer(ADMIN))
                         assert status == 202 and body["epoch"]["number"] == 1
