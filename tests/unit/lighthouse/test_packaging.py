@@ -64,3 +64,12 @@ def test_wire_field_numbers_match_torchft():
     # torchft's methods first, in its order; ours (new RPCs only) after them
     assert services["ManagerService"] == ["Quorum", "CheckpointMetadata", "ShouldCommit", "Kill", "Events"]
     assert services["LighthouseService"] == ["Quorum", "Heartbeat", "SubscribeFailures", "GetConfig", "Lease"]
+
+
+def test_requires_python_admits_no_version_the_code_cannot_run_on():
+    """The code uses 3.11 APIs (asyncio.TaskGroup, asyncio.timeout): pip must not install it on 3.10."""
+    import pathlib
+    import tomllib  # itself new in 3.11
+
+    pyproject = pathlib.Path(lighthouse.__file__).resolve().parent.parent / "pyproject.toml"
+    assert tomllib.loads(pyproject.read_text())["project"]["requires-python"] == ">=3.11"
