@@ -8,6 +8,7 @@ nothing of either (no quorum rules, no lighthouse config, no torch):
   ``RpcContext``, and the HTTP/2 framing under them.
 * ``engines``: a service as plain handler functions, served by ``h2grpc`` or
   by grpc.aio.
+* ``limits``: ``ServerLimits``, the flood limits both engines hold peers to.
 * ``channel``: ``UnaryChannel``, the client side's lazily opened channel.
 * ``broadcast``: ``Broadcast``, items fanned out to every open server stream.
 * ``addresses``: ``HOST:PORT`` parsing, gRPC targets, dual-stack listening sockets.

@@ -10,6 +10,12 @@ Both engines answer only the callers the ``access`` policy admits (the job
 token, else loopback peers only): the check runs before any handler, a
 refused call ends UNAUTHENTICATED or PERMISSION_DENIED, and ``refusals``
 counts it (the lighthouse's ``/metrics`` reads the counts).
+
+Both engines also hold every peer to the flood limits of a
+:class:`~lighthouse.rpc.limits.ServerLimits` (connections, streams, PING and
+SETTINGS floods, rapid reset, idle and slow connections, header and message
+sizes): ``native`` all of them, ``grpcio`` those grpc has a channel argument
+for (:func:`~lighthouse.rpc.limits.grpcio_options` lists what it lacks).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from lighthouse.rpc.access import HEADER, Access
 from lighthouse.rpc.addresses import split_host_port
 from lighthouse.rpc.h2grpc import GrpcServer
 from lighthouse.rpc.h2grpc.server import StreamHandler, UnaryHandler
+from lighthouse.rpc.limits import ServerLimits, grpcio_options
 from lighthouse.rpc.refusals import RefusalLog, status_of
 
 __all__ = ["GRPCIO_OPTIONS", "RefusalLog", "Server", "Service", "start_service"]
@@ -30,11 +37,9 @@ __all__ = ["GRPCIO_OPTIONS", "RefusalLog", "Server", "Service", "start_service"]
 Server = Union[GrpcServer, grpc.aio.Server]
 """What :func:`start_service` returns, by engine; both stop with ``await server.stop(grace)``."""
 
+# grpc.aio server options besides the flood limits (start_service adds those: limits.grpcio_options).
 GRPCIO_OPTIONS = [
     ("grpc.so_reuseport", 0),  # a second server on the same port must fail, not share it
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 1000),
-    ("grpc.max_receive_message_length", 16 * 1024 * 1024),
     # Since grpcio 1.82 the core sheds calls (as a bare CANCELLED, before any
     # handler runs) once more than 1000 are queued for the Python server; a round
     # of N Quorum calls plus heartbeats exceeds that at N~1000.
@@ -53,16 +58,17 @@ class Service:
 
 
 async def start_service(service: Service, bind: str, engine: str = "native", *, access: Access = Access(),
-                        refusals: RefusalLog | None = None) -> tuple[Server, int]:
+                        refusals: RefusalLog | None = None, limits: ServerLimits | None = None) -> tuple[Server, int]:
     """Serve ``service`` on ``bind`` (``HOST:PORT``, port 0 for a free one) until ``await server.stop(grace)``,
     to the callers ``access`` admits (the default: no token, loopback peers only); refused calls are
-    counted in ``refusals`` (one of its own when None).
+    counted in ``refusals`` (one of its own when None), each peer held to ``limits`` (None: the defaults).
 
     Returns the server and the bound port; a port that cannot be bound raises ``OSError``.
     """
     refusals = RefusalLog(service.name) if refusals is None else refusals
+    limits = ServerLimits() if limits is None else limits
     if engine == "grpcio":
-        server = grpc.aio.server(options=GRPCIO_OPTIONS)
+        server = grpc.aio.server(options=GRPCIO_OPTIONS + grpcio_options(limits))
         server.add_generic_rpc_handlers((_generic_handler(service, access, refusals),))
         try:
             port = server.add_insecure_port(bind)
@@ -72,7 +78,7 @@ async def start_service(service: Service, bind: str, engine: str = "native", *, 
         return server, port
     if engine != "native":
         raise ValueError(f"unknown gRPC engine {engine!r}: 'native' or 'grpcio'")
-    native = GrpcServer(access=access, refusals=refusals)
+    native = GrpcServer(access=access, refusals=refusals, limits=limits)
     for method, handler in service.unary.items():
         native.add_unary(f"/{service.name}/{method}", handler)
     for method, stream in service.server_streams.items():

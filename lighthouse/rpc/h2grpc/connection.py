@@ -5,6 +5,11 @@ are handed to its owner (a :class:`ConnectionOwner`, the ``GrpcServer``) and ans
 written back respecting the peer's flow-control windows and frame size. Only what a
 gRPC server needs is implemented: no server push, no client streaming, no
 HTTP/1.1 (a peer that does not start with the HTTP/2 preface is disconnected).
+
+Every limit of the owner's :class:`~lighthouse.rpc.limits.ServerLimits` holds here:
+the frame budgets (PING, SETTINGS, rapid reset) as frames arrive, the connection cap
+when one is made, the deadlines (idle, slowloris) in the guard's sweep (guard.py).
+A peer that breaks one gets GOAWAY ENHANCE_YOUR_CALM (idle: NO_ERROR) and is closed.
 """
 
 from __future__ import annotations
@@ -17,14 +22,17 @@ from typing import Protocol
 import hpack
 
 from lighthouse.rpc.h2grpc import wire
+from lighthouse.rpc.h2grpc.guard import ConnectionGuard, LimitExceeded, SweepState, flood_meters
+from lighthouse.rpc.h2grpc.sending import ResponseWriter
 from lighthouse.rpc.h2grpc.streams import STREAM_RECV_WINDOW, Stream
 from lighthouse.rpc.h2grpc.wire import ProtocolError
+from lighthouse.rpc.limits import ServerLimits
 
 logger = logging.getLogger(__name__)
 
 CONN_RECV_WINDOW = 16 * 1024 * 1024
-MAX_HEADER_BLOCK = 64 * 1024
-MAX_HEADER_LIST = 16 * 1024
+LINGER = 1.0  # seconds a connection closed for an error reads (and drops) what its peer still sends
+MAX_HEADER_BLOCK = 64 * 1024  # encoded, over CONTINUATION frames; the decoded list has ServerLimits' cap
 
 
 class ConnectionOwner(Protocol):
@@ -32,24 +40,23 @@ class ConnectionOwner(Protocol):
 
     connections: set[H2Connection]  # a connection adds itself when made and leaves when lost
     protocol_errors: int  # counted up by a connection closed for the peer's protocol error
-    max_concurrent_streams: int
-    max_request_bytes: int  # of one call
-    max_connection_request_bytes: int  # of the calls one connection holds open together
-    handshake_timeout: float  # seconds a new connection has to send the HTTP/2 preface
+    limits: ServerLimits
+    guard: ConnectionGuard  # the connection cap, and the count of every limit hit
 
     def dispatch(self, connection: H2Connection, stream: Stream) -> None: ...  # a whole request: start its call
     def reject_oversized(self, connection: H2Connection, stream: Stream, details: str | None = None) -> None: ...
 
 
-class H2Connection(asyncio.Protocol):
+class H2Connection(ResponseWriter, asyncio.Protocol):
     def __init__(self, server: ConnectionOwner) -> None:
         self.server = server
+        self.limits = limits = server.limits  # as they were when the connection was made
         self.transport: asyncio.Transport | None = None
         self.peer = "unknown"
+        self._admitted = False  # counted in the guard's connections per host
         self._buffer = bytearray()
         self._preface_seen = False
-        self._decoder = hpack.Decoder()
-        self._decoder.max_header_list_size = MAX_HEADER_LIST
+        self._decoder = hpack.Decoder(limits.max_header_list_bytes)
         self._continuation: tuple[int, int, bytearray] | None = None  # stream id, flags, block
         self._streams: dict[int, Stream] = {}
         self._last_stream_id = 0
@@ -58,7 +65,7 @@ class H2Connection(asyncio.Protocol):
         # Stream windows are never reopened: each must take one byte past the largest request body
         # (a message and its 5-byte prefix) so that a larger one reaches the size check and is refused;
         # with less, its sender stalled on a closed window until its deadline, or forever.
-        self._stream_window = max(STREAM_RECV_WINDOW, server.max_request_bytes + 6)
+        self._stream_window = max(STREAM_RECV_WINDOW, limits.max_request_bytes + 6)
         # Request bytes of the streams still open (receiving, or answered later): the connection
         # window is reopened as data arrives, so without this bound one peer could make us hold
         # max_concurrent_streams * max_request_bytes (16 GiB).
@@ -71,6 +78,8 @@ class H2Connection(asyncio.Protocol):
         self._going_away = False
         self._handshake_timer: asyncio.TimerHandle | None = None
         self._corked: list[bytes] | None = None  # writes gathered while handling one read
+        self._pings, self._settings_frames, self._resets = flood_meters(limits)
+        self.sweep = SweepState()  # the guard's notes on this connection
 
     # ------------------------------------------------------------ asyncio
 
@@ -80,22 +89,31 @@ class H2Connection(asyncio.Protocol):
         if isinstance(address, tuple):
             family = "ipv6" if ":" in address[0] else "ipv4"
             self.peer = f"{family}:{address[0]}:{address[1]}"
+        refused = self.server.guard.admit(self.peer)
+        if refused is not None:  # over the connection cap: closed at once, holding nothing
+            self._write(wire.goaway(0, wire.ENHANCE_YOUR_CALM, refused.encode()))
+            self._linger()
+            return
+        self._admitted = True
         self.server.connections.add(self)
         loop = asyncio.get_running_loop()
-        self._handshake_timer = loop.call_later(self.server.handshake_timeout, self._handshake_expired)
-        self._write(wire.server_settings(self.server.max_concurrent_streams, self._stream_window, MAX_HEADER_LIST,
-                                         CONN_RECV_WINDOW))
+        self._handshake_timer = loop.call_later(self.limits.handshake_timeout, self._handshake_expired)
+        self._write(wire.server_settings(self.limits.max_concurrent_streams, self._stream_window,
+                                         self.limits.max_header_list_bytes, CONN_RECV_WINDOW))
 
     def _handshake_expired(self) -> None:
         if not self._preface_seen and self.transport is not None:
-            logger.warning("closing connection from %s: no HTTP/2 preface within %.0fs",
-                           self.peer, self.server.handshake_timeout)
+            self.server.guard.log.hit("handshake_timeout", self.peer,
+                                      f"no HTTP/2 preface within {self.limits.handshake_timeout:g}s: closed")
             self.transport.close()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._handshake_timer is not None:
             self._handshake_timer.cancel()
         self.server.connections.discard(self)
+        if self._admitted:
+            self._admitted = False
+            self.server.guard.release(self.peer)
         for stream in self._streams.values():
             if stream.task is not None:
                 stream.task.cancel()
@@ -104,19 +122,29 @@ class H2Connection(asyncio.Protocol):
         self.transport = None
 
     def pause_writing(self) -> None:
+        # A peer that does not read what we send gets no more of its frames read (each may make us
+        # answer: a PING, a SETTINGS, a call), so what it makes us buffer stays bounded.
         self._paused = True
+        if self.transport is not None:
+            self.transport.pause_reading()
 
     def resume_writing(self) -> None:
         self._paused = False
+        if self.transport is not None:
+            self.transport.resume_reading()
         self._flush_blocked()
 
     def data_received(self, data: bytes) -> None:
+        if self.transport is None:
+            return  # closing (lingering after a GOAWAY): dropped unread
         self._buffer += data
         # Everything this read makes us send (ACKs, window updates, resets)
         # goes out in one write: one syscall instead of one per frame.
         self._corked = []
         try:
             self._process()
+        except LimitExceeded as exc:
+            self._fail(exc.code, str(exc), exc.limit)
         except ProtocolError as exc:
             self._fail(exc.code, str(exc))
         except hpack.HPACKError as exc:
@@ -172,10 +200,13 @@ class H2Connection(asyncio.Protocol):
             if len(payload) != 8 or stream_id:
                 raise ProtocolError("malformed PING", wire.FRAME_SIZE_ERROR)
             if not flags & wire.ACK:
+                self._pings.spend()
                 self._write(wire.frame(wire.PING, wire.ACK, 0, payload))
         elif kind == wire.RST_STREAM:
             if len(payload) != 4 or not stream_id:
                 raise ProtocolError("malformed RST_STREAM", wire.FRAME_SIZE_ERROR)
+            if stream_id in self._streams:  # a call we had taken on: work thrown away (rapid reset)
+                self._resets.spend()
             self._close_stream(stream_id, cancel=True)
         elif kind == wire.GOAWAY:
             self._going_away = True  # the peer sends no new calls; ours finish normally
@@ -203,7 +234,7 @@ class H2Connection(asyncio.Protocol):
         block = self._continuation[2]
         block += payload
         if len(block) > MAX_HEADER_BLOCK:
-            raise ProtocolError("header block too large", wire.ENHANCE_YOUR_CALM)
+            raise LimitExceeded("header_list_size", f"header block over {MAX_HEADER_BLOCK} bytes")
         if flags & wire.END_HEADERS:
             first_flags = self._continuation[1]
             self._continuation = None
@@ -211,7 +242,11 @@ class H2Connection(asyncio.Protocol):
 
     def _header_block(self, stream_id: int, flags: int, block: bytes) -> None:
         # Always decode, even for streams we refuse: the HPACK table is per connection.
-        headers = self._decoder.decode(block, raw=True)
+        try:
+            headers = self._decoder.decode(block, raw=True)
+        except hpack.OversizedHeaderListError:  # the table is now unusable: the connection must go
+            raise LimitExceeded("header_list_size", f"header list over {self.limits.max_header_list_bytes} "
+                                                    "bytes") from None
         stream = self._streams.get(stream_id)
         if stream is not None:  # trailers from the client end its request
             if stream.request_done:
@@ -232,8 +267,12 @@ class H2Connection(asyncio.Protocol):
                                     "stream ids must increase")
             return  # trailers for a stream we already closed or refused; ignore
         self._last_stream_id = stream_id
-        if self._going_away or len(self._streams) >= self.server.max_concurrent_streams:
+        if self._going_away or len(self._streams) >= self.limits.max_concurrent_streams:
             self._write(wire.rst_stream(stream_id, wire.REFUSED_STREAM))
+            if not self._going_away:
+                self.server.guard.log.hit("max_concurrent_streams", self.peer, f"stream {stream_id} refused: "
+                                          f"{len(self._streams)} open")
+                self._resets.spend()
             return
         stream = Stream(stream_id, self._peer_initial_window, self._stream_window)
         stream.headers = dict(headers)
@@ -262,12 +301,12 @@ class H2Connection(asyncio.Protocol):
             return
         stream.recv_window -= len(payload)
         data = wire.strip_padding(payload, flags)
-        if stream.recv_window < 0 or len(stream.body) + len(data) > self.server.max_request_bytes + 5:
+        if stream.recv_window < 0 or len(stream.body) + len(data) > self.limits.max_request_bytes + 5:
             self.server.reject_oversized(self, stream)
             return
-        if self._in_flight + len(data) > self.server.max_connection_request_bytes:
+        if self._in_flight + len(data) > self.limits.max_connection_request_bytes:
             self.server.reject_oversized(self, stream, f"this connection's calls in flight hold more than "
-                                                       f"{self.server.max_connection_request_bytes} request bytes")
+                                                       f"{self.limits.max_connection_request_bytes} request bytes")
             return
         stream.body += data
         stream.received += len(data)
@@ -286,6 +325,7 @@ class H2Connection(asyncio.Protocol):
             if payload:
                 raise ProtocolError("SETTINGS ACK with a payload", wire.FRAME_SIZE_ERROR)
             return
+        self._settings_frames.spend()
         for key, value in wire.parse_settings(payload):
             if key == wire.SETTINGS_INITIAL_WINDOW_SIZE:
                 if value > wire.MAX_WINDOW:
@@ -318,94 +358,15 @@ class H2Connection(asyncio.Protocol):
             stream.send_window += increment
             self._flush(stream)
 
-    # ------------------------------------------------------------ writing
-
-    def _write(self, data: bytes) -> None:
-        if self._corked is not None:
-            self._corked.append(data)
-        elif self.transport is not None:
-            self.transport.write(data)
+    # ------------------------------------------------------------ stream ends
 
     def _close(self) -> None:
         self._uncork()
         if self.transport is not None:
-            self.transport.close()
-
-    def send_response(self, stream: Stream, headers: bytes, messages: bytes, trailers: bytes) -> None:
-        """Send response headers (if not sent yet), DATA ``messages`` and the trailers."""
-        if self._streams.get(stream.id) is not stream:
-            return  # reset by the peer or the connection is gone
-        out = b""
-        if not stream.response_started:
-            stream.response_started = True
-            out = wire.frame(wire.HEADERS, wire.END_HEADERS, stream.id, headers)
-        trailer_frame = wire.frame(wire.HEADERS, wire.END_HEADERS | wire.END_STREAM, stream.id, trailers)
-        size = len(messages)
-        if (not stream.pending and not self._paused and size <= self._peer_max_frame
-                and size <= stream.send_window and size <= self._send_window):
-            # Fast path: the whole answer in one write.
-            if size:
-                out += wire.frame(wire.DATA, 0, stream.id, messages)
-                stream.send_window -= size
-                self._send_window -= size
-            self._write(out + trailer_frame)
-            self._finish(stream)
-            return
-        if out:
-            self._write(out)
-        if size:
-            stream.pending.append(memoryview(messages))
-        stream.trailers = trailer_frame
-        self._flush(stream)
-
-    def send_messages(self, stream: Stream, headers: bytes, messages: bytes) -> None:
-        """Send response headers if needed and DATA, keeping the stream open (server streaming)."""
-        if self._streams.get(stream.id) is not stream:
-            return
-        if not stream.response_started:
-            stream.response_started = True
-            self._write(wire.frame(wire.HEADERS, wire.END_HEADERS, stream.id, headers))
-        stream.pending.append(memoryview(messages))
-        self._flush(stream)
-
-    def trailers_only(self, stream: Stream, block: bytes) -> None:
-        """An answer made of one HEADERS frame (errors before any message)."""
-        if self._streams.get(stream.id) is not stream:
-            return
-        if stream.response_started:
-            raise RuntimeError("trailers_only after the response started")
-        stream.response_started = True
-        self._write(wire.frame(wire.HEADERS, wire.END_HEADERS | wire.END_STREAM, stream.id, block))
-        self._finish(stream)
-
-    def _flush(self, stream: Stream) -> None:
-        pending = stream.pending
-        while pending and not self._paused:
-            chunk = pending[0]
-            n = min(len(chunk), stream.send_window, self._send_window, self._peer_max_frame)
-            if n <= 0:
-                self._blocked[stream.id] = stream
-                return
-            self._write(wire.frame(wire.DATA, 0, stream.id, bytes(chunk[:n])))
-            stream.send_window -= n
-            self._send_window -= n
-            if n == len(chunk):
-                pending.popleft()
-            else:
-                pending[0] = chunk[n:]
-        if pending:
-            self._blocked[stream.id] = stream
-            return
-        self._blocked.pop(stream.id, None)
-        if stream.trailers is not None:
-            self._write(stream.trailers)
-            self._finish(stream)
-
-    def _flush_blocked(self) -> None:
-        for stream in list(self._blocked.values()):
-            if self._send_window <= 0 or self._paused:
-                return
-            self._flush(stream)
+            transport = self.transport
+            transport.close()
+            if transport.get_write_buffer_size():  # a peer that does not read must not keep it open
+                asyncio.get_running_loop().call_later(self.limits.handshake_timeout, transport.abort)
 
     def _finish(self, stream: Stream) -> None:
         if self._streams.pop(stream.id, None) is stream:
@@ -430,11 +391,27 @@ class H2Connection(asyncio.Protocol):
         if stream is not None and cancel and stream.task is not None:
             stream.task.cancel()
 
-    def _fail(self, code: int, message: str) -> None:
-        logger.warning("closing HTTP/2 connection from %s: %s", self.peer, message)
-        self.server.protocol_errors += 1
+    def _fail(self, code: int, message: str, limit: str | None = None) -> None:
+        """GOAWAY ``code`` and close: for a protocol error, or for the flood limit ``limit``."""
+        if limit is None:
+            logger.warning("closing HTTP/2 connection from %s: %s", self.peer, message)
+            self.server.protocol_errors += 1
+        else:
+            self.server.guard.log.hit(limit, self.peer, f"{message}: GOAWAY ENHANCE_YOUR_CALM")
         self._write(wire.goaway(self._last_stream_id, code, message.encode()[:200]))
-        self._close()
+        self._linger()
+
+    def _linger(self) -> None:
+        """Close after an error's GOAWAY so that the peer gets to read it: FIN after it, then drop what the peer
+        still sends for up to LINGER seconds. (Closed with the peer's bytes unread, the socket would answer
+        them with a reset, which destroys the GOAWAY and its reason before the peer reads them.)"""
+        self._uncork()
+        transport, self.transport = self.transport, None  # nothing more is written or parsed
+        if transport is None:
+            return
+        if transport.can_write_eof():
+            transport.write_eof()
+        asyncio.get_running_loop().call_later(LINGER, transport.abort)
 
     def go_away(self) -> None:
         """Tell the peer to send no new calls; close once ours are answered."""

@@ -24,6 +24,7 @@ a refused call is answered UNAUTHENTICATED or PERMISSION_DENIED and counted in
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable
@@ -34,7 +35,9 @@ from lighthouse.rpc.access import HEADER, Access
 from lighthouse.rpc.addresses import dual_stack_socket
 from lighthouse.rpc.h2grpc import wire
 from lighthouse.rpc.h2grpc.connection import H2Connection
+from lighthouse.rpc.h2grpc.guard import ConnectionGuard
 from lighthouse.rpc.h2grpc.streams import Stream
+from lighthouse.rpc.limits import LimitLog, ServerLimits
 from lighthouse.rpc.refusals import RefusalLog, status_of
 
 logger = logging.getLogger(__name__)
@@ -91,26 +94,28 @@ class GrpcServer:
     def __init__(
         self,
         *,
-        max_concurrent_streams: int = 4096,
-        max_request_bytes: int = 4 * 1024 * 1024,
-        max_connection_request_bytes: int = 32 * 1024 * 1024,
-        handshake_timeout: float = 10.0,
+        limits: ServerLimits | None = None,
         access: Access | None = None,
         refusals: RefusalLog | None = None,
+        **overrides: int | float | None,
     ) -> None:
         # None: Access(), the secure default (no token: loopback peers only).
         self.access = Access() if access is None else access
         self.refusals = RefusalLog("gRPC server") if refusals is None else refusals
-        self.max_concurrent_streams = max_concurrent_streams
-        self.handshake_timeout = handshake_timeout  # seconds a new connection has to send the HTTP/2 preface
-        self.max_request_bytes = max_request_bytes
-        # Request bytes one connection's open calls may hold together (received or still being answered).
-        self.max_connection_request_bytes = max_connection_request_bytes
+        # The flood limits (lighthouse.rpc.limits); ``overrides`` replace fields of ``limits`` (or of the
+        # defaults), e.g. GrpcServer(max_request_bytes=...). A new value applies to connections made after.
+        self.limits = dataclasses.replace(ServerLimits() if limits is None else limits, **overrides)
+        self.guard = ConnectionGuard(self, LimitLog("gRPC server"))
         self.connections: set[H2Connection] = set()
         self.protocol_errors = 0
         self._methods: dict[str, _Method] = {}
         self._listener: asyncio.AbstractServer | None = None
         self._calls: set[asyncio.Task] = set()
+
+    @property
+    def limits_hit(self) -> dict[str, int]:
+        """How often peers hit each flood limit, by name ('rapid_reset', 'ping_flood', 'idle_timeout', ...)."""
+        return self.guard.log.counts
 
     def add_unary(self, path: str, handler: UnaryHandler) -> None:
         self._methods[path] = _Method(handler, streaming=False)
@@ -134,10 +139,12 @@ class GrpcServer:
                 self._listener = await loop.create_server(factory, host, port, reuse_address=True, backlog=4096)
             except OSError as exc:
                 raise OSError(exc.errno, f"could not bind {host}:{port}: {exc.strerror or exc}") from exc
+        self.guard.start()
         return self._listener.sockets[0].getsockname()[1]
 
     async def stop(self, grace: float) -> None:
         """Stop accepting, let calls in flight finish for ``grace`` seconds, then cut the rest."""
+        self.guard.stop()
         if self._listener is not None:
             self._listener.close()
         for connection in list(self.connections):
@@ -184,8 +191,9 @@ class GrpcServer:
         task.add_done_callback(self._calls.discard)
 
     def reject_oversized(self, connection: H2Connection, stream: Stream, details: str | None = None) -> None:
-        connection.trailers_only(stream, _status_block(
-            grpc.StatusCode.RESOURCE_EXHAUSTED, details or f"request larger than {self.max_request_bytes} bytes", True))
+        details = details or f"request larger than {connection.limits.max_request_bytes} bytes"
+        self.guard.log.hit("request_size", connection.peer, f"stream {stream.id}: {details}")
+        connection.trailers_only(stream, _status_block(grpc.StatusCode.RESOURCE_EXHAUSTED, details, True))
         connection.reset(stream, wire.NO_ERROR)
 
     async def _call(self, connection: H2Connection, stream: Stream, method: _Method, context: RpcContext) -> None:

@@ -10,7 +10,7 @@ STREAM_RECV_WINDOW = 4 * 1024 * 1024
 
 class Stream:
     __slots__ = ("id", "headers", "body", "received", "recv_window", "send_window", "pending", "trailers", "task",
-                 "request_done", "response_started")
+                 "request_done", "response_started", "deadline")
 
     def __init__(self, stream_id: int, send_window: int, recv_window: int = STREAM_RECV_WINDOW) -> None:
         self.id = stream_id
@@ -24,3 +24,4 @@ class Stream:
         self.task: asyncio.Task | None = None  # the call answering it; cancelled when the stream is reset
         self.request_done = False
         self.response_started = False
+        self.deadline: float | None = None  # set by the guard's sweep: when a request still arriving is ended
