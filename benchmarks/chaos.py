@@ -98,11 +98,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         kinds.remove("kill-rank")  # needs a group with more than one rank
     if "kill-all" in kinds and not args.checkpoint_every:
         kinds.remove("kill-all")  # with nothing on disk, a job that lost every copy starts over
+    args.skipped_kinds = {}  # kind -> why it can't run here; in the summary, so no caller misses it
     if "partition" in kinds:
         why = Network.unavailable()
         if why:
             print(f"partition faults skipped: {why}", flush=True)
             kinds.remove("partition")
+            args.skipped_kinds["partition"] = why
     if args.first_fault and args.first_fault not in kinds:
         parser.error(f"--first-fault {args.first_fault} is not among the kinds in use ({', '.join(kinds)})")
     args.kinds = kinds
@@ -444,7 +446,8 @@ def main(argv=None) -> int:
             short[key], short[f"{key}_first"] = len(value), value[:10]
         else:
             short[key] = value
-    print(json.dumps({"seed": args.seed, "pg": args.pg, "faults": dict(chaos.faults), "restarts": chaos.restarts, **figures,
+    print(json.dumps({"seed": args.seed, "pg": args.pg, "faults": dict(chaos.faults), "kinds": args.kinds,
+                      "skipped_kinds": args.skipped_kinds, "restarts": chaos.restarts, **figures,
                       **short, **outcome, "ok": ok}))
     return 0 if ok else 1
 

@@ -333,8 +333,7 @@ class Manager:
     def should_commit(self, timeout: timedelta | None = None) -> bool:
         """Vote with the group's other ranks; True means step the optimizer now.
 
-        Raises ``RuntimeError`` only after more than ``max_retries`` consecutive failed commits.
-        """
+        Raises ``RuntimeError`` only after > ``max_retries`` failed commits; ``timeout`` bounds the vote."""
         step = self._current
         if step.quorum is None:
             raise RuntimeError("should_commit() called before start_quorum()")
@@ -349,13 +348,14 @@ class Manager:
         pg_error = self._pg.errored() if isinstance(self._pg, ReportsErrors) else None
         if pg_error is not None:
             self._record(step, pg_error)
-        # Every rank of the group has the same quorum, so the same ``enough``: the group votes on errors
-        # alone, and learns whether every rank got through the step cleanly (then a heal is kept).
+        # Every rank has the same quorum, so the same ``enough``: the group votes on errors alone (a heal
+        # is kept only if every rank got through cleanly). A peer can vote one rendezvous or timed-out
+        # collective (``timeout``, plus the process group's 5 s grace) after this rank: the default waits that.
         enough = step.participation.world_size >= self._min_replica_size
         if not enough:
             self._log(logging.WARNING, "only %d replica(s) participate, min_replica_size is %d",
                       step.participation.world_size, self._min_replica_size)
-        seconds = timeout.total_seconds() if timeout is not None else self._timeout
+        seconds = timeout.total_seconds() if timeout is not None else 2 * self._timeout + 5.0
         try:
             group_clean = self._control.run(
                 self._channel.should_commit(self._group_rank, self._step, step.error is None, seconds),

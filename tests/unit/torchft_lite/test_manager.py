@@ -208,6 +208,25 @@ def test_the_commit_vote_is_the_and_of_the_group_and_a_failed_vote_fails_stop(re
         solo.manager.should_commit()
 
 
+def test_the_vote_waits_long_enough_for_a_peer_rank_still_in_its_rendezvous_or_a_timed_out_collective(replicas):
+    """Ranks of a group are in different rings: one can reach its vote while another is still in a rendezvous
+    (or a collective) that may take the whole ``timeout`` before it fails and votes. Waiting only ``timeout``
+    made the early rank give up on a vote that was coming, and fail-stop its group for nothing."""
+    lighthouse = InMemoryLighthouse()
+    solo = replicas(lighthouse, "solo", 1.0, timeout_s=3.0)
+    waits: list[float] = []
+
+    async def vote(group_rank, step, clean, timeout):
+        waits.append(timeout)
+        return clean
+
+    solo.manager._channel.should_commit = vote
+    for explicit in (None, timedelta(seconds=1.5)):
+        solo.manager.start_quorum()
+        assert solo.manager.should_commit(timeout=explicit)
+    assert waits == [2 * 3.0 + 5.0, 1.5]  # the default covers a peer's rendezvous and its grace; explicit wins
+
+
 def test_should_commit_again_after_a_step_that_served_a_heal_does_not_serve_it_again(replicas):
     """torchft's scripts may vote twice on one quorum (its DiLoCo regression test does): the second vote
     must not try to serve the step the first one already served and moved past."""
