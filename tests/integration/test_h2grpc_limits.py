@@ -213,6 +213,8 @@ def test_slowloris_requests_and_header_blocks_are_cut_after_request_timeout():
             assert body.grpc_status(1) == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
             block = request_headers(PATH)
             headers = await RawH2.open(port)
+            # RawH2 acknowledges the server's SETTINGS: not from inside the header block, please.
+            await headers.wait_for(lambda f: f.kind == wire.SETTINGS and not f.flags & wire.ACK, "SETTINGS")
             headers.send(wire.frame(wire.HEADERS, 0, 1, block[:20]))  # no END_HEADERS, no CONTINUATION
             assert await headers.closed()
             assert headers.goaway()[0] == wire.ENHANCE_YOUR_CALM
