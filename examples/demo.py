@@ -151,12 +151,17 @@ def summarize(rows: list[dict], workdir: Path, stall: float, step_at_kill: int, 
     # within each run of the job (before and after the whole-job outage).
     by_step: dict[tuple[bool, int, int], set[str]] = defaultdict(set)
     groups_at: dict[tuple[bool, int, int], set[int]] = defaultdict(set)
+    participants: dict[tuple[bool, int, int], set[int]] = defaultdict(set)
     for row in rows:
         key = (row["pid"] in outage["first_pids"], row["step"], row["rank"])
         by_step[key].add(row["checksum"])
         groups_at[key].add(row["group"])
+        participants[key].add(row["participants"])
     diverged = sorted(key[1:] for key, sums in by_step.items() if len(sums) > 1)
-    redone = [(step, rank) for (first, step, rank) in by_step if not first and (True, step, rank) in by_step]
+    # A step redone after the resume matches its first run when the same number of groups took part: the
+    # SIGKILLs of the outage land one group at a time, so the last step before it may have had fewer.
+    redone = [(step, rank) for (first, step, rank) in by_step if not first and (True, step, rank) in by_step
+              and participants[(True, step, rank)] == participants[(False, step, rank)]]
     redone_same = sum(by_step[(True, step, rank)] == by_step[(False, step, rank)] for step, rank in redone)
     heals = [HEALED.search(line) for log in workdir.glob("group2.2.*.log")
              for line in log.read_text(errors="replace").splitlines()]
@@ -177,7 +182,7 @@ def summarize(rows: list[dict], workdir: Path, stall: float, step_at_kill: int, 
           f"resumed from the durable checkpoint of step {outage['resumed_from']} ({lost} steps redone), first "
           f"step committed {outage['first_commit_seconds']:.1f}s after the kill")
     print(f"redone steps identical         {redone_same} of {len(redone)} (step, rank) pairs bit-identical to the "
-          f"first time")
+          f"first time (pairs whose quorums had as many groups both times)")
     checked = sum(1 for groups in groups_at.values() if len(groups) > 1)
     print(f"identical parameters           {'yes' if not diverged else 'NO'} "
           f"({checked} (step, rank) pairs held by several groups{'; diverged at ' + str(diverged[:5]) if diverged else ''})")
@@ -185,7 +190,9 @@ def summarize(rows: list[dict], workdir: Path, stall: float, step_at_kill: int, 
     resumed = outage["resumed_from"] > 0
     if not resumed:
         print("the job did NOT resume from a durable checkpoint")
-    return not diverged and bool(heals) and resumed
+    if redone_same != len(redone):
+        print("a step redone after the resume differs from its first run")
+    return not diverged and bool(heals) and resumed and redone_same == len(redone)
 
 
 if __name__ == "__main__":
