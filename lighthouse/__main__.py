@@ -28,7 +28,8 @@ async def _run(config: LighthouseConfig) -> None:
         loop.add_signal_handler(sig, lambda s=sig: (logger.info("received %s, shutting down", s.name), server.request_stop()))
 
     def ready() -> None:
-        http = f", dashboard at http://localhost:{server.http_port}/" if server.http_port is not None else ""
+        http = (f", dashboard at {config.tls.scheme}://localhost:{server.http_port}/"
+                if server.http_port is not None else "")
         # The first line scripts look for (torchft prints a similar one).
         print(f"Lighthouse listening on: {server.address()}{http}", flush=True)
 

@@ -14,6 +14,7 @@ import grpc
 from lighthouse.protocol import torchft_pb2 as pb
 from lighthouse.rpc.access import Access
 from lighthouse.rpc.channel import UnaryChannel
+from lighthouse.rpc.tls import TlsSettings
 
 
 class LighthouseError(Exception):
@@ -33,11 +34,13 @@ class LighthouseClient(UnaryChannel):
 
     service = "torchft.LighthouseService"
 
-    def __init__(self, address: str, *, connect_timeout: float = 60.0, access: Access | None = None) -> None:
-        """``access``: the job token every call carries; None reads it from the environment (see UnaryChannel)."""
+    def __init__(self, address: str, *, connect_timeout: float = 60.0, access: Access | None = None,
+                 tls: TlsSettings | None = None) -> None:
+        """``access``: the job token every call carries; None reads it from the environment (see UnaryChannel);
+        ``tls``: whether the channel uses TLS, None: from the environment (the same)."""
         if not address:
             raise ValueError("lighthouse address is empty (set TORCHFT_LIGHTHOUSE or pass lighthouse_addr)")
-        super().__init__(address, access=access)
+        super().__init__(address, access=access, tls=tls)
         self.connect_timeout = connect_timeout
 
     async def connect(self, *, timeout: float) -> None:

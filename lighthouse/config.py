@@ -16,6 +16,7 @@ from pathlib import Path
 from lighthouse.quorum import QuorumConfig
 from lighthouse.rpc.access import INSECURE_ENV, TOKEN_ENV, TOKEN_FILE_ENV, Access
 from lighthouse.rpc.addresses import split_host_port
+from lighthouse.rpc.tls import CA_ENV, CERT_ENV, KEY_ENV, TlsSettings
 
 ADMIN_TOKEN_ENV = "TORCHFT_LITE_ADMIN_TOKEN"
 DEFAULT_BIND = "[::]:29510"
@@ -56,6 +57,9 @@ class LighthouseConfig:
     """Bearer token required by admin actions (kill, new epoch); None disables them."""
     access: Access = field(default_factory=Access)
     """Who may call the gRPC and HTTP sides: the job token, else loopback peers only (lighthouse.rpc.access)."""
+    tls: TlsSettings = field(default_factory=TlsSettings)
+    """TLS (lighthouse.rpc.tls): with a certificate, the gRPC and HTTP sides serve TLS only; the CA is what
+    the dashboard's Kill checks a manager's certificate against. Default: plain text."""
     state_dir: Path | None = None
     """Where the last quorum id and the highest committed step are kept, so ids
     keep increasing across restarts even if the clock steps back, and a restart
@@ -170,6 +174,16 @@ class LighthouseConfig:
             "logs a WARNING. Anyone who reaches the ports can then steer the job",
         )
         parser.add_argument(
+            "--tls-cert", "--tls_cert", type=Path, default=None,
+            help=f"PEM certificate chain to serve TLS with, on the gRPC and HTTP sides (TLS 1.2+ only; plain "
+            f"text then refused); needs --tls-key. Also read from ${CERT_ENV}/${KEY_ENV} (the flags win). Clients "
+            f"check it against ${CA_ENV}. Default: plain text",
+        )
+        parser.add_argument(
+            "--tls-key", "--tls_key", type=Path, default=None,
+            help=f"PEM private key of --tls-cert (also ${KEY_ENV})",
+        )
+        parser.add_argument(
             "--state-dir", "--state_dir", type=Path, default=None,
             help="directory to keep the last quorum id and the highest committed step in, so ids keep increasing "
             "across restarts and a restart is told from a first start (startup grace, stale-quorum guard); "
@@ -205,6 +219,7 @@ class LighthouseConfig:
             http_bind=http_bind,
             admin_token=token,
             access=Access.from_env(environ, token_file=args.token_file, insecure=args.insecure),
+            tls=TlsSettings.from_env(environ, cert=args.tls_cert, key=args.tls_key),
             state_dir=args.state_dir,
             grpc_engine=args.grpc_engine,
         )

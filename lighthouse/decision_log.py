@@ -28,14 +28,14 @@ def log_serving(config, grpc_port: int, http_port: int | None, state, restart_ev
         logging.WARNING if access.mode == "insecure" else logging.INFO,
         "lighthouse serving gRPC (%s engine) on %s (port %d)%s; min_replicas=%d join_timeout=%.1fs "
         "heartbeat_timeout=%.1fs holder_timeout=%.1fs; highest step reached %d; first quorum id will be > %d; %s; "
-        "access: %s",
+        "access: %s; %s",
         config.grpc_engine, config.bind, grpc_port,
         f", HTTP on port {http_port}" if http_port is not None else ", HTTP disabled",
         config.min_replicas, config.join_timeout, config.heartbeat_timeout, config.holder_timeout, state.max_step,
         state.quorum_id,
         "first start: no startup grace" if restart_evidence is None
         else f"restarted ({restart_evidence}): startup grace of {grace:.1f}s before the first quorum",
-        access.describe(),
+        access.describe(), config.tls.describe(),
     )
 
 

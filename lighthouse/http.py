@@ -25,6 +25,10 @@ bar and the history. The admin actions (POST) need the admin token: the
 dashboard sends it in ``Authorization`` with its login in the cookie; a script
 sends only ``Authorization: Bearer <admin token>``, which admits an admin action
 on its own (its holder is the operator), in protected mode too.
+
+With a TLS certificate (``--tls-cert``/``--tls-key``, ``lighthouse.rpc.tls``)
+every route is HTTPS only and the login cookie is marked ``Secure``; the Kill
+RPC to a manager uses TLS by the lighthouse's settings.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from lighthouse.config import ADMIN_TOKEN_ENV
 from lighthouse.metrics import build_registry
 from lighthouse.protocol import torchft_pb2 as pb
 from lighthouse.rpc.access import Access, Refusal
-from lighthouse.rpc.addresses import grpc_target
+from lighthouse.rpc.channel import open_channel
 from lighthouse.rpc.refusals import RefusalLog
 from lighthouse.rpc.sites import start_site
 from lighthouse.view import LighthouseView
@@ -130,7 +134,8 @@ class _Handlers:
         response = web.Response(status=303, headers={"Location": "/", "Cache-Control": "no-store",
                                                      "Referrer-Policy": "no-referrer"})
         if access.token is not None:
-            response.set_cookie(self._cookie, access.session_cookie(), path="/", httponly=True, samesite="Strict")
+            response.set_cookie(self._cookie, access.session_cookie(), path="/", httponly=True, samesite="Strict",
+                                secure=request.secure)  # over HTTPS, never sent back over plain HTTP
         return response
 
     def _refuse(self, request: web.Request, refusal: Refusal) -> web.Response:
@@ -202,11 +207,11 @@ class _Handlers:
             return _error(404, f"unknown replica {replica_id!r} (not heartbeating, waiting or in the last quorum)")
         if not member.address:
             return _error(409, f"replica {replica_id!r} did not advertise a manager address")
-        target = grpc_target(member.address)
         timeout = self.server.config.kill_timeout
         logger.warning("kill requested for replica %s at %s: %s", replica_id, member.address, msg)
         try:
-            async with grpc.aio.insecure_channel(target) as channel:
+            # TLS when the manager's address says https:// or the lighthouse has TLS settings (lighthouse.rpc.tls).
+            async with open_channel(member.address, self.server.config.tls) as channel:
                 call = channel.unary_unary(
                     "/torchft.ManagerService/Kill",
                     request_serializer=pb.KillRequest.SerializeToString,
@@ -254,7 +259,8 @@ async def start_http(server: LighthouseView, bind: str) -> tuple[web.AppRunner, 
         web.post("/api/replicas/{replica_id}/kill", handlers.kill),
         web.post("/api/epoch", handlers.epoch),
     ])
+    tls = server.config.tls
     try:
-        return await start_site(app, bind)
+        return await start_site(app, bind, tls.server_context() if tls.serving else None)
     except OSError as exc:
         raise OSError(f"lighthouse could not bind HTTP to {bind}: {exc}") from exc

@@ -126,7 +126,8 @@ class LighthouseServer:
     async def _bind(self) -> None:
         try:
             self._grpc, self._grpc_port = await start_service(self._service(), self.config.bind, self.config.grpc_engine,
-                                                              access=self.config.access, refusals=self.refusals)
+                                                              access=self.config.access, refusals=self.refusals,
+                                                              tls=self.config.tls)
         except OSError as exc:
             raise OSError(f"lighthouse could not bind gRPC to {self.config.bind}: {exc}") from exc
         if self.config.http_bind is not None:
@@ -179,7 +180,7 @@ class LighthouseServer:
             host = socket.gethostname()
         if ":" in host:
             host = f"[{host}]"
-        return f"http://{host}:{self.grpc_port}"
+        return f"{self.config.tls.scheme}://{host}:{self.grpc_port}"
 
     # ------------------------------------------------------------ gRPC
 

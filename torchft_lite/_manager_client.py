@@ -19,6 +19,7 @@ import grpc  # noqa: E402
 from lighthouse.protocol import torchft_pb2 as pb  # noqa: E402
 from lighthouse.rpc.access import Access  # noqa: E402
 from lighthouse.rpc.channel import UnaryChannel  # noqa: E402
+from lighthouse.rpc.tls import TlsSettings  # noqa: E402
 from torchft_lite.errors import ManagerError, ManagerTimeout, QuorumError, QuorumTimeout  # noqa: E402
 
 __all__ = ["ManagerClient"]
@@ -31,11 +32,12 @@ class ManagerClient(UnaryChannel):
 
     service = SERVICE
 
-    def __init__(self, address: str, *, access: Access | None = None) -> None:
-        """``access``: the job token every call carries; None reads it from the environment (see UnaryChannel)."""
+    def __init__(self, address: str, *, access: Access | None = None, tls: TlsSettings | None = None) -> None:
+        """``access``: the job token every call carries; None reads it from the environment (see UnaryChannel);
+        ``tls``: whether the channel uses TLS, None: from the environment (the same)."""
         if not address:
             raise ValueError("ManagerServer address is empty")
-        super().__init__(address, access=access)
+        super().__init__(address, access=access, tls=tls)
 
     async def _invoke(self, method: str, request, response_cls, timeout: float, what: str,
                       error=ManagerError, timeout_error=ManagerTimeout):

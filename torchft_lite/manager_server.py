@@ -27,7 +27,9 @@ Only the job's own processes may call it (a ``Kill`` ends the process, a
 forged ``Quorum`` or ``ShouldCommit`` steers the group): every call must carry
 the job token (``TORCHFT_LITE_TOKEN``/``_FILE``), else, with no token, come
 from loopback (see :mod:`lighthouse.rpc.access`). Its lighthouse calls carry
-the same token.
+the same token. With ``TORCHFT_LITE_TLS_CERT``/``_KEY`` set it serves TLS only
+(and advertises an ``https://`` address); its lighthouse calls use TLS by the
+same settings (:mod:`lighthouse.rpc.tls`).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from lighthouse.rpc.access import Access
 from lighthouse.rpc.addresses import split_host_port
 from lighthouse.rpc.h2grpc import GrpcServer, RpcAbort
 from lighthouse.rpc.refusals import RefusalLog
+from lighthouse.rpc.tls import ALPN_GRPC, TlsSettings
 from torchft_lite._lighthouse_link import LighthouseLink
 from torchft_lite._quorum_compute import QuorumMember, compute_quorum_result, heal_sources_of, member_data, response_of
 from torchft_lite.errors import QuorumError, QuorumTimeout
@@ -137,13 +140,17 @@ class ManagerServer:
         lighthouse: LighthouseClient | None = None,
         on_kill: Callable[[str], None] | None = None,
         access: Access | None = None,
+        tls: TlsSettings | None = None,
     ) -> None:
         """``access``: who may call this server, and the token its lighthouse calls carry; None reads
-        ``TORCHFT_LITE_TOKEN``/``_TOKEN_FILE``/``_INSECURE`` once, here (a bad value raises ``ValueError``)."""
+        ``TORCHFT_LITE_TOKEN``/``_TOKEN_FILE``/``_INSECURE`` once, here (a bad value raises ``ValueError``).
+        ``tls``: whether it serves TLS and its lighthouse calls use it; None reads
+        ``TORCHFT_LITE_TLS_CERT``/``_KEY``/``_CA`` once, here (the same)."""
         self.config = config
         self.access = Access.from_env() if access is None else access
+        self.tls = TlsSettings.from_env() if tls is None else tls
         self._lighthouse = lighthouse or LighthouseClient(config.lighthouse_addr, connect_timeout=config.connect_timeout,
-                                                          access=self.access)
+                                                          access=self.access, tls=self.tls)
         self._on_kill = on_kill or _exit_process
         self._grpc = GrpcServer(access=self.access, refusals=RefusalLog(f"ManagerServer {config.replica_id}"))
         for name, handler in {
@@ -169,11 +176,13 @@ class ManagerServer:
 
     async def start(self) -> None:
         host, port = split_host_port(self.config.bind)
-        self._port = await self._grpc.start(host, port)
+        self._port = await self._grpc.start(host, port, self.tls.server_context(ALPN_GRPC) if self.tls.serving
+                                            else None)
         self._link.start()
         logger.log(logging.WARNING if self.access.mode == "insecure" else logging.INFO,
-                   "[%s] ManagerServer listening on %s for %d rank(s); %s",
-                   self.config.replica_id, self.address(), self.config.world_size, self.access.describe())
+                   "[%s] ManagerServer listening on %s for %d rank(s); %s; %s",
+                   self.config.replica_id, self.address(), self.config.world_size, self.access.describe(),
+                   self.tls.describe())
 
     def advertise(self, key: str, value: object) -> None:
         """Add ``key`` to the JSON object this group sends as ``QuorumMember.data`` from the next quorum on
@@ -192,7 +201,7 @@ class ManagerServer:
         host = self.config.hostname
         if ":" in host and not host.startswith("["):
             host = f"[{host}]"
-        return f"http://{host}:{self._port}"
+        return f"{self.tls.scheme}://{host}:{self._port}"
 
     async def stop(self) -> None:
         """Leave: the lease closes first, so the lighthouse drops this group at once."""

@@ -10,6 +10,7 @@ nothing of either (no quorum rules, no lighthouse config, no torch):
   by grpc.aio.
 * ``limits``: ``ServerLimits``, the flood limits both engines hold peers to.
 * ``channel``: ``UnaryChannel``, the client side's lazily opened channel.
+* ``tls``: ``TlsSettings``, the optional TLS of every server and client of a job.
 * ``broadcast``: ``Broadcast``, items fanned out to every open server stream.
 * ``addresses``: ``HOST:PORT`` parsing, gRPC targets, dual-stack listening sockets.
 * ``sites``: an aiohttp site on a ``HOST:PORT``.

@@ -5,7 +5,8 @@ are both one of these plus their own calls and error translation.
 
 Every call it makes carries the job token (``authorization: Bearer ...``
 metadata, from an :class:`~lighthouse.rpc.access.Access`), so a subclass's
-calls need not think of it.
+calls need not think of it; and it goes over TLS when the job's TLS settings
+say so (:func:`open_channel`, :mod:`lighthouse.rpc.tls`).
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ import grpc
 
 from lighthouse.rpc.access import Access
 from lighthouse.rpc.addresses import grpc_target
+from lighthouse.rpc.tls import TlsSettings
 
-__all__ = ["CHANNEL_OPTIONS", "UnaryChannel"]
+__all__ = ["CHANNEL_OPTIONS", "UnaryChannel", "open_channel"]
 
 CHANNEL_OPTIONS = [
     ("grpc.keepalive_time_ms", 10_000),
@@ -33,27 +35,39 @@ CHANNEL_OPTIONS = [
 ]
 
 
+def open_channel(address: str, tls: TlsSettings, options=None) -> grpc.aio.Channel:
+    """A grpc.aio channel to ``address`` (``host:port``, or ``http(s)://host:port``): TLS, verified against
+    ``tls``'s CA and the address's host name, when ``tls.uses_tls(address)``; plain h2c otherwise."""
+    target = grpc_target(address)
+    if tls.uses_tls(address):
+        return grpc.aio.secure_channel(target, tls.grpc_channel_credentials(), options=options)
+    return grpc.aio.insecure_channel(target, options=options)
+
+
 class UnaryChannel:
     """A lazily opened gRPC channel with cached unary callables for one service.
 
     Create and use it on a single event loop. Subclasses set ``service`` and
     add their calls. ``access``: whose token every call carries; None reads
     ``TORCHFT_LITE_TOKEN``/``TORCHFT_LITE_TOKEN_FILE`` now (a bad one raises
-    ``ValueError`` here, not at the first call).
+    ``ValueError`` here, not at the first call). ``tls``: whether and how the
+    channel uses TLS; None reads ``TORCHFT_LITE_TLS_CERT``/``_KEY``/``_CA`` now
+    (the same way).
     """
 
     service = ""
 
-    def __init__(self, address: str, *, access: Access | None = None) -> None:
+    def __init__(self, address: str, *, access: Access | None = None, tls: TlsSettings | None = None) -> None:
         self.address = address
         self.access = Access.from_env() if access is None else access
+        self.tls = TlsSettings.from_env() if tls is None else tls
         self._metadata = self.access.metadata() or None
         self._channel: grpc.aio.Channel | None = None
         self._calls: dict[str, grpc.aio.UnaryUnaryMultiCallable] = {}
 
     def _open(self) -> grpc.aio.Channel:
         if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(grpc_target(self.address), options=CHANNEL_OPTIONS)
+            self._channel = open_channel(self.address, self.tls, CHANNEL_OPTIONS)
         return self._channel
 
     def _call(self, method: str, request_cls, response_cls) -> grpc.aio.UnaryUnaryMultiCallable:

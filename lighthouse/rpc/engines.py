@@ -31,6 +31,7 @@ from lighthouse.rpc.h2grpc import GrpcServer
 from lighthouse.rpc.h2grpc.server import StreamHandler, UnaryHandler
 from lighthouse.rpc.limits import ServerLimits, grpcio_options
 from lighthouse.rpc.refusals import RefusalLog, status_of
+from lighthouse.rpc.tls import ALPN_GRPC, TlsSettings
 
 __all__ = ["GRPCIO_OPTIONS", "RefusalLog", "Server", "Service", "start_service"]
 
@@ -58,20 +59,26 @@ class Service:
 
 
 async def start_service(service: Service, bind: str, engine: str = "native", *, access: Access = Access(),
-                        refusals: RefusalLog | None = None, limits: ServerLimits | None = None) -> tuple[Server, int]:
+                        refusals: RefusalLog | None = None, limits: ServerLimits | None = None,
+                        tls: TlsSettings | None = None) -> tuple[Server, int]:
     """Serve ``service`` on ``bind`` (``HOST:PORT``, port 0 for a free one) until ``await server.stop(grace)``,
     to the callers ``access`` admits (the default: no token, loopback peers only); refused calls are
     counted in ``refusals`` (one of its own when None), each peer held to ``limits`` (None: the defaults).
 
+    With ``tls`` holding a certificate (``TlsSettings.serving``), both engines serve TLS only (ALPN h2);
+    otherwise plain h2c.
+
     Returns the server and the bound port; a port that cannot be bound raises ``OSError``.
     """
+    secure = tls is not None and tls.serving
     refusals = RefusalLog(service.name) if refusals is None else refusals
     limits = ServerLimits() if limits is None else limits
     if engine == "grpcio":
         server = grpc.aio.server(options=GRPCIO_OPTIONS + grpcio_options(limits))
         server.add_generic_rpc_handlers((_generic_handler(service, access, refusals),))
         try:
-            port = server.add_insecure_port(bind)
+            port = server.add_secure_port(bind, tls.grpc_server_credentials()) if secure \
+                else server.add_insecure_port(bind)
         except RuntimeError as exc:
             raise OSError(f"{exc} (address in use?)") from exc
         await server.start()
@@ -84,7 +91,7 @@ async def start_service(service: Service, bind: str, engine: str = "native", *, 
     for method, stream in service.server_streams.items():
         native.add_server_stream(f"/{service.name}/{method}", stream)
     host, port = split_host_port(bind)
-    return native, await native.start(host, port)
+    return native, await native.start(host, port, tls.server_context(ALPN_GRPC) if secure else None)
 
 
 def _identity(data: bytes) -> bytes:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ssl
+
 from aiohttp import web
 
 from lighthouse.rpc.addresses import dual_stack_socket, split_host_port
@@ -9,20 +11,23 @@ from lighthouse.rpc.addresses import dual_stack_socket, split_host_port
 __all__ = ["start_site"]
 
 
-async def start_site(app: web.Application, bind: str) -> tuple[web.AppRunner, int]:
+async def start_site(app: web.Application, bind: str,
+                     tls: ssl.SSLContext | None = None) -> tuple[web.AppRunner, int]:
     """Serve ``app`` on ``bind``; returns the runner (``await runner.cleanup()`` stops it) and the bound port.
 
     Host '' or '::' means every interface, IPv4 clients included (see
-    ``dual_stack_socket``). A port that cannot be bound raises ``OSError``.
+    ``dual_stack_socket``). ``tls``: serve HTTPS only, with this context
+    (``TlsSettings.server_context()``); None: plain HTTP. A port that cannot
+    be bound raises ``OSError``.
     """
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
     host, port = split_host_port(bind)
     try:
         if host in ("", "::"):
-            site = web.SockSite(runner, dual_stack_socket(port))
+            site = web.SockSite(runner, dual_stack_socket(port), ssl_context=tls)
         else:
-            site = web.TCPSite(runner, host, port, reuse_address=True)
+            site = web.TCPSite(runner, host, port, reuse_address=True, ssl_context=tls)
         await site.start()
     except OSError:
         await runner.cleanup()

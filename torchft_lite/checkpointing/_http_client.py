@@ -14,7 +14,11 @@ twice the receiver's CPU time per GiB.
 
 Only what the checkpoint server answers is understood: a status line, headers
 with a ``Content-Length``, then exactly that many body bytes, one request per
-connection (``Connection: close``).
+connection (``Connection: close``). Over TLS (``tls``: an ``ssl.SSLContext``,
+which the receiver passes for ``https://`` sources or when the job sets TLS)
+the event loop decrypts straight into the same views: still one copy; only
+``SO_RCVLOWAT`` is left alone there, since the socket then carries more bytes
+(records) than the body, some already read into the TLS layer.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+import ssl
 import urllib.parse
 from typing import Callable, Protocol
 
@@ -89,8 +94,9 @@ class _Discard:
 
 
 class _ResponseProtocol(asyncio.BufferedProtocol):
-    def __init__(self, sink_for: Callable[[int], BodySink]) -> None:
+    def __init__(self, sink_for: Callable[[int], BodySink], low_water: bool = True) -> None:
         self._sink_for = sink_for
+        self._use_low_water = low_water
         self._scratch = memoryview(bytearray(MAX_HEAD_BYTES))
         self._head = bytearray()
         self._sink: BodySink | None = None
@@ -167,7 +173,7 @@ class _ResponseProtocol(asyncio.BufferedProtocol):
     def _set_low_water(self, count: int) -> None:
         """Never above what is still to come: the last bytes must wake the loop too."""
         count = max(count, 1)
-        if count == self._low_water or self.transport is None:
+        if count == self._low_water or self.transport is None or not self._use_low_water:
             return
         sock = self.transport.get_extra_info("socket")
         if sock is None:
@@ -195,29 +201,35 @@ class _ResponseProtocol(asyncio.BufferedProtocol):
 
 
 async def get_into(url: str, params: dict[str, str], headers: dict[str, str],
-                   sink_for: Callable[[int], BodySink]) -> None:
+                   sink_for: Callable[[int], BodySink], *, tls: ssl.SSLContext | None = None) -> None:
     """GET ``url``; a 200 body of ``n`` bytes goes into ``sink_for(n)``.
 
     Any other status raises :class:`HTTPStatusError`. ``sink_for`` (and the
     sink) may raise to refuse the body; the connection is then aborted.
-    Cancelling the call aborts the connection.
+    Cancelling the call aborts the connection. ``tls``: connect with TLS
+    (required for an ``https://`` URL; also used for ``http://`` when given).
     """
-    await _request("GET", url, params, headers, sink_for)
+    await _request("GET", url, params, headers, sink_for, tls)
 
 
-async def post(url: str, params: dict[str, str], headers: dict[str, str]) -> None:
+async def post(url: str, params: dict[str, str], headers: dict[str, str], *,
+               tls: ssl.SSLContext | None = None) -> None:
     """POST an empty body to ``url``; any status but 200 raises :class:`HTTPStatusError`."""
-    await _request("POST", url, params, headers, _Discard)
+    await _request("POST", url, params, headers, _Discard, tls)
 
 
 async def _request(method: str, url: str, params: dict[str, str], headers: dict[str, str],
-                   sink_for: Callable[[int], BodySink]) -> None:
+                   sink_for: Callable[[int], BodySink], tls: ssl.SSLContext | None) -> None:
     parsed = urllib.parse.urlsplit(url)
-    if parsed.scheme != "http" or parsed.hostname is None:
-        raise CheckpointTransferError(f"not an http:// URL: {url!r}")
-    host, port = parsed.hostname, parsed.port or 80
+    if parsed.scheme not in ("http", "https") or parsed.hostname is None:
+        raise CheckpointTransferError(f"not an http:// or https:// URL: {url!r}")
+    if parsed.scheme == "https" and tls is None:
+        raise CheckpointTransferError(f"{url!r} needs TLS, and no TLS context was given")
+    host, port = parsed.hostname, parsed.port or (443 if parsed.scheme == "https" else 80)
     loop = asyncio.get_running_loop()
-    transport, protocol = await loop.create_connection(lambda: _ResponseProtocol(sink_for), host, port)
+    secure = {} if tls is None else {"ssl": tls, "server_hostname": host}
+    transport, protocol = await loop.create_connection(lambda: _ResponseProtocol(sink_for, low_water=tls is None),
+                                                       host, port, **secure)
     try:
         sock = transport.get_extra_info("socket")
         if sock is not None:

@@ -21,11 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from lighthouse.rpc.tls import TlsSettings
 from torchft_lite.checkpointing import _checksum, _http_client
 from torchft_lite.checkpointing._body_sinks import BytesSink, DataSink, EncodedSink
 from torchft_lite.checkpointing._decode import TensorWriter
@@ -84,14 +86,21 @@ class Receiver:
     Args:
         num_chunks: data ranges to fetch at once (at least one per source).
         headers: sent with every request (the job token's ``Authorization``, ``Access.headers()``).
+        tls: which sources are fetched over TLS, trusting what (``TlsSettings.uses_tls``: an ``https://``
+            source, or every source once the job set TLS); None: ``https://`` sources only, trusting the
+            system's CAs.
     """
 
-    def __init__(self, num_chunks: int, headers: dict[str, str]) -> None:
+    def __init__(self, num_chunks: int, headers: dict[str, str], tls: TlsSettings | None = None) -> None:
         self._num_chunks = num_chunks
         self._headers = dict(headers)
+        self._tls = TlsSettings() if tls is None else tls
 
     def _auth_headers(self) -> dict[str, str]:
         return self._headers
+
+    def _tls_for(self, url: str) -> ssl.SSLContext | None:
+        return self._tls.client_context() if self._tls.uses_tls(url) else None
 
     async def receive(self, urls: list[str], names: list[str], step: int, timeout: float,
                       targets: dict[Path, Any]) -> Any:
@@ -129,9 +138,11 @@ class Receiver:
             hint = " (refused: check the token)" if exc.status in (401, 403) else ""
             raise CheckpointHTTPError(primary, exc.status, f"{primary} answered{hint}: {exc.text}",
                                       exc.text.encode()) from exc
-        except (OSError, asyncio.IncompleteReadError) as exc:  # refused, reset, unreachable
+        except (OSError, asyncio.IncompleteReadError) as exc:  # refused, reset, unreachable, a TLS handshake
+            hint = (" (the TLS handshake failed: does that replica serve TLS, and does TORCHFT_LITE_TLS_CA hold "
+                    "the CA that signed its certificate?)") if isinstance(exc, ssl.SSLError) else ""
             raise CheckpointURLError(f"receiving step {step} from {primary} failed: "
-                                     f"{type(exc).__name__}: {exc}") from exc
+                                     f"{type(exc).__name__}: {exc}{hint}") from exc
         finally:
             # Every source of a striped heal waits for this receiver, whether or not it got a range to serve.
             told = heal.joined if len(urls) == 1 else set(urls)
@@ -152,7 +163,8 @@ class Receiver:
             sink = EncodedSink(url, heal.step, length, targets, header_only=header_only)
             return sink
 
-        await _http_client.get_into(url + path, self._params(heal), self._auth_headers(), sink_for)
+        await _http_client.get_into(url + path, self._params(heal), self._auth_headers(), sink_for,
+                                    tls=self._tls_for(url))
         assert sink is not None
         return sink
 
@@ -178,7 +190,7 @@ class Receiver:
         params = self._params(heal)
         if hold is not None:
             params["timeout"] = f"{hold:.3f}"
-        await _http_client.get_into(url + path, params, self._auth_headers(), sink_for)
+        await _http_client.get_into(url + path, params, self._auth_headers(), sink_for, tls=self._tls_for(url))
         assert sink is not None
         return bytes(sink.data)
 
@@ -194,7 +206,7 @@ class Receiver:
             return sink
 
         params = self._params(heal, start=part.start, end=part.end)
-        await _http_client.get_into(f"{url}/data", params, self._auth_headers(), data_sink)
+        await _http_client.get_into(f"{url}/data", params, self._auth_headers(), data_sink, tls=self._tls_for(url))
 
     async def _fetch_ranges(self, heal: _Heal, targets: dict[Path, Any]) -> TensorWriter:
         """The primary's header, then the data in block-aligned ranges fetched at once from every source.
@@ -362,7 +374,7 @@ class Receiver:
                     except _http_client.HTTPStatusError:
                         pass  # 504: not published yet, but the session is noted; 400: that step is over anyway
                 await _http_client.post(f"{url}/done", {"session": heal.session_id, "ok": "1" if ok else "0"},
-                                        self._auth_headers())
+                                        self._auth_headers(), tls=self._tls_for(url))
         except _http_client.HTTPStatusError as exc:
             logger.debug("%s/done answered HTTP %d", url, exc.status)
         except (CheckpointTransferError, OSError) as exc:  # refused, reset, unreachable, timed out (TimeoutError)

@@ -28,7 +28,9 @@ a striping receiver can finish before this replica publishes); a done naming
 any other session is a 409 and counts for nothing, so a stray or repeated
 report can never stand in for a receiver that is still to come.
 
-The socket and its tuning are ``_http_socket``'s.
+With a TLS context (the job's ``TORCHFT_LITE_TLS_CERT``/``_KEY``, see
+``lighthouse.rpc.tls``) it serves HTTPS only; the transport then advertises an
+``https://`` URL. The socket and its tuning are ``_http_socket``'s.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import itertools
 import logging
 import math
 import re
+import ssl
 from typing import Iterable
 
 from aiohttp import web
@@ -70,14 +73,16 @@ class CheckpointServer:
         timeout: the longest a request is held for a step not published yet.
         access: who may ask (``Access.check`` on every request: 401 or 403 and nothing else).
         hostname: the name the transport advertises, for the log.
+        tls: serve HTTPS with this context (``TlsSettings.server_context()``); None: plain HTTP.
 
     The transport reads ``snapshot``, ``last_step``, ``held`` and
     ``bytes_served`` from the training thread (plain attributes, for its
     statistics and torchft's attributes).
     """
 
-    def __init__(self, timeout: float, access: Access, hostname: str) -> None:
+    def __init__(self, timeout: float, access: Access, hostname: str, tls: ssl.SSLContext | None = None) -> None:
         self._timeout = timeout
+        self._tls = tls
         self._access = access
         self._refusals = RefusalLog("checkpoint server")
         self._hostname = hostname
@@ -112,9 +117,10 @@ class CheckpointServer:
         except OSError as exc:
             await self._runner.cleanup()
             raise CheckpointError(f"cannot listen on {bind_host}:{port} for checkpoints: {exc}") from exc
-        await web.SockSite(self._runner, sock).start()
-        logger.info("checkpoint server listening on %s:%d (advertised as %s; access: %s)", bind_host,
-                    sock.getsockname()[1], self._hostname, self._access.describe())
+        await web.SockSite(self._runner, sock, ssl_context=self._tls).start()
+        logger.info("checkpoint server listening on %s:%d (advertised as %s; access: %s; %s)", bind_host,
+                    sock.getsockname()[1], self._hostname, self._access.describe(),
+                    "HTTPS (TLS)" if self._tls is not None else "plain HTTP")
         if self._access.mode == "insecure":
             logger.warning("checkpoint server on port %d: %s", sock.getsockname()[1], self._access.describe())
         return sock.getsockname()[1]

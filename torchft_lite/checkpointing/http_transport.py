@@ -23,6 +23,7 @@ from datetime import timedelta
 from typing import Any, Callable, Coroutine, Sequence, TypeVar
 
 from lighthouse.rpc.access import Access
+from lighthouse.rpc.tls import TlsSettings
 from torchft_lite._control_plane import control_plane
 from torchft_lite.checkpointing._decode import targets_of
 from torchft_lite.checkpointing._encode import FlatStateDict, flatten
@@ -73,6 +74,12 @@ class HTTPTransport(CheckpointTransport[T]):
             insecure. None: from ``TORCHFT_LITE_TOKEN``/``TORCHFT_LITE_TOKEN_FILE``
             /``TORCHFT_LITE_INSECURE``, so the Manager's own transport follows
             the job's environment.
+        tls: TLS for serving and receiving (``lighthouse.rpc.tls``): with a
+            certificate the server is HTTPS only and :meth:`metadata` says
+            ``https://``; receives use TLS for ``https://`` sources, and for
+            every source once any TLS setting is given, checking the source's
+            certificate against the CA. None: from ``TORCHFT_LITE_TLS_CERT``
+            /``_KEY``/``_CA``, as ``access`` is from the environment.
         state_dict: when given, returns the local state dict; a received tensor
             whose path, dtype and shape match one of its tensors is written into
             that tensor (which the result then holds) instead of a new one: no
@@ -82,11 +89,13 @@ class HTTPTransport(CheckpointTransport[T]):
 
     def __init__(self, timeout: timedelta, num_chunks: int = 0, *, hostname: str | None = None,
                  bind_host: str = "::", port: int = 0, token: str | None = None,
-                 state_dict: Callable[[], T] | None = None, access: Access | None = None) -> None:
+                 state_dict: Callable[[], T] | None = None, access: Access | None = None,
+                 tls: TlsSettings | None = None) -> None:
         if token is not None and access is not None:
             raise ConfigError("pass the job token as token= or access=, not both")
         try:
             access = Access(token) if token is not None else access if access is not None else Access.from_env()
+            tls = TlsSettings.from_env() if tls is None else tls
         except ValueError as exc:
             raise ConfigError(f"checkpoint transport: {exc}") from exc
         if num_chunks < 0:
@@ -100,8 +109,10 @@ class HTTPTransport(CheckpointTransport[T]):
         self._plane = control_plane()
         self._last_sent: FlatStateDict | None = None  # for allow_checkpoint
         self._stopped = False
-        self._receiver = Receiver(num_chunks, access.headers())
-        self._server = CheckpointServer(self._timeout, access, self._hostname)
+        self._tls = tls
+        self._receiver = Receiver(num_chunks, access.headers(), tls)
+        self._server = CheckpointServer(self._timeout, access, self._hostname,
+                                        tls.server_context() if tls.serving else None)
         self._port: int = self._call(self._server.start(bind_host, port), self._timeout,
                                      "the checkpoint server to start")
 
@@ -109,7 +120,7 @@ class HTTPTransport(CheckpointTransport[T]):
 
     def metadata(self) -> str:
         host = f"[{self._hostname}]" if ":" in self._hostname and not self._hostname.startswith("[") else self._hostname
-        return f"http://{host}:{self._port}/checkpoint"
+        return f"{self._tls.scheme}://{host}:{self._port}/checkpoint"
 
     @property
     def port(self) -> int:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import ssl
 from dataclasses import dataclass
 from typing import AsyncIterator, Awaitable, Callable
 
@@ -125,18 +126,25 @@ class GrpcServer:
 
     # ------------------------------------------------------------ lifecycle
 
-    async def start(self, host: str, port: int) -> int:
-        """Listen on host:port (host '' or '::' means every interface, IPv4 too); returns the port."""
+    async def start(self, host: str, port: int, tls: ssl.SSLContext | None = None) -> int:
+        """Listen on host:port (host '' or '::' means every interface, IPv4 too); returns the port.
+
+        ``tls``: serve TLS with this context (``lighthouse.rpc.tls``; its ALPN must offer ``h2``, which
+        gRPC clients require); None serves h2c, plain text, as before.
+        """
         loop = asyncio.get_running_loop()
         factory = lambda: H2Connection(self)  # noqa: E731
+        # A TLS handshake is bounded as the HTTP/2 preface after it is (asyncio's own default is 60 s).
+        secure = {} if tls is None else {"ssl": tls, "ssl_handshake_timeout": self.limits.handshake_timeout}
         if host in ("", "::"):
             # asyncio marks AF_INET6 listeners IPV6_V6ONLY, which would refuse
             # IPv4 clients (127.0.0.1); one dual-stack socket takes both.
             sock = dual_stack_socket(port)
-            self._listener = await loop.create_server(factory, sock=sock, backlog=4096)
+            self._listener = await loop.create_server(factory, sock=sock, backlog=4096, **secure)
         else:
             try:
-                self._listener = await loop.create_server(factory, host, port, reuse_address=True, backlog=4096)
+                self._listener = await loop.create_server(factory, host, port, reuse_address=True, backlog=4096,
+                                                          **secure)
             except OSError as exc:
                 raise OSError(exc.errno, f"could not bind {host}:{port}: {exc.strerror or exc}") from exc
         self.guard.start()
