@@ -58,8 +58,24 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--checkpoint-every", type=int, default=100,
                         help="save every this many committed steps (default 100)")
     parser.add_argument("--keep-last", type=int, default=3, help="complete checkpoints to keep (default 3)")
+    faults = parser.add_argument_group("fault injection (only in the replica group named by --inject-group)")
+    faults.add_argument("--inject-group", type=int, help="REPLICA_GROUP_ID of the group the faults below apply to")
+    faults.add_argument("--inject-nan-at", type=int, metavar="STEP",
+                        help="from the step attempted at STEP on, poison the loss with NaN (a bad batch): every "
+                             "gradient of the group is NaN")
+    faults.add_argument("--inject-nan-times", type=int, default=1, metavar="K",
+                        help="for this many step attempts in a row (default 1)")
+    faults.add_argument("--inject-bitflip-at", type=int, metavar="STEP",
+                        help="before the step attempted at STEP, flip one bit (bit 22, the top of the mantissa) of "
+                             "the first parameter's first element on group rank 0: silent data corruption")
+    faults.add_argument("--slow-ms", type=float, default=0.0, help="sleep this many ms every step (a straggler)")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args()
+    injects = args.inject_nan_at is not None or args.inject_bitflip_at is not None or args.slow_ms
+    if injects and args.inject_group is None:
+        parser.error("--inject-nan-at, --inject-bitflip-at and --slow-ms need --inject-group G")
+    if args.inject_nan_times < 1 or args.slow_ms < 0:
+        parser.error("--inject-nan-times must be >= 1 and --slow-ms >= 0")
     if args.checkpoint_dir and args.impl != "torchft_lite":
         parser.error("--checkpoint-dir needs --impl torchft_lite (torchft has no durable checkpoints)")
     if args.checkpoint_every < 1 or args.keep_last < 1:
@@ -94,6 +110,36 @@ class Batches:
 
     def load_state_dict(self, state: dict) -> None:
         self.position = int(state["position"])
+
+
+class Faults:
+    """The faults ``--inject-*`` and ``--slow-ms`` ask for, applied in this group only (see ``--help``)."""
+
+    def __init__(self, args: argparse.Namespace, replica_group: int, rank: int) -> None:
+        mine = args.inject_group == replica_group
+        self.nan_at = args.inject_nan_at if mine else None
+        self.nan_left = args.inject_nan_times
+        self.flip_at = args.inject_bitflip_at if mine and rank == 0 else None
+        self.slow = args.slow_ms / 1000 if mine else 0.0
+        self.label = f"[group {replica_group} rank {rank}]"
+
+    def before_step(self, step: int, model: nn.Module) -> None:
+        if self.flip_at is not None and step >= self.flip_at:
+            self.flip_at = None
+            with torch.no_grad():
+                first = next(model.parameters())
+                bits = first.view(-1)[:1].view(torch.int32)
+                bits ^= 1 << 22
+            print(f"{self.label} injected a bit flip at step {step}", flush=True)
+        if self.slow:
+            time.sleep(self.slow)
+
+    def loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        if self.nan_at is None or step < self.nan_at or self.nan_left <= 0:
+            return loss
+        self.nan_left -= 1
+        print(f"{self.label} injected NaN into the loss at step {step}", flush=True)
+        return loss * float("nan")
 
 
 def params_checksum(model: nn.Module) -> str:
@@ -151,11 +197,13 @@ def main() -> None:
     optimizer = torchft.Optimizer(manager, inner_optim)
     criterion = nn.MSELoss()
     report = open(args.report, "a", buffering=1) if args.report else None
+    faults = Faults(args, replica_group, rank)
     try:
         while manager.current_step() < args.steps:
+            faults.before_step(manager.current_step(), model)
             batch, target = batches.next()
             optimizer.zero_grad()
-            loss = criterion(ddp_model(batch), target)
+            loss = faults.loss(manager.current_step(), criterion(ddp_model(batch), target))
             loss.backward()
             before = manager.current_step()
             optimizer.step()

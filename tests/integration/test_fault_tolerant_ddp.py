@@ -76,11 +76,12 @@ def cluster(tmp_path: Path, **lighthouse_kw):
     groups: list[ReplicaGroup] = []
 
     def add(group_id: int, num_groups: int, steps: int, world_size: int = 1, sleep: float = 0.0,
-            env: dict[str, str] | None = None, pg: str = "gloo", min_replicas: int = 1) -> ReplicaGroup:
+            env: dict[str, str] | None = None, pg: str = "gloo", min_replicas: int = 1,
+            extra: tuple[str, ...] = ()) -> ReplicaGroup:
         group = ReplicaGroup(group_id, num_groups, lighthouse.address, SCRIPT,
                              ["--steps", str(steps), "--report", str(tmp_path / "report.jsonl"),
                               "--step-sleep", str(sleep), "--timeout", "15", "--pg", pg,
-                              "--min-replicas", str(min_replicas)],
+                              "--min-replicas", str(min_replicas), *extra],
                              world_size=world_size, log_dir=tmp_path, env=env)
         groups.append(group)
         return group.start()
@@ -220,3 +221,20 @@ def test_late_group_heals_from_two_up_to_date_groups_at_once(tmp_path):
         for group in (0, 1):  # each source served part of it (replica 2 is the late group)
             served = [float(mb) for mb in re.findall(r"served step \d+ to replica\(s\) 2: ([\d.]+) MB", log(group))]
             assert served and max(served) > 0, f"group {group} served nothing to the late group"
+
+
+def test_the_examples_fault_injection_hits_the_group_and_step_it_names(tmp_path):
+    """``--inject-*`` (for the health checks to come): a NaN poisons exactly the named attempts of the named
+    group, and a bit flip changes that group's parameters. No guard exists yet, so the NaN step commits."""
+    with cluster(tmp_path, min_replicas=1, join_timeout=1.0) as (_, add, report):
+        poisoned = add(0, 2, steps=6, extra=("--inject-group", "0", "--inject-nan-at", "2",
+                                             "--inject-nan-times", "2"))
+        flipped = add(1, 2, steps=6, extra=("--inject-group", "1", "--inject-bitflip-at", "3"))
+        for group in (poisoned, flipped):
+            group.wait(WAIT)
+    rows = read_reports(report)
+    logs = {g: "".join(p.read_text(errors="replace") for p in tmp_path.glob(f"group{g}.*.log")) for g in (0, 1)}
+    assert logs[0].count("injected NaN into the loss") == 2 and "injected NaN" not in logs[1]
+    assert logs[1].count("injected a bit flip at step 3") == 1 and "bit flip" not in logs[0]
+    nan_steps = sorted(r["step"] for r in rows if r["group"] == 0 and r["loss"] != r["loss"])
+    assert nan_steps[:2] == [3, 4], rows  # the attempts at steps 2 and 3 commit as 3 and 4
