@@ -97,6 +97,9 @@ def grpcio_options(limits: ServerLimits) -> list[tuple[str, int]]:
     grpcio cannot limit, and this engine therefore does not:
 
     * connections per peer host (it has only the server-wide cap);
+    * the header list size of requests sent before the peer acknowledged the
+      server's SETTINGS: grpc-core applies ``max_metadata_size`` only from
+      then on, and serves such a request whatever its size (8 MB was tried);
     * SETTINGS frames per window (grpc-core applies and acknowledges each; it
       only stops reading a peer that leaves its acknowledgements unread);
     * a budget of streams reset by the peer: grpc-core has its own

@@ -10,9 +10,10 @@ Each test shows, for one attack (issue 16):
 * where the engine has the limit, the attacker is cut off (GOAWAY, or the connection closed), and the
   native engine counts the hits (``GrpcServer.limits_hit``, read from the lighthouse process).
 
-grpcio lacks some limits (SETTINGS frames per window, a deadline for a trickling request:
+grpcio lacks some limits (a budget of reset streams, SETTINGS frames per window, a deadline for a
+trickling request body, a header cap before its SETTINGS are acknowledged:
 ``lighthouse.rpc.limits.grpcio_options`` lists them); for those its test asserts the first two points
-only, and says so. The lighthouse runs in its own process (tests/integration/flood_lighthouse.py, with
+only (measured on 2 cores, its legitimate p99 stayed under 40 ms through all of them). The lighthouse runs in its own process (tests/integration/flood_lighthouse.py, with
 the idle and request deadlines shortened to seconds); the attacker runs on this test's event loop and the
 legitimate client on a thread of its own.
 """
@@ -280,8 +281,10 @@ async def idle_connections(port: int, engine: str) -> Attack:
 
 
 async def oversized_headers(port: int, engine: str) -> Attack:
-    """200 requests, each with a 100 KiB header value (the cap is 16 KiB) over CONTINUATION frames."""
+    """200 requests, each with a 100 KiB header value (the cap is 16 KiB) over CONTINUATION frames; every
+    other one sent only after acknowledging the server's SETTINGS (grpc applies its cap only from then)."""
     attack = Attack()
+    acked = 0
     block = request_headers(GET_CONFIG, [(b"x-flood", b"h" * 100 * 1024)])
     chunks = [block[i:i + 16_000] for i in range(0, len(block), 16_000)]
     frames = (wire.frame(wire.HEADERS, 0, 1, chunks[0])
@@ -290,6 +293,10 @@ async def oversized_headers(port: int, engine: str) -> Attack:
               + wire.frame(wire.DATA, wire.END_STREAM, 1, wire.grpc_message(b"")))
 
     async def one(raw: RawH2) -> int:
+        nonlocal acked
+        if attack.connections % 2:
+            await raw.wait_for(lambda f: f.kind == wire.SETTINGS and not f.flags & wire.ACK, "the server's SETTINGS")
+            acked += 1  # RawH2 acknowledged them as they came
         raw.send(frames)
         await raw.drain()
         await raw.wait_for(lambda f: f.kind in (wire.GOAWAY, wire.RST_STREAM) or (f.stream_id == 1 and f.headers),
@@ -297,6 +304,7 @@ async def oversized_headers(port: int, engine: str) -> Attack:
         return 1
 
     await repeat_until_sent(200, one, port, attack, parallel=5)
+    attack.notes = [f"sent after acknowledging SETTINGS: {acked}"]
     return attack
 
 
@@ -368,12 +376,17 @@ def check_cut(attack: str, engine: str, outcome: Attack, hits: dict[str, int]) -
         assert outcome.closed == every == 1000, f"idle connections held: {outcome}"
         if engine == "native":
             assert outcome.goaways.get(NO_ERROR, 0) == 1000, outcome
-    # grpcio (1.85) answers a call whose header list is far over grpc.max_metadata_size (8 MiB was tried)
-    # as if the oversized field were not there; it refuses nothing, so only the native engine is checked.
+    if attack == "oversized_headers" and engine == "grpcio":
+        # grpc-core holds a peer to its header list cap only once the peer acknowledged its SETTINGS; a
+        # request sent before that is served whatever its size (8 MB was tried): see grpcio_options.
+        acked = int(outcome.notes[0].rpartition(" ")[2])
+        assert outcome.refused_streams >= acked > 0, f"an acknowledged oversized request was served: {outcome}"
     if attack == "oversized_messages":
         assert outcome.refused_streams == outcome.connections >= 50 and outcome.notes == ["RESOURCE_EXHAUSTED"], outcome
     if attack == "slowloris" and engine == "native":
         assert outcome.notes == ["bodies ended by the server: 100/100", "header blocks cut: 100/100"], outcome
+    if attack == "slowloris" and engine == "grpcio":  # no stream before its headers end: idle, to grpc
+        assert outcome.notes[1] == "header blocks cut: 100/100", outcome
     if engine == "native":
         names = {"rapid_reset": ["rapid_reset"], "ping_flood": ["ping_flood"], "settings_flood": ["settings_flood"],
                  "idle_connections": ["idle_timeout"], "oversized_headers": ["header_list_size"],
