@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 from typing import Callable
 
 import aiohttp
@@ -39,9 +40,13 @@ def _session() -> aiohttp.ClientSession:
 
 
 async def get_into(url: str, params: dict[str, str], headers: dict[str, str],
-                   sink_for: Callable[[int], lean.BodySink]) -> None:
-    """What ``lean.get_into`` does, through aiohttp: its chunks are copied into the sink."""
-    async with _session().get(url, params=params, headers=headers) as response:
+                   sink_for: Callable[[int], lean.BodySink], *, tls: ssl.SSLContext | None = None) -> None:
+    """What ``lean.get_into`` does, through aiohttp: its chunks are copied into the sink (over TLS with
+    ``tls``, as the lean client, whatever scheme ``url`` names)."""
+    secure = {}
+    if tls is not None:
+        url, secure = "https://" + url.partition("://")[2], {"ssl": tls}
+    async with _session().get(url, params=params, headers=headers, **secure) as response:
         if response.status != 200:
             text = (await response.content.read(lean.MAX_ERROR_BYTES)).decode(errors="replace")
             raise lean.HTTPStatusError(response.status, text)

@@ -5,7 +5,8 @@ client (grpc.aio spent ~70 ms CPU per round against the server's ~40 ms on the
 project's 2-core machine), so the ratio it reported measured the load
 generator. This client speaks HTTP/2 with prior knowledge (RFC 9113) and gRPC's
 length-prefixed framing directly on an ``asyncio.Protocol``: one connection
-per channel, unary calls only, no TLS, no compression.
+per channel, unary calls only, no compression; TLS when given an
+``ssl.SSLContext`` (whose ALPN offers ``h2``), for ``lighthouse_bench --tls``.
 
 What it does implement, because either server may need it:
 
@@ -32,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import random
 import socket
+import ssl
 import struct
 import urllib.parse
 
@@ -430,7 +432,8 @@ class H2Channel:
     """
 
     def __init__(self, host: str, port: int, *, recv_window: int = 4 * 1024 * 1024,
-                 max_frame_size: int = wire.DEFAULT_MAX_FRAME, connect_timeout: float = 60.0) -> None:
+                 max_frame_size: int = wire.DEFAULT_MAX_FRAME, connect_timeout: float = 60.0,
+                 tls: ssl.SSLContext | None = None) -> None:
         if not wire.DEFAULT_WINDOW <= recv_window <= wire.MAX_WINDOW:
             raise ValueError(f"recv_window must be in [{wire.DEFAULT_WINDOW}, {wire.MAX_WINDOW}], got {recv_window}")
         if not wire.DEFAULT_MAX_FRAME <= max_frame_size <= 2**24 - 1:
@@ -442,6 +445,7 @@ class H2Channel:
         self.recv_window = recv_window
         self.max_frame_size = max_frame_size
         self.connect_timeout = connect_timeout
+        self.tls = tls
         self.connect_attempts = 0
         self._authority = self.target.encode()
         self._request_blocks: dict[tuple[str, float], bytes] = {}  # literal fields only: reusable as is
@@ -454,7 +458,7 @@ class H2Channel:
         block = self._request_blocks.get((path, timeout))
         if block is None:
             block = self._request_blocks[(path, timeout)] = (
-                b"\x83\x86"  # :method POST, :scheme http (static table 3 and 6)
+                (b"\x83\x87" if self.tls is not None else b"\x83\x86")  # :method POST, :scheme https/http (3, 7/6)
                 + wire.literal(b":path", path.encode()) + wire.literal(b":authority", self._authority)
                 + wire.literal(b"content-type", b"application/grpc") + wire.literal(b"te", b"trailers")
                 + wire.literal(b"grpc-timeout", wire.grpc_timeout(timeout)))
@@ -496,9 +500,10 @@ class H2Channel:
                 self.connect_attempts += 1
                 try:
                     async with asyncio.timeout_at(deadline):
+                        secure = {} if self.tls is None else {"ssl": self.tls, "server_hostname": self.host}
                         _, connection = await loop.create_connection(
                             lambda: _Connection(self.target, self.recv_window, self.max_frame_size),
-                            self.host, self.port)
+                            self.host, self.port, **secure)
                         await connection.ready
                     self._connection = connection
                     return connection

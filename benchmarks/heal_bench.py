@@ -17,6 +17,11 @@ HTTPTransport when ``torchft`` imports; our PGTransport over gloo; and a plain
 gloo send/recv of the same tensors (the ceiling for PG). Prints a table, then
 one JSON line last.
 
+``--tls`` runs each of our HTTP cases a second time with TLS on, as
+``<case>+tls``, in the same run (both processes get a throwaway CA and
+certificate made with the openssl CLI, through ``TORCHFT_LITE_TLS_*``, as a
+job would); ``tls_vs_plain`` is each one's ``vs tcp`` over its plain twin's.
+
 ``--receiver`` picks the HTTP client our receiving side heals through: ``lean``
 (the package's own, whose sockets read straight into tensor memory) or
 ``aiohttp`` (aiohttp's client, its chunks copied into the same tensors; see
@@ -40,6 +45,7 @@ reuses memory it freed; the first pays for the first touch of every page.
     python -m benchmarks.heal_bench                 # 1 GiB, 5 steps per case
     python -m benchmarks.heal_bench --size-mb 64 --steps 2 --cases ours-0,tcp
     python -m benchmarks.heal_bench --receiver aiohttp --cases ours-0-inplace,ours-4-inplace
+    python -m benchmarks.heal_bench --tls --cases ours-0-inplace,ours-4-inplace   # what TLS costs a heal
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ALL_CASES = ("tcp", "tcp-sum64", "ours-0", "ours-4", "ours-0-inplace", "ours-4-inplace", "torchft-0", "torchft-4", "pg-ours",
              "pg-ours-inplace", "pg-gloo")
 RECEIVERS = ("lean", "aiohttp")
+TLS_SUFFIX = "+tls"
 TIMEOUT = timedelta(seconds=300)
 
 
@@ -120,6 +127,7 @@ class Role:
 
     def __init__(self, case: str, side: str, args: argparse.Namespace) -> None:
         self.case, self.side, self.args = case, side, args
+        case = case.removesuffix(TLS_SUFFIX)  # TLS is the environment's (TORCHFT_LITE_TLS_*): the same code
         self.kind, _, variant = case.partition("-")
         self.chunks = int(variant.split("-")[0]) if variant[:1].isdigit() else 0
         self.in_place = case.endswith("-inplace")  # the receiver already holds a state dict of the same shapes
@@ -281,11 +289,15 @@ def child_main(case: str, side: str, args: argparse.Namespace) -> None:
 
 
 class Child:
-    def __init__(self, case: str, side: str, args: argparse.Namespace) -> None:
+    def __init__(self, case: str, side: str, args: argparse.Namespace, tls_env: dict[str, str] | None = None) -> None:
         command = [sys.executable, "-W", "ignore", "-m", "benchmarks.heal_bench", "--role", f"{case}:{side}",
                    "--size-mb", str(args.size_mb), "--tensor-mb", str(args.tensor_mb),
                    "--receiver", args.receiver]
         env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        for name in ("TORCHFT_LITE_TLS_CERT", "TORCHFT_LITE_TLS_KEY", "TORCHFT_LITE_TLS_CA"):
+            env.pop(name, None)  # TLS only where a case asks for it
+        if case.endswith(TLS_SUFFIX):
+            env.update(tls_env or {})
         self.name = f"{case}:{side}"
         self.log = tempfile.TemporaryFile()  # stderr (torchft's server logs every request there)
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
@@ -318,7 +330,8 @@ class Pair:
     def __init__(self, case: str, args: argparse.Namespace) -> None:
         self.case, self.size = case, args.size_mb << 20
         self.wait = args.timeout
-        self.server, self.receiver = Child(case, "server", args), Child(case, "receiver", args)
+        self.server = Child(case, "server", args, getattr(args, "tls_env", None))
+        self.receiver = Child(case, "receiver", args, getattr(args, "tls_env", None))
         self.seconds: list[float] = []
         self.cpu: dict[str, list[float]] = {"server": [], "receiver": []}
         try:
@@ -410,6 +423,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for any one answer")
     parser.add_argument("--receiver", choices=RECEIVERS, default="lean",
                         help="the HTTP client our cases heal through: the package's lean one, or aiohttp's")
+    parser.add_argument("--tls", action="store_true",
+                        help="also run each of our HTTP cases (ours-*) with TLS on, as <case>+tls, in the same run; "
+                        "needs the openssl CLI (a throwaway CA and certificate)")
     parser.add_argument("--role", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.role:
@@ -424,19 +440,30 @@ def main(argv: list[str] | None = None) -> int:
     if not torchft_available():
         skipped = [case for case in cases if case.startswith("torchft")]
         cases = [case for case in cases if case not in skipped]
+    tls_dir = None
+    if args.tls:
+        from benchmarks._throwaway_pki import make_pki, openssl_missing
+
+        if openssl_missing():
+            parser.error(f"--tls: {openssl_missing()}")
+        tls_dir = tempfile.TemporaryDirectory(prefix="heal_bench_tls_")
+        args.tls_env = make_pki(Path(tls_dir.name)).env()
+        cases = [c for case in cases for c in ([case, case + TLS_SUFFIX] if case.startswith("ours") else [case])]
     ceiling = Pair("tcp", args)  # kept up for the whole run: one step of it after every step of every case
     try:
         results = {case: run_case(case, args, ceiling) for case in cases if case != "tcp"}
         results = {"tcp": dict(ceiling.finish(), vs_tcp=1.0, first_vs_tcp=1.0), **results}
     finally:
         ceiling.kill()
-    print(f"{'case':<16}{'GB/s':>7}{'vs tcp':>8}{'1st vs tcp':>11}{'extra x (srv/rcv)':>19}"
+        if tls_dir is not None:
+            tls_dir.cleanup()
+    print(f"{'case':<20}{'GB/s':>7}{'vs tcp':>8}{'1st vs tcp':>11}{'extra x (srv/rcv)':>19}"
           f"{'CPU s/GiB (srv/rcv)':>21}   seconds per step")
     for r in results.values():
         extra = f"{r['server_peak_extra_x']:.3f}/{r['receiver_peak_extra_x']:.3f}"
         cpu = f"{r['cpu_s_per_gib']['server']:.2f}/{r['cpu_s_per_gib']['receiver']:.2f}"
         steps = r["seconds"] if len(r["seconds"]) <= 10 else f"{r['seconds'][:10]} and {len(r['seconds']) - 10} more"
-        print(f"{r['case']:<16}{r['gbps']:>7.3f}{r['vs_tcp']:>8.3f}{r['first_vs_tcp']:>11.3f}{extra:>19}{cpu:>21}"
+        print(f"{r['case']:<20}{r['gbps']:>7.3f}{r['vs_tcp']:>8.3f}{r['first_vs_tcp']:>11.3f}{extra:>19}{cpu:>21}"
               f"   {steps}")
     result = summary(results, args, skipped)
     first = result["first_transfer"]
@@ -450,6 +477,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{first['ours_allocating_vs_torchft']}; PG vs plain gloo {first['pg_ours_vs_gloo']}")
     print(f"ours is the best in-place case, as the Manager heals; our receiver heals through the {args.receiver} "
           f"HTTP client")
+    if result["tls_vs_plain"]:
+        print("TLS on vs off (each +tls case's vs tcp over its plain twin's; 1.0 = free): "
+              + ", ".join(f"{case} {ratio}" for case, ratio in result["tls_vs_plain"].items()))
     print(json.dumps(result))
     return 0
 
@@ -481,11 +511,17 @@ def summary(results: dict, args: argparse.Namespace, skipped: list[str]) -> dict
     touch of every fresh page, which is slow in this VM).
     """
     gbps = {case: r["gbps"] for case, r in results.items()}
+    tls_vs_plain = {case: _ratio(r["vs_tcp"], results[case.removesuffix(TLS_SUFFIX)]["vs_tcp"])
+                    for case, r in results.items() if case.endswith(TLS_SUFFIX) and case.removesuffix(TLS_SUFFIX)
+                    in results}
     views = {view: {case: r[key] for case, r in results.items()}
              for view, key in (("all_steps", "vs_tcp"), ("first_transfer", "first_vs_tcp"))}
-    receiver_x = max((r["receiver_peak_extra_x"] for c, r in results.items() if c.startswith("ours")), default=None)
+    plain_views = {view: {case: v for case, v in paired.items() if not case.endswith(TLS_SUFFIX)}
+                   for view, paired in views.items()}
+    plain = {case: r for case, r in results.items() if not case.endswith(TLS_SUFFIX)}  # the targets are plain text
+    receiver_x = max((r["receiver_peak_extra_x"] for c, r in plain.items() if c.startswith("ours")), default=None)
     ratios, targets = {}, {}
-    for view, paired in views.items():
+    for view, paired in plain_views.items():
         ours, ours_paired = _best(paired, lambda c: c.startswith("ours") and c.endswith("inplace"))
         allocating, allocating_paired = _best(paired, lambda c: c.startswith("ours") and not c.endswith("inplace"))
         theirs, theirs_paired = _best(paired, lambda c: c.startswith("torchft"))
@@ -513,7 +549,7 @@ def summary(results: dict, args: argparse.Namespace, skipped: list[str]) -> dict
             "peak_extra_x": {c: {"server": r["server_peak_extra_x"], "receiver": r["receiver_peak_extra_x"]}
                              for c, r in results.items()},
             "cpu_s_per_gib": {c: r["cpu_s_per_gib"] for c, r in results.items()},
-            "skipped": skipped, "targets_met": targets["all_steps"],
+            "skipped": skipped, "tls_vs_plain": tls_vs_plain, "targets_met": targets["all_steps"],
             "targets_met_first_transfer": targets["first_transfer"]}
 
 

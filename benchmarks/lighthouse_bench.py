@@ -9,10 +9,17 @@ N=300 measure the load generator more than the server. The lighthouse runs in it
 (``python -m lighthouse``) and, when ``torchft`` is installed, torchft's Rust
 ``torchft_lighthouse`` in the same run as the reference.
 
+``--tls`` runs each of our lighthouses a second time with TLS on, as
+``<impl>+tls``, right after its plain twin (a throwaway CA and certificate made
+with the openssl CLI; the lighthouse gets ``--tls-cert/--tls-key``, every
+simulated group a TLS connection that checks it): ``tls_vs_plain_*`` in the
+JSON line are its rounds/s and server CPU per round over the plain twin's.
+
 Prints a table and one JSON line (the last line of output). Figures on a
 2-core shared machine are noisy; compare the ratio within one run.
 
     python benchmarks/lighthouse_bench.py --sizes 10,100,300,1000 --rounds 10
+    python benchmarks/lighthouse_bench.py --sizes 300 --impls ours --tls   # what TLS costs a round
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import statistics
 import subprocess
 import shutil
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -44,7 +52,12 @@ import grpc  # noqa: E402
 
 from benchmarks import torchft_ref  # noqa: E402
 from benchmarks._h2_client import H2CallError, H2Channel  # noqa: E402
+from benchmarks._throwaway_pki import Pki  # noqa: E402
 from lighthouse.protocol import torchft_pb2 as pb  # noqa: E402
+from lighthouse.rpc.tls import TlsSettings  # noqa: E402
+
+TLS_SUFFIX = "+tls"
+TLS_ENV = ("TORCHFT_LITE_TLS_CERT", "TORCHFT_LITE_TLS_KEY", "TORCHFT_LITE_TLS_CA")
 
 LISTEN_RE = re.compile(r"Lighthouse listening on: \S+?:(\d+)\s*$")
 
@@ -84,11 +97,18 @@ def server_cmd(impl: str, flags: list[str]) -> list[str]:
     raise ValueError(f"unknown implementation {impl!r}")
 
 
-def start_server(impl: str, n: int, startup_timeout: float = 60.0) -> tuple[subprocess.Popen, int]:
+def start_server(impl: str, n: int, startup_timeout: float = 60.0,
+                 pki: Pki | None = None) -> tuple[subprocess.Popen, int]:
     flags = ["--bind", "127.0.0.1:0", "--min_replicas", str(n), "--join_timeout_ms", "60000",
              "--quorum_tick_ms", "100", "--heartbeat_timeout_ms", "5000"]
-    cmd = server_cmd(impl, flags)
+    cmd = server_cmd(impl.removesuffix(TLS_SUFFIX), flags)
+    if impl.endswith(TLS_SUFFIX):
+        if pki is None:
+            raise ValueError(f"{impl} needs a certificate (run with --tls)")
+        cmd += ["--tls-cert", str(pki.cert), "--tls-key", str(pki.key)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    for name in TLS_ENV:
+        env.pop(name, None)  # TLS only where the impl asks for it
     env.pop("GRPC_ENABLE_FORK_SUPPORT", None)  # each server runs with its own defaults
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     # A reader thread drains the output for the whole run (a full pipe would block
@@ -134,13 +154,15 @@ def quorum_request(replica_id: str, step: int) -> pb.LighthouseQuorumRequest:
 class Group:
     """One simulated replica group on grpc.aio: its own channel, heartbeat loop and quorum calls."""
 
-    def __init__(self, host: str, port: int, replica_id: str) -> None:
+    def __init__(self, host: str, port: int, replica_id: str, tls: TlsSettings | None = None) -> None:
         self.replica_id = replica_id
         target = f"{host}:{port}"
         # A local subchannel pool gives every group its own TCP connection, as
         # separate processes would have; otherwise grpc shares one connection
         # between all channels to the same target.
-        self.channel = grpc.aio.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
+        options = [("grpc.use_local_subchannel_pool", 1)]
+        self.channel = grpc.aio.insecure_channel(target, options=options) if tls is None else \
+            grpc.aio.secure_channel(target, tls.grpc_channel_credentials(), options=options)
         # Responses stay bytes: one group per round parses its quorum fully and
         # the others are checked against it by size, so the client measures the
         # lighthouse rather than a million protobuf objects per round at N=1000.
@@ -175,9 +197,9 @@ class Group:
 class LeanGroup:
     """The same simulated replica group on benchmarks/_h2_client.py (about half grpc.aio's client CPU)."""
 
-    def __init__(self, host: str, port: int, replica_id: str) -> None:
+    def __init__(self, host: str, port: int, replica_id: str, tls: TlsSettings | None = None) -> None:
         self.replica_id = replica_id
-        self.channel = H2Channel(host, port)
+        self.channel = H2Channel(host, port, tls=None if tls is None else tls.client_context("h2"))
         self.heartbeat_errors = 0
 
     async def heartbeat_forever(self, interval: float) -> None:
@@ -201,8 +223,9 @@ class LeanGroup:
 CLIENTS = {"lean": LeanGroup, "grpcio": Group}
 
 
-async def run_rounds(port: int, n: int, rounds: int, round_timeout: float, client: str) -> list[float]:
-    groups = [CLIENTS[client]("127.0.0.1", port, f"replica-{i:05d}") for i in range(n)]
+async def run_rounds(port: int, n: int, rounds: int, round_timeout: float, client: str,
+                     tls: TlsSettings | None = None) -> list[float]:
+    groups = [CLIENTS[client]("127.0.0.1", port, f"replica-{i:05d}", tls) for i in range(n)]
     heartbeats = [asyncio.create_task(g.heartbeat_forever(1.0)) for g in groups]
     times = []
     try:
@@ -245,8 +268,9 @@ def process_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def bench(impl: str, n: int, rounds: int, round_timeout: float, client: str) -> Result:
-    proc, port = start_server(impl, n)
+def bench(impl: str, n: int, rounds: int, round_timeout: float, client: str, pki: Pki | None = None) -> Result:
+    proc, port = start_server(impl, n, pki=pki)
+    tls = TlsSettings(ca=pki.ca) if impl.endswith(TLS_SUFFIX) and pki is not None else None
     server_cpu0 = process_cpu_seconds(proc.pid)
     client_cpu0 = time.process_time()
     try:
@@ -258,7 +282,7 @@ def bench(impl: str, n: int, rounds: int, round_timeout: float, client: str) -> 
             loop_factory = None
         try:
             with asyncio.Runner(loop_factory=loop_factory) as runner:  # also makes it the current loop
-                times = runner.run(run_rounds(port, n, rounds, round_timeout, client))
+                times = runner.run(run_rounds(port, n, rounds, round_timeout, client, tls))
         except BaseException:
             print(f"{impl} lighthouse (exit code {proc.poll()}) last output:\n{''.join(proc.output_tail)}",
                   file=sys.stderr)
@@ -295,6 +319,11 @@ def main() -> int:
         help="load generator: lean (benchmarks/_h2_client.py, raw h2c, about half the client CPU) or grpcio "
         "(grpc.aio); the same client drives every server in a run (default: lean)",
     )
+    parser.add_argument(
+        "--tls", action="store_true",
+        help="also run each of our lighthouses (ours, ours-grpcio) with TLS on, as <impl>+tls, right after its "
+        "plain twin; needs the openssl CLI (a throwaway CA and certificate)",
+    )
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",") if s]
     impls = [i for i in args.impls.split(",") if i]
@@ -306,15 +335,27 @@ def main() -> int:
               "installs them): skipping torchft")
         impls.remove("torchft")
 
+    pki, tls_dir = None, None
+    if args.tls:
+        from benchmarks._throwaway_pki import make_pki, openssl_missing
+
+        if openssl_missing():
+            parser.error(f"--tls: {openssl_missing()}")
+        tls_dir = tempfile.TemporaryDirectory(prefix="lighthouse_bench_tls_")
+        pki = make_pki(Path(tls_dir.name))
+        impls = [i for impl in impls for i in ([impl, impl + TLS_SUFFIX] if impl.startswith("ours") else [impl])]
+
     results: list[Result] = []
     for n in sizes:
         for impl in impls:
-            result = bench(impl, n, args.rounds, args.round_timeout, args.client)
+            result = bench(impl, n, args.rounds, args.round_timeout, args.client, pki)
             results.append(result)
             print(f"  {impl:13s} N={n:5d}: p50 {result.p50_s * 1000:8.1f} ms  first {result.first_round_s:.2f} s  "
                   f"CPU/round: server {result.server_cpu_ms_per_round:.0f} ms, "
                   f"client {result.client_cpu_ms_per_round:.0f} ms", flush=True)
 
+    if tls_dir is not None:
+        tls_dir.cleanup()
     print()
     print(f"{'N':>6} {'impl':>13} {'p50 ms':>9} {'p90 ms':>9} {'max ms':>9} {'rounds/s':>9} {'srv CPU ms':>10} "
           f"{'cli CPU ms':>10} {'vs torchft/nolog':>17}")
@@ -329,6 +370,12 @@ def main() -> int:
             summary[f"speedup_vs_torchft_n{r.n}"] = round(ratio, 2)
         if ratio_nolog is not None:
             summary[f"speedup_vs_torchft_nolog_n{r.n}"] = round(ratio_nolog, 2)
+        plain = by_key.get((r.impl.removesuffix(TLS_SUFFIX), r.n)) if r.impl.endswith(TLS_SUFFIX) else None
+        if plain is not None:
+            base = plain.impl.replace("-", "_")
+            summary[f"tls_vs_plain_rounds_per_s_{base}_n{r.n}"] = round(r.rounds_per_s / plain.rounds_per_s, 2)
+            summary[f"tls_vs_plain_server_cpu_{base}_n{r.n}"] = round(
+                r.server_cpu_ms_per_round / plain.server_cpu_ms_per_round, 2) if plain.server_cpu_ms_per_round else None
         shown = " / ".join(f"{x:.2f}x" for x in (ratio, ratio_nolog) if x is not None)
         print(f"{r.n:6d} {r.impl:>13} {r.p50_s * 1000:9.1f} {r.p90_s * 1000:9.1f} {r.max_s * 1000:9.1f} "
               f"{r.rounds_per_s:9.2f} {r.server_cpu_ms_per_round:10.0f} {r.client_cpu_ms_per_round:10.0f} {shown:>17}")
