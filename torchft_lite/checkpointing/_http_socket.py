@@ -21,6 +21,10 @@ logger = logging.getLogger("torchft_lite.checkpointing.http_transport")  # one l
 
 SEND_BUFFER_BYTES = 8 << 20
 QUEUE_BYTES = 16 << 20  # views of tensor memory the transport may queue before the stream waits
+# Over TLS what is queued is encrypted copies (the TLS layer encrypts a write at once, and hands the whole
+# of its output to the socket's own transport, which queues it again): a small queue bounds that memory
+# per stream; encryption, not the queue, paces a TLS stream.
+TLS_QUEUE_BYTES = 2 << 20
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -35,7 +39,8 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def tune(transport: asyncio.BaseTransport | None) -> None:
-    """Big kernel send buffers and a deep write queue: the queue holds views, never copies."""
+    """Big kernel send buffers and a deep write queue: the queue holds views, never copies (over TLS, a
+    shallow one: it holds encrypted copies)."""
     if transport is None:
         return
     sock = transport.get_extra_info("socket")
@@ -44,7 +49,8 @@ def tune(transport: asyncio.BaseTransport | None) -> None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
         except OSError as exc:
             logger.debug("could not enlarge the send buffer: %r", exc)
-    transport.set_write_buffer_limits(high=QUEUE_BYTES)  # type: ignore[attr-defined]
+    tls = transport.get_extra_info("ssl_object") is not None
+    transport.set_write_buffer_limits(high=TLS_QUEUE_BYTES if tls else QUEUE_BYTES)  # type: ignore[attr-defined]
 
 
 async def flushed(transport: asyncio.BaseTransport | None) -> None:
