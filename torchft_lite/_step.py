@@ -70,6 +70,8 @@ class Step:
     """The Manager's own state before a heal was applied (restored if the group's step failed)."""
     torn_at_max_step: bool = False
     """The state is torn and this quorum makes it up to date: fail stop at the end of the step."""
+    nonfinite: bool = False
+    """This group's own gradients were non-finite in a bucket and left out of the average (health.py)."""
 
     send_to: list[int] = field(default_factory=list)
     """Replica ranks that heal from this one this step."""

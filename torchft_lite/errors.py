@@ -8,7 +8,9 @@
     │   └── QuorumTimeout (also TimeoutError)
     ├── CollectiveError (also RuntimeError)  a collective on the replica process group failed
     │   ├── CollectiveTimeout (also TimeoutError)
-    │   └── ProcessGroupClosed (also OSError)  used after shutdown(), before the next configure()
+    │   ├── ProcessGroupClosed (also OSError)  used after shutdown(), before the next configure()
+    │   └── NonFiniteError                    gradients were NaN/Inf (a step's average, or one group's
+    │                                         K steps in a row: it must leave)
     ├── CheckpointError (also RuntimeError)  a live checkpoint could not be served or loaded
     │   ├── DurableCheckpointError            a checkpoint on disk could not be written, read or applied
     │   │   └── CheckpointMismatchError       it is intact but holds another model's state
@@ -38,6 +40,7 @@ import urllib.error
 __all__ = [
     "TorchFTError",
     "ConfigError",
+    "NonFiniteError",
     "QuorumError",
     "QuorumTimeout",
     "CollectiveError",
@@ -78,6 +81,11 @@ class CollectiveError(TorchFTError, RuntimeError):
 
 class CollectiveTimeout(CollectiveError, TimeoutError):
     """A collective did not finish within its timeout."""
+
+
+class NonFiniteError(CollectiveError):
+    """Non-finite (NaN/Inf) gradients: every participant's, or the average (the step does not commit);
+    raised from ``should_commit`` when this group's own were non-finite too many steps in a row."""
 
 
 class ProcessGroupClosed(CollectiveError, OSError):

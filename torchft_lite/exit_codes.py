@@ -6,6 +6,9 @@ code   name                        for the scheduler
 0      EXIT_CODE_DONE              finished: don't restart
 1      EXIT_CODE_FAILED            an unexpected error, or killed through the lighthouse (torchft's
                                    code): restart it (it heals from a peer or resumes from disk)
+65     EXIT_CODE_BAD_REPLICA       this group's gradients were non-finite too many steps in a row
+                                   (``EX_DATAERR``; torchft_lite.health): replace it, on another host
+                                   if its accelerator is suspect
 75     EXIT_CODE_RESCHEDULE        a watchdog section timed out (``EX_TEMPFAIL``): restart it,
                                    elsewhere if the host is suspect
 78     EXIT_CODE_FATAL             a setting or the checkpoint directory is wrong (``EX_CONFIG``;
@@ -25,16 +28,17 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from torchft_lite.errors import CheckpointMismatchError, ConfigError
+from torchft_lite.errors import CheckpointMismatchError, ConfigError, NonFiniteError
 from torchft_lite.watchdog import EXIT_CODE_PREEMPTED, EXIT_CODE_RESCHEDULE
 
-__all__ = ["EXIT_CODE_DONE", "EXIT_CODE_FAILED", "EXIT_CODE_FATAL", "EXIT_CODE_PREEMPTED", "EXIT_CODE_RESCHEDULE",
+__all__ = ["EXIT_CODE_BAD_REPLICA", "EXIT_CODE_DONE", "EXIT_CODE_FAILED", "EXIT_CODE_FATAL", "EXIT_CODE_PREEMPTED", "EXIT_CODE_RESCHEDULE",
            "exit_code_for", "run"]
 
 logger = logging.getLogger(__name__)
 
 EXIT_CODE_DONE = 0
 EXIT_CODE_FAILED = 1
+EXIT_CODE_BAD_REPLICA = 65
 EXIT_CODE_FATAL = 78
 
 
@@ -44,6 +48,8 @@ def exit_code_for(exc: BaseException) -> int:
         return exc.code if isinstance(exc.code, int) else EXIT_CODE_FAILED
     if isinstance(exc, (ConfigError, CheckpointMismatchError)):
         return EXIT_CODE_FATAL
+    if isinstance(exc, NonFiniteError):
+        return EXIT_CODE_BAD_REPLICA
     return EXIT_CODE_FAILED
 
 

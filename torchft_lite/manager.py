@@ -40,9 +40,10 @@ from torchft_lite._manager_wiring import DefaultWiring, ManagerWiring
 from torchft_lite._member_events import MemberWatch
 from torchft_lite._preemption import PreemptionSignals
 from torchft_lite._quorum_round import QuorumRounds
-from torchft_lite._step import Step, WorldSizeMode, start_allreduce
+from torchft_lite._step import Step, WorldSizeMode
 from torchft_lite._step_listeners import StepListeners
 from torchft_lite.errors import CollectiveError, ManagerError, ManagerTimeout, QuorumError, QuorumTimeout
+from torchft_lite.health import HealthConfig, NonFiniteGuard
 from torchft_lite.watchdog import Watchdog, WatchdogConfig
 from torchft_lite.work import DoneWork, ManagedWork, _ManagedWork, guard_future  # noqa: F401  (torchft's name)
 
@@ -89,16 +90,17 @@ class Manager:
         heal_sources: int | None = None,
         heal_in_place: bool | None = None,
         wiring: ManagerWiring | None = None,
+        health: HealthConfig | None = None,
     ) -> None:
-        """torchft's arguments, plus (keyword-only, ours): preemption_signals, on_preemption: see the README.
-
+        """torchft's arguments, plus (keyword-only, ours): preemption_signals, on_preemption: see the README;
         watchdog: per-section step timeouts (default: from the environment).
         heal_sources: up-to-date peers a heal may pull disjoint parts from at once (default 1, or
             ``$TORCHFT_LITE_HEAL_SOURCES``; only when every member advertises as many and the transport stripes).
         heal_in_place: the default ``HTTPTransport`` receives a heal into the live tensors (default True, or
             ``$TORCHFT_LITE_HEAL_IN_PLACE``); :meth:`Healer.in_place_targets` says why that is safe.
-        wiring: what the Manager connects to (default: the group's TCPStore, a
-            ManagerServer on group rank 0, HTTP heals); ``torchft_lite.testing`` has one without sockets.
+        wiring: what the Manager connects to (default: the group's TCPStore, a ManagerServer on group rank 0,
+            HTTP heals); ``torchft_lite.testing`` has one without sockets.
+        health: the non-finite guard (default: on, from the environment; ``torchft_lite.health``).
         """
         s = self._settings = ManagerSettings.resolve(  # everything is validated before anything starts
             min_replica_size=min_replica_size, timeout=timeout, quorum_timeout=quorum_timeout,
@@ -120,6 +122,7 @@ class Manager:
         self._current = Step(number=0)  # the step under way, or the last one
         self._on_preemption = on_preemption
         self._listeners = StepListeners(self._log)
+        self._guard = NonFiniteGuard(health or HealthConfig.from_env(os.environ), self._log, self._record)
 
         self._control = control_plane()
         parts = (wiring or DefaultWiring()).build(s, checkpoint_transport, lambda: self._healer.in_place_targets(),
@@ -146,12 +149,11 @@ class Manager:
         self._control.run(self._channel.follow_events(self._members.on_event), s.connect_timeout,
                           "the lighthouse event stream to start")
         self._preemption = PreemptionSignals(preemption_signals, self._on_preemption_signal)
-        # A process group that keeps its communicator in a child process starts that child now; join the
-        # first quorum once it can configure, not with a rendezvous that waits for an interpreter to start.
+        # A child-process group starts its child now: join the first quorum once it can configure.
         if isinstance(pg, WarmsUp):
             pg.wait_warm(timedelta(seconds=s.connect_timeout))
-        self._log(logging.INFO, "manager ready (group rank %d of %d, ManagerServer %s)",
-                  s.group_rank, s.group_world_size, self._channel.address)
+        self._log(logging.INFO, "manager ready (group rank %d of %d, ManagerServer %s)", s.group_rank,
+                  s.group_world_size, self._channel.address)
 
     # ------------------------------------------------------------ state dicts
 
@@ -279,7 +281,7 @@ class Manager:
         if not self.is_participating():
             tensor.zero_()  # healing or a spare: take part with zeros so the peers' collective completes
         try:
-            fut = start_allreduce(self._pg, tensor, reduce_op, participants)
+            fut = self._guard.start(self._pg, tensor, reduce_op, participants, step, step.participation.rank is not None)
         except Exception as exc:
             self._record(step, exc)
             return DoneWork(tensor)
@@ -300,8 +302,7 @@ class Manager:
     # ------------------------------------------------------------ graceful leave
 
     def _on_preemption_signal(self, signum: int) -> None:
-        # Only note it here; the training thread leaves at the next safe point. Abandon a quorum
-        # still in flight (it may never form without the groups that are leaving too).
+        # Only note it: the training thread leaves at the next safe point. Abandon a quorum in flight.
         self._log(logging.WARNING, "received %s: leaving after this step", signal.Signals(signum).name)
         if self._current.quorum is not None:
             self._current.quorum.cancel()
@@ -396,9 +397,8 @@ class Manager:
             # checkpoint, or heal it once a peer is ahead).
             raise ManagerError(f"group rank {self._group_rank}: the state left by a failed heal was not repaired "
                                f"at step {self._step}: {step.error}")
-        if not decision:
-            # A committed step leaves at the next start_quorum instead, once the optimizer has stepped:
-            # the state and the step then agree (what a checkpoint saved on the way out must hold).
+        self._guard.judge(step, decision)  # after the vote: too many non-finite steps in a row leave
+        if not decision:  # a committed step leaves at the next start_quorum, once the optimizer has stepped
             self._maybe_leave()
         return decision
 

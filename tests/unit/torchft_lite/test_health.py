@@ -1,0 +1,86 @@
+"""The non-finite guard (torchft_lite.health) on the in-memory fakes: a NaN group is left out of the average
+and everyone commits the same step; all-NaN or a non-finite average commits nothing; K in a row leaves."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import pytest
+import torch
+
+from tests.unit.torchft_lite.test_manager import Replica, replicas, train  # noqa: F401  (the fixture)
+from torchft_lite.errors import ConfigError, NonFiniteError
+from torchft_lite.exit_codes import EXIT_CODE_BAD_REPLICA, exit_code_for
+from torchft_lite.health import HealthConfig
+from torchft_lite.testing import InMemoryLighthouse
+
+NAN = float("nan")
+
+
+def two_groups(replicas, **kwargs) -> tuple[Replica, Replica]:
+    lighthouse = InMemoryLighthouse(min_replicas=2)
+    a, b = replicas(lighthouse, "a", 1.0, min_replica_size=2, **kwargs), replicas(lighthouse, "b", 1.0,
+                                                                                  min_replica_size=2, **kwargs)
+    assert train({"a": a, "b": b}, 1) == {"a": [True], "b": [True]}  # step 0: b heals from a, both commit
+    return a, b
+
+
+def test_a_group_with_nan_gradients_is_left_out_and_both_commit_the_others_average(replicas, caplog):
+    a, b = two_groups(replicas)
+    before = a.weights.clone()
+    with caplog.at_level(logging.WARNING, logger="torchft_lite.manager"):
+        assert train({"a": a, "b": b}, 1, grads={"a": NAN, "b": 4.0}) == {"a": [True], "b": [True]}
+    # Only b's gradient counted: the average is 4.0, not (NaN + 4) / 2, nor 4 / 2.
+    assert torch.equal(a.weights, b.weights) and a.weights.tolist() == (before - 4.0).tolist()
+    assert a.manager._guard.steps_skipped == 1 and b.manager._guard.steps_skipped == 0
+    assert any("non-finite" in r.getMessage() and "[a" in r.getMessage() for r in caplog.records)
+    # The next clean step counts both again, and resets a's run of bad steps.
+    assert train({"a": a, "b": b}, 1, grads={"a": 1.0, "b": 3.0}) == {"a": [True], "b": [True]}
+    assert a.weights.tolist() == (before - 4.0 - 2.0).tolist() and a.manager._guard.in_a_row == 0
+
+
+def test_when_every_group_is_non_finite_nothing_commits_and_nothing_changes(replicas):
+    a, b = two_groups(replicas)
+    before, step = a.weights.clone(), a.manager.current_step()
+    assert train({"a": a, "b": b}, 1, grads={"a": NAN, "b": math.inf}) == {"a": [False], "b": [False]}
+    assert isinstance(a.manager.errored(), NonFiniteError) and isinstance(b.manager.errored(), NonFiniteError)
+    assert torch.equal(a.weights, before) and torch.equal(b.weights, before) and a.manager.current_step() == step
+
+
+def test_a_non_finite_average_of_finite_gradients_commits_nowhere(replicas):
+    a, b = two_groups(replicas)
+    big = torch.finfo(torch.float32).max
+    assert train({"a": a, "b": b}, 1, grads={"a": big, "b": big}) == {"a": [False], "b": [False]}
+    assert "average" in str(a.manager.errored())
+
+
+def test_non_finite_gradients_k_steps_in_a_row_make_the_group_leave_with_its_exit_code(replicas):
+    a, b = two_groups(replicas, health=HealthConfig(max_nonfinite_steps=2))
+    assert train({"a": a, "b": b}, 1, grads={"a": NAN, "b": 1.0}) == {"a": [True], "b": [True]}
+    before, step = b.weights.clone(), b.manager.current_step()
+    with pytest.raises(AssertionError, match="NonFiniteError") as raised:
+        train({"a": a, "b": b}, 1, grads={"a": NAN, "b": 1.0})
+    error = raised.value.__cause__
+    assert isinstance(error, NonFiniteError) and "2 steps in a row" in str(error)
+    assert exit_code_for(error) == EXIT_CODE_BAD_REPLICA == 65
+    # a voted before it raised, so b committed the step on its own gradient alone.
+    assert b.weights.tolist() == (before - 1.0).tolist() and b.manager.current_step() == step + 1
+
+
+def test_with_the_guard_off_a_nan_spreads_to_every_group(replicas):
+    a, b = two_groups(replicas, health=HealthConfig(nonfinite_guard=False))
+    assert train({"a": a, "b": b}, 1, grads={"a": NAN, "b": 4.0}) == {"a": [True], "b": [True]}
+    assert torch.isnan(a.weights).all() and torch.isnan(b.weights).all()
+
+
+def test_the_settings_come_from_the_environment_and_bad_ones_are_named():
+    assert HealthConfig.from_env({}) == HealthConfig(nonfinite_guard=True, max_nonfinite_steps=3)
+    assert HealthConfig.from_env({"TORCHFT_LITE_NONFINITE_GUARD": "0", "TORCHFT_LITE_MAX_NONFINITE_STEPS": "5"}) \
+        == HealthConfig(nonfinite_guard=False, max_nonfinite_steps=5)
+    with pytest.raises(ConfigError, match="TORCHFT_LITE_NONFINITE_GUARD"):
+        HealthConfig.from_env({"TORCHFT_LITE_NONFINITE_GUARD": "maybe"})
+    with pytest.raises(ConfigError, match="TORCHFT_LITE_MAX_NONFINITE_STEPS"):
+        HealthConfig.from_env({"TORCHFT_LITE_MAX_NONFINITE_STEPS": "three"})
+    with pytest.raises(ConfigError, match="max_nonfinite_steps"):
+        HealthConfig(max_nonfinite_steps=0)

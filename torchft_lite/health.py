@@ -1,0 +1,137 @@
+"""Health checks on what a step would commit: the non-finite guard.
+
+One bad batch, or a flaky accelerator, can make a group's gradients NaN or
+Inf. Averaged in, they poison every group's parameters at once, and a heal then
+copies the poison to any group that was spared. The guard keeps them out:
+
+* Before a gradient bucket enters the allreduce, the group checks it (one
+  fused reduction: the bucket's float32 sum is finite exactly when every
+  element is, short of an overflow past 3e38, which is no usable gradient
+  either). A non-finite bucket is replaced by zeros, and the group does not
+  count in that bucket's average: a second, one-element allreduce sums how many
+  groups were left out, and the average divides by the quorum's count of
+  participants less that number (unchanged when every bucket is finite). Every group (the bad one too) then applies the same average of the good
+  groups' gradients, so parameters stay identical and the step commits.
+* When no group contributed (all were non-finite), or the average itself is
+  non-finite, the step fails on every group alike: nothing commits.
+* A group whose own gradients were non-finite ``max_nonfinite_steps`` committed
+  or attempted steps in a row raises :class:`~torchft_lite.errors.NonFiniteError`
+  from ``should_commit``, after its vote: it leaves, and
+  :func:`torchft_lite.exit_codes.run` exits with ``EXIT_CODE_BAD_REPLICA`` (65)
+  so the scheduler replaces it (on another host if its accelerator is suspect).
+
+The guard changes the collectives a step issues (two per bucket), so it must be
+on in every group of a job or in none: ``TORCHFT_LITE_NONFINITE_GUARD=0`` (or
+``Manager(health=HealthConfig(nonfinite_guard=False))``) everywhere turns it off.
+It applies to AVG allreduces of floating-point tensors (the gradients DDP and
+``Manager.allreduce`` average); other reductions pass through as before.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+from torch.distributed import ReduceOp
+
+from torchft_lite._step import Step, start_allreduce
+from torchft_lite.errors import ConfigError, NonFiniteError
+
+__all__ = ["HealthConfig", "NONFINITE_GUARD_ENV", "MAX_NONFINITE_STEPS_ENV"]
+
+NONFINITE_GUARD_ENV = "TORCHFT_LITE_NONFINITE_GUARD"
+MAX_NONFINITE_STEPS_ENV = "TORCHFT_LITE_MAX_NONFINITE_STEPS"
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    """The Manager's health checks (keyword ``health=``); see the module docstring."""
+
+    nonfinite_guard: bool = True
+    """Keep non-finite gradients out of the average (must match in every group of the job)."""
+    max_nonfinite_steps: int = 3
+    """A group whose own gradients were non-finite this many steps in a row leaves (exit code 65)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_nonfinite_steps, int) or self.max_nonfinite_steps < 1:
+            raise ConfigError(f"max_nonfinite_steps must be an int >= 1, got {self.max_nonfinite_steps!r}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "HealthConfig":
+        """``TORCHFT_LITE_NONFINITE_GUARD`` (1/0, default 1), ``TORCHFT_LITE_MAX_NONFINITE_STEPS`` (default 3)."""
+        environ = os.environ if environ is None else environ
+        flag = environ.get(NONFINITE_GUARD_ENV, "1").strip().lower()
+        if flag not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            raise ConfigError(f"{NONFINITE_GUARD_ENV} must be 1 or 0, got {flag!r}")
+        raw = environ.get(MAX_NONFINITE_STEPS_ENV, str(cls.max_nonfinite_steps)).strip()
+        try:
+            limit = int(raw)
+        except ValueError:
+            raise ConfigError(f"{MAX_NONFINITE_STEPS_ENV} must be an integer >= 1, got {raw!r}") from None
+        return cls(nonfinite_guard=flag in ("1", "true", "yes", "on"), max_nonfinite_steps=limit)
+
+
+class NonFiniteGuard:
+    """The Manager's side of the guard: starts guarded allreduces, and judges each step after its vote."""
+
+    def __init__(self, config: HealthConfig, log: Callable[..., None],
+                 record: Callable[[Step, BaseException], None]) -> None:
+        self.config = config
+        self._log, self._record = log, record  # record: fail the step (the Manager's)
+        self.in_a_row = 0
+        self.steps_skipped = 0  # steps this group's own gradients were left out of (for metrics and status)
+
+    def start(self, pg: Any, tensor: torch.Tensor, reduce_op: Any, participants: int, step: Step,
+              counts: bool) -> Any:
+        """Start the step's allreduce of ``tensor`` (in place); its future yields ``tensor``, averaged.
+
+        ``counts``: whether the quorum counts this group in ``participants`` (a spare, or a healing group
+        where torchft does not count it, sends zeros and is not counted either way).
+        """
+        if not (self.config.nonfinite_guard and reduce_op == ReduceOp.AVG and tensor.is_floating_point()):
+            return start_allreduce(pg, tensor, reduce_op, participants)
+        from torch.distributed.distributed_c10d import AllreduceOptions
+
+        finite = torch.isfinite(tensor.sum(dtype=torch.float32))  # on the tensor's device: no host sync
+        tensor.masked_fill_(finite.logical_not(), 0.0)
+        left_out = (finite.logical_not() & counts).to(torch.float32).reshape(1)
+        opts = AllreduceOptions()
+        opts.reduceOp = ReduceOp.SUM
+        summed = pg.allreduce([tensor], opts).get_future()
+        counted = pg.allreduce([left_out], opts).get_future()
+
+        def average(_: Any) -> torch.Tensor:
+            summed.value(), counted.value()  # re-raise a failed collective
+            if counts and not bool(finite):
+                step.nonfinite = True
+            contributors = participants - int(left_out.item())
+            if contributors <= 0:  # recorded, not raised: torch would wrap it in a RuntimeError
+                self._record(step, NonFiniteError("every group's gradients in this bucket were non-finite "
+                                                  "(NaN/Inf): nothing to average, the step does not commit"))
+                return tensor
+            tensor.div_(contributors)
+            if not bool(torch.isfinite(tensor.sum(dtype=torch.float32))):
+                self._record(step, NonFiniteError("the average of the groups' gradients is non-finite: the step "
+                                                  "does not commit"))
+            return tensor
+
+        return torch.futures.collect_all([summed, counted]).then(average)
+
+    def judge(self, step: Step, committed: bool) -> None:
+        """After the vote: name this group when its gradients were left out; leave after too many in a row."""
+        if not step.nonfinite:
+            if step.collectives_ready:
+                self.in_a_row = 0
+            return
+        self.in_a_row += 1
+        self.steps_skipped += 1
+        self._log(logging.WARNING, "this group's gradients were non-finite (NaN/Inf) and were left out of the "
+                  "average; the step %s (%d in a row, leaving at %d)", "committed without them" if committed
+                  else "did not commit", self.in_a_row, self.config.max_nonfinite_steps)
+        if self.in_a_row >= self.config.max_nonfinite_steps:
+            raise NonFiniteError(f"this group's gradients were non-finite {self.in_a_row} steps in a row "
+                                 f"(max_nonfinite_steps={self.config.max_nonfinite_steps}): leaving so it can be "
+                                 f"replaced (exit code 65)")
