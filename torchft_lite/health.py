@@ -77,10 +77,12 @@ class HealthConfig:
 class NonFiniteGuard:
     """The Manager's side of the guard: starts guarded allreduces, and judges each step after its vote."""
 
-    def __init__(self, config: HealthConfig, log: Callable[..., None],
-                 record: Callable[[Step, BaseException], None]) -> None:
+    def __init__(self, config: HealthConfig, log: Callable[..., None], record: Callable[[Step, BaseException], None],
+                 advertise: Callable[[str, object], None] | None = None) -> None:
+        """``record``: fails a step (the Manager's); ``advertise``: adds a key to the group's member data
+        (group rank 0's), where the lighthouse's ``/api/status`` shows it."""
         self.config = config
-        self._log, self._record = log, record  # record: fail the step (the Manager's)
+        self._log, self._record, self._advertise = log, record, advertise
         self.in_a_row = 0
         self.steps_skipped = 0  # steps this group's own gradients were left out of (for metrics and status)
 
@@ -128,6 +130,8 @@ class NonFiniteGuard:
             return
         self.in_a_row += 1
         self.steps_skipped += 1
+        if self._advertise is not None:
+            self._advertise("nonfinite_steps", self.steps_skipped)
         self._log(logging.WARNING, "this group's gradients were non-finite (NaN/Inf) and were left out of the "
                   "average; the step %s (%d in a row, leaving at %d)", "committed without them" if committed
                   else "did not commit", self.in_a_row, self.config.max_nonfinite_steps)

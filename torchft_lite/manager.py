@@ -32,7 +32,7 @@ from typing import Any, Callable, Sequence, TypeVar
 import torch
 from torch.distributed import ReduceOp
 
-from torchft_lite._capabilities import Abortable, ReportsErrors, StepListener, WarmsUp
+from torchft_lite._capabilities import Abortable, Advertises, ReportsErrors, StepListener, WarmsUp
 from torchft_lite._control_plane import control_plane
 from torchft_lite._healer import Healer
 from torchft_lite._manager_settings import ManagerSettings
@@ -122,14 +122,14 @@ class Manager:
         self._current = Step(number=0)  # the step under way, or the last one
         self._on_preemption = on_preemption
         self._listeners = StepListeners(self._log)
-        self._guard = NonFiniteGuard(health or HealthConfig.from_env(os.environ), self._log, self._record)
 
         self._control = control_plane()
         parts = (wiring or DefaultWiring()).build(s, checkpoint_transport, lambda: self._healer.in_place_targets(),
                                                   self._control)
         self._parts = parts  # keeps the store client alive as long as the Manager
-        self._replica_id = parts.replica_id
-        self._channel = parts.channel
+        self._replica_id, self._channel = parts.replica_id, parts.channel
+        self._guard = NonFiniteGuard(health or HealthConfig.from_env(os.environ), self._log, self._record,
+                                     self._channel.advertise if isinstance(self._channel, Advertises) else None)
         defaults = WatchdogConfig(quorum=s.quorum_timeout + s.timeout + 60.0, heal=3 * s.timeout + 60.0,
                                   step=s.quorum_timeout + 5 * s.timeout + 300.0)
         self.watchdog = Watchdog(watchdog or WatchdogConfig.from_env(os.environ, defaults),

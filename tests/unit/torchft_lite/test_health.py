@@ -84,3 +84,11 @@ def test_the_settings_come_from_the_environment_and_bad_ones_are_named():
         HealthConfig.from_env({"TORCHFT_LITE_MAX_NONFINITE_STEPS": "three"})
     with pytest.raises(ConfigError, match="max_nonfinite_steps"):
         HealthConfig(max_nonfinite_steps=0)
+
+
+def test_the_group_left_out_tells_the_lighthouse_how_often_in_its_member_data(replicas):
+    advertised: dict[str, object] = {}
+    a, b = two_groups(replicas)
+    a.manager._guard._advertise = advertised.__setitem__  # the in-memory wiring has no ManagerServer to carry it
+    train({"a": a, "b": b}, 2, grads={"a": NAN, "b": 1.0})
+    assert advertised == {"nonfinite_steps": 2}
