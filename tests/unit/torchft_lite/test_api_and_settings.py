@@ -11,7 +11,8 @@ from torchft_lite.errors import ConfigError
 
 def test_public_api_is_pinned_and_importable():
     assert sorted(torchft_lite.__all__) == [
-        "DistributedDataParallel", "DistributedSampler", "DurableCheckpointer", "Manager", "Optimizer", "OptimizerWrapper",
+        "DistributedDataParallel", "DistributedSampler", "DurableCheckpointer", "HealthConfig", "Manager", "Optimizer",
+        "OptimizerWrapper",
         "ProcessGroupBabyGloo", "ProcessGroupBabyNCCL", "ProcessGroupGloo", "ProcessGroupNCCL", "WatchdogConfig",
         "WorldSizeMode",
     ]
