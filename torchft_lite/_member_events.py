@@ -36,7 +36,14 @@ class MemberWatch:
     def on_event(self, event: pb.LeaseEvent) -> None:
         """Runs on the control-plane loop."""
         step = self._current()
-        if event.kind != pb.LeaseEvent.MEMBER_GONE or not step.open or event.replica_id == self._replica_id:
+        if event.kind != pb.LeaseEvent.MEMBER_GONE or not step.open:
+            return
+        if event.replica_id == self._replica_id:
+            # We were declared gone (hung, or cut off, for longer than the heartbeat timeout): our peers
+            # abort this step's collectives, yet ours may still complete with the data they had sent.
+            # Committing it alone would put us a step apart from them for good; behind, we heal instead.
+            self._record(step, CollectiveError(f"the lighthouse declared this replica gone ({event.reason}): "
+                                               f"its peers do not commit this step, so neither does it"))
             return
         step.gone[event.replica_id] = f"replica {event.replica_id} left the quorum: {event.reason}"
         if event.replica_id not in step.members:

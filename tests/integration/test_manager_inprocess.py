@@ -592,3 +592,19 @@ def test_a_synchronous_quorum_that_times_out_raises_and_so_does_a_timed_out_vote
         assert manager.current_step() == 0
     finally:
         manager.shutdown()
+
+
+def test_a_replica_the_lighthouse_declared_gone_does_not_commit_the_step_its_peers_abort(lighthouse):
+    """Hung past the heartbeat timeout, then resumed: its collective may still complete with what the peers
+    had sent before they aborted, and committing it would leave it a step apart from them (a chaos run saw
+    that divergence). Behind instead, it heals at the next quorum."""
+    pg = FakeProcessGroup()
+    manager = make_manager(lighthouse, pg, InMemoryTransport({}, "a"), "declared-gone")
+    try:
+        manager.start_quorum()
+        manager.allreduce(torch.ones(3)).wait()
+        member_gone(manager, manager.replica_id, member=False)
+        assert "declared this replica gone" in str(manager.errored())
+        assert not manager.should_commit() and manager.current_step() == 0
+    finally:
+        manager.shutdown()
