@@ -21,9 +21,9 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from dataclasses import dataclass
-from typing import Callable
+
+from lighthouse.rpc.refusals import CountedLog
 
 __all__ = ["LimitLog", "ServerLimits", "grpcio_options"]
 
@@ -127,29 +127,13 @@ def grpcio_options(limits: ServerLimits) -> list[tuple[str, int]]:
     ]
 
 
-class LimitLog:
-    """Limits a server's peers hit: ``counts`` by limit name, and a WARNING per hit, at most one line per
-    ``interval`` seconds (a flood of hits must not become a flood of log lines); that line says how many
-    went unlogged since the previous one. Used on the server's event loop only, so it needs no lock."""
-
-    def __init__(self, server: str, *, interval: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
-        if not interval >= 0:
-            raise ValueError(f"interval must be >= 0 seconds, got {interval!r}")
-        self.server = server
-        self.interval = interval
-        self.counts: dict[str, int] = {}
-        self._clock = clock
-        self._next_line = -math.inf
-        self._unlogged = 0
+class LimitLog(CountedLog):
+    """Limits a server's peers hit: ``counts`` by limit name, and a rate-limited WARNING per hit."""
 
     def hit(self, name: str, peer: str, detail: str) -> None:
         """Count one hit of limit ``name`` by ``peer``; ``detail`` says what happened (never a header value)."""
-        self.counts[name] = self.counts.get(name, 0) + 1
-        now = self._clock()
-        if now < self._next_line:
-            self._unlogged += 1
+        unlogged = self._count(name)
+        if unlogged is None:
             return
-        self._next_line = now + self.interval
-        unlogged, self._unlogged = self._unlogged, 0
         logger.warning("%s: %s hit a flood limit (%s): %s%s", self.server, peer, name, detail,
                        f" [{unlogged} more limit hit(s) since the last such line were not logged]" if unlogged else "")

@@ -33,11 +33,10 @@ def status_of(refusal: Refusal) -> grpc.StatusCode:
     return _STATUS[refusal.kind]
 
 
-class RefusalLog:
-    """Refused calls of one server: ``counts`` by kind, and a rate-limited WARNING per refusal.
-
-    Used on the server's event loop only (both engines answer there), so it needs no lock.
-    """
+class CountedLog:
+    """Counts by key, and says when a WARNING line may be logged: at most one per ``interval`` seconds
+    (a flood must not become a flood of log lines), with how many went unlogged since the previous one.
+    Used on the server's event loop only (both engines answer there), so it needs no lock."""
 
     def __init__(self, server: str, *, interval: float = 10.0, clock: Callable[[], float] = time.monotonic) -> None:
         if not interval >= 0:
@@ -53,16 +52,28 @@ class RefusalLog:
     def total(self) -> int:
         return sum(self.counts.values())
 
-    def note(self, peer: str, method: str, refusal: Refusal) -> None:
-        """Count a call to ``method`` from ``peer`` refused with ``refusal``; log it unless a line was logged
-        less than ``interval`` seconds ago."""
-        self.counts[refusal.kind] = self.counts.get(refusal.kind, 0) + 1
+    def _count(self, key: str) -> int | None:
+        """Count one under ``key``; the number left unlogged since the last line if one may be logged now,
+        else None."""
+        self.counts[key] = self.counts.get(key, 0) + 1
         now = self._clock()
         if now < self._next_line:
             self._unlogged += 1
-            return
+            return None
         self._next_line = now + self.interval
         unlogged, self._unlogged = self._unlogged, 0
+        return unlogged
+
+
+class RefusalLog(CountedLog):
+    """Refused calls of one server: ``counts`` by kind, and a rate-limited WARNING per refusal."""
+
+    def note(self, peer: str, method: str, refusal: Refusal) -> None:
+        """Count a call to ``method`` from ``peer`` refused with ``refusal``; log it unless a line was logged
+        less than ``interval`` seconds ago."""
+        unlogged = self._count(refusal.kind)
+        if unlogged is None:
+            return
         logger.warning(
             "%s refused %r from %s (%s): %s%s", self.server, method[:MAX_METHOD_CHARS], peer, refusal.kind,
             refusal.message,
