@@ -70,3 +70,7 @@ class StepListener(Protocol):
 
     def leaving(self) -> None:
         """The Manager leaves on a preemption signal, at a safe point between steps, before it shuts down."""
+
+    def step_finished(self, report: Any) -> None:
+        """Optional: ``should_commit`` is returning; ``report`` is a ``step_report.StepReport`` (what the step
+        did, where its time went). A listener without this method is not called for it."""

@@ -153,6 +153,10 @@ class ServerChannel(ClientChannel):
         """Add ``key`` to the group's ``QuorumMember.data`` (see ``ManagerServer.advertise``)."""
         self.server.advertise(key, value)
 
+    def watch_quorums(self, watch: Any) -> None:
+        """Call ``watch`` with each issued quorum's members (see ``ManagerServer.add_quorum_watcher``)."""
+        self.server.add_quorum_watcher(watch)
+
     async def follow_events(self, listener: EventListener) -> None:
         self.server.add_event_listener(listener)
 

@@ -22,7 +22,7 @@ import asyncio
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, Awaitable, Callable, Sequence
 
@@ -78,7 +78,7 @@ class Healer:
 
     def state_dict(self) -> dict[str, Any]:
         """What a heal carries: every registered piece, and the Manager's own state."""
-        return {"user": {key: fn() for key, fn in self.state_fns.items()}, "torchft": self._own_state()}
+        return {"user": self.user_state(), "torchft": self._own_state()}
 
     def in_place_targets(self) -> Any:
         """Where a heal may land: ``.data`` aliases of the live tensors, same paths.
@@ -170,11 +170,16 @@ class Healer:
             self._record(step, exc)
             return False
         self.torn = False
+        step.healed = replace(result, state=None)
         self._watchdog.end("heal")
         self._log(logging.INFO, "healed: %.3f MB in %.2fs (%.1f MB/s) from replica(s) %s", result.tensor_bytes / 1e6,
                   result.seconds, result.tensor_bytes / 1e6 / result.seconds if result.seconds > 0 else 0.0,
                   ", ".join(map(str, result.sources)))
         return True
+
+    def user_state(self) -> dict[str, Any]:
+        """Every registered piece of user state (what a heal carries, without the Manager's own)."""
+        return {key: fn() for key, fn in self.state_fns.items()}
 
     def load_state_dict(self, state: Any) -> None:
         """Load a whole state (what :meth:`state_dict` returns): every registered piece, then the Manager's.

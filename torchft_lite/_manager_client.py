@@ -20,7 +20,7 @@ from lighthouse.protocol import torchft_pb2 as pb  # noqa: E402
 from lighthouse.rpc.access import Access  # noqa: E402
 from lighthouse.rpc.channel import UnaryChannel  # noqa: E402
 from lighthouse.rpc.tls import TlsSettings  # noqa: E402
-from torchft_lite.errors import ManagerError, ManagerTimeout, QuorumError, QuorumTimeout  # noqa: E402
+from torchft_lite.errors import ManagerError, ManagerTimeout, QuorumError, QuorumTimeout, StateDivergedError  # noqa: E402
 
 __all__ = ["ManagerClient"]
 
@@ -53,6 +53,8 @@ class ManagerClient(UnaryChannel):
                 raise timeout_error(f"ManagerServer {self.address}: {what} got no answer within {timeout:.2f}s "
                                     f"(status: Cancelled, message: Timeout expired)") from exc
             name = code.name if code else "UNKNOWN"
+            if error is QuorumError and (exc.details() or "").startswith(StateDivergedError.MARK):
+                raise StateDivergedError(exc.details()) from exc
             raise error(f"ManagerServer {self.address}: {what} failed: {name}: {exc.details()}") from exc
 
     async def quorum(

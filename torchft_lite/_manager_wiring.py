@@ -42,6 +42,17 @@ class ManagerParts:
     clock: Callable[[], float] = time.monotonic
     """Seconds, for the durations the Manager reports (tests move a fake one)."""
 
+    def close(self, control: ControlPlane, log: Callable[..., None], wait: bool) -> None:
+        """Stop serving heals, then stop the channel (and the ManagerServer with it); failures are logged."""
+        try:
+            self.transport.shutdown(wait=wait)
+        except Exception as exc:  # still stop the server below
+            log(logging.WARNING, "checkpoint transport shutdown failed: %s", exc)
+        try:
+            control.run(self.channel.close(), 10.0, "the ManagerServer to stop")
+        except TimeoutError as exc:
+            log(logging.WARNING, "shutdown incomplete: %s", exc)
+
 
 class ManagerWiring(Protocol):
     def build(self, settings: ManagerSettings, transport: Any, in_place_targets: Callable[[], Any],

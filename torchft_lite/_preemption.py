@@ -1,7 +1,7 @@
 """Graceful leave on a preemption signal (SIGTERM by default).
 
-The handler only notes the signal (and calls ``on_signal``, which abandons a
-quorum still in flight); the training thread leaves at the next safe point,
+The handler only notes the signal (and cancels the quorum in flight, which is
+abandoned); the training thread leaves at the next safe point,
 between steps, where :meth:`PreemptionSignals.pending` tells it to.
 """
 
@@ -22,9 +22,11 @@ logger = logging.getLogger(__name__)
 class PreemptionSignals:
     """Installs handlers for ``signals`` on the main thread; :meth:`restore` puts the previous ones back."""
 
-    def __init__(self, signals: Sequence[int], on_signal: Callable[[int], None]) -> None:
+    def __init__(self, signals: Sequence[int], quorum_in_flight: Callable[[], Any]) -> None:
+        """On a signal, only note it (the training thread leaves at the next safe point) and cancel the
+        future ``quorum_in_flight()`` returns, if any: the quorum under way is abandoned."""
         self.received: int | None = None
-        self._on_signal = on_signal
+        self._quorum_in_flight = quorum_in_flight
         self._previous: dict[int, Any] = {}
         if not signals:
             return
@@ -38,7 +40,10 @@ class PreemptionSignals:
     def _handle(self, signum: int, frame: Any) -> None:
         if self.received is None:
             self.received = signum
-            self._on_signal(signum)
+            logger.warning("received %s: leaving after this step", signal.Signals(signum).name)
+            quorum = self._quorum_in_flight()
+            if quorum is not None:
+                quorum.cancel()
 
     @property
     def pending(self) -> str | None:

@@ -12,6 +12,9 @@ assignments:
 * a member is behind when its step is below the max, or, at step 0 with
   ``init_sync``, when it is not the primary (so every replica starts from the
   same weights);
+* (ours) so is a member at the max step whose state fingerprint differs
+  from the one a majority advertises (:mod:`torchft_lite._fingerprint_vote`):
+  it heals from them; with no majority the quorum fails for every member;
 * the behind members are dealt round-robin over the up-to-date ones, offset by
   the group rank so different group ranks heal from different peers;
 * striping (ours): when every member advertises ``heal_sources`` K > 1 in its
@@ -30,6 +33,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from torchft_lite._fingerprint_vote import Advertised, vote
+from torchft_lite.errors import StateDivergedError
+
 __all__ = ["QuorumMember", "QuorumResult", "compute_quorum_result", "heal_sources_of", "member_data", "response_of"]
 
 HEAL_SOURCES_KEY = "heal_sources"
@@ -46,6 +52,7 @@ class QuorumMember:
     world_size: int = 1
     commit_failures: int = 0
     heal_sources: int = 1  # how many sources it can heal from at once (see heal_sources_of)
+    fingerprint: Advertised | None = None  # of the state at its step (see _fingerprint_vote)
 
 
 @dataclass(frozen=True)
@@ -78,7 +85,8 @@ def compute_quorum_result(
 ) -> QuorumResult:
     """Ranks, max step, store and heal assignment for ``replica_id``'s ``group_rank``.
 
-    Raises ``ValueError`` when the replica is not a member or the quorum is empty.
+    Raises ``ValueError`` when the replica is not a member or the quorum is empty, and
+    ``StateDivergedError`` when the members at the max step advertise fingerprints with no majority.
     """
     if not members:
         raise ValueError(f"quorum {quorum_id} has no members")
@@ -92,14 +100,18 @@ def compute_quorum_result(
         raise ValueError(f"replica {replica_id!r} is not a member of quorum {quorum_id} ({len(ids)} members)") from None
 
     max_step = max(m.step for m in ordered)
-    at_max = [rank for rank, m in enumerate(ordered) if m.step == max_step]
+    verdict = vote([(m.replica_id, m.step, m.fingerprint) for m in ordered])
+    if verdict is not None and verdict.split:
+        raise StateDivergedError(f"{StateDivergedError.MARK} {verdict.describe()}")
+    corrupt = set(verdict.corrupt) if verdict is not None else set()  # at the max step, but not up to date
+    at_max = [rank for rank, m in enumerate(ordered) if m.step == max_step and m.replica_id not in corrupt]
     primary = ordered[at_max[group_rank % len(at_max)]]
     force_recover = init_sync and max_step == 0
 
     behind = [
         rank
         for rank, m in enumerate(ordered)
-        if m.step != max_step or (force_recover and m.replica_id != primary.replica_id)
+        if m.step != max_step or m.replica_id in corrupt or (force_recover and m.replica_id != primary.replica_id)
     ]
     behind_set = set(behind)
     up_to_date = [rank for rank in range(len(ordered)) if rank not in behind_set]

@@ -9,6 +9,7 @@ torchft).
 from __future__ import annotations
 
 import concurrent.futures
+import time
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -86,6 +87,20 @@ class Step:
 
     work: list[Any] = field(default_factory=list)
     """Every collective this step started (``ManagedWork``)."""
+
+    # Where the training thread's time went (``step_report.StepReport``), ``time.monotonic()``.
+    started_at: float = field(default_factory=time.monotonic)
+    """``start_quorum`` began."""
+    compute_from: float | None = None
+    """``start_quorum`` returned: the forward and backward pass run."""
+    first_allreduce_at: float | None = None
+    """The first ``allreduce`` call."""
+    commit_from: float | None = None
+    """``should_commit`` was called."""
+    late_quorum_wait: float = 0.0
+    """Seconds blocked on the quorum after ``start_quorum`` returned (``wait_quorum``)."""
+    healed: Any = None
+    """The applied heal: its ``HealResult`` without the state."""
 
     def member_gone(self) -> str | None:
         """Why a member of this step's quorum left, if one did."""

@@ -31,7 +31,9 @@ class StepListeners:
         """Call ``event`` (a ``StepListener`` method name) on every listener."""
         for listener in list(self._listeners):
             try:
-                getattr(listener, event)(*args)
+                method = getattr(listener, event, None)
+                if method is not None:  # an event newer than the listener (``step_finished``) is optional
+                    method(*args)
             except Exception as exc:  # logged with its traceback; the step goes on
                 self._log(logging.ERROR, "step listener %s.%s failed: %s: %s", type(listener).__name__, event,
                           type(exc).__name__, exc, exc_info=(type(exc), exc, exc.__traceback__))

@@ -9,6 +9,10 @@ code   name                        for the scheduler
 65     EXIT_CODE_BAD_REPLICA       this group's gradients were non-finite too many steps in a row
                                    (``EX_DATAERR``; torchft_lite.health): replace it, on another host
                                    if its accelerator is suspect
+70     EXIT_CODE_DIVERGED          replica groups at the same step hold different states and no
+                                   majority agrees (``EX_SOFTWARE``; torchft_lite.fingerprint): every
+                                   group stops, nothing commits; resume the whole job from its last
+                                   durable checkpoint (a person may want to find the bad host first)
 75     EXIT_CODE_RESCHEDULE        a watchdog section timed out (``EX_TEMPFAIL``): restart it,
                                    elsewhere if the host is suspect
 78     EXIT_CODE_FATAL             a setting or the checkpoint directory is wrong (``EX_CONFIG``;
@@ -28,10 +32,10 @@ from __future__ import annotations
 import logging
 from typing import Callable
 
-from torchft_lite.errors import CheckpointMismatchError, ConfigError, NonFiniteError
+from torchft_lite.errors import CheckpointMismatchError, ConfigError, NonFiniteError, StateDivergedError
 from torchft_lite.watchdog import EXIT_CODE_PREEMPTED, EXIT_CODE_RESCHEDULE
 
-__all__ = ["EXIT_CODE_BAD_REPLICA", "EXIT_CODE_DONE", "EXIT_CODE_FAILED", "EXIT_CODE_FATAL", "EXIT_CODE_PREEMPTED", "EXIT_CODE_RESCHEDULE",
+__all__ = ["EXIT_CODE_BAD_REPLICA", "EXIT_CODE_DIVERGED", "EXIT_CODE_DONE", "EXIT_CODE_FAILED", "EXIT_CODE_FATAL", "EXIT_CODE_PREEMPTED", "EXIT_CODE_RESCHEDULE",
            "exit_code_for", "run"]
 
 logger = logging.getLogger(__name__)
@@ -39,6 +43,7 @@ logger = logging.getLogger(__name__)
 EXIT_CODE_DONE = 0
 EXIT_CODE_FAILED = 1
 EXIT_CODE_BAD_REPLICA = 65
+EXIT_CODE_DIVERGED = 70
 EXIT_CODE_FATAL = 78
 
 
@@ -50,6 +55,8 @@ def exit_code_for(exc: BaseException) -> int:
         return EXIT_CODE_FATAL
     if isinstance(exc, NonFiniteError):
         return EXIT_CODE_BAD_REPLICA
+    if isinstance(exc, StateDivergedError):
+        return EXIT_CODE_DIVERGED
     return EXIT_CODE_FAILED
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -38,12 +39,15 @@ import torch
 from torch.distributed import ReduceOp
 
 from torchft_lite._step import Step, start_allreduce
-from torchft_lite.errors import ConfigError, NonFiniteError
+from torchft_lite.errors import ConfigError, NonFiniteError, StateDivergedError
+from torchft_lite.fingerprint import DEFAULT_EXCLUDE, Fingerprinter
+from torchft_lite.step_report import ComputeAdvertiser
 
-__all__ = ["HealthConfig", "NONFINITE_GUARD_ENV", "MAX_NONFINITE_STEPS_ENV"]
+__all__ = ["FINGERPRINT_EVERY_ENV", "HealthConfig", "MAX_NONFINITE_STEPS_ENV", "NONFINITE_GUARD_ENV"]
 
 NONFINITE_GUARD_ENV = "TORCHFT_LITE_NONFINITE_GUARD"
 MAX_NONFINITE_STEPS_ENV = "TORCHFT_LITE_MAX_NONFINITE_STEPS"
+FINGERPRINT_EVERY_ENV = "TORCHFT_LITE_FINGERPRINT_EVERY"
 
 
 @dataclass(frozen=True)
@@ -54,10 +58,20 @@ class HealthConfig:
     """Keep non-finite gradients out of the average (must match in every group of the job)."""
     max_nonfinite_steps: int = 3
     """A group whose own gradients were non-finite this many steps in a row leaves (exit code 65)."""
+    fingerprint_every: int = 100
+    """Fingerprint the state every this many steps; 0 turns it off (``torchft_lite.fingerprint``)."""
+    fingerprint_exclude: str | None = DEFAULT_EXCLUDE
+    """A regular expression: state paths it matches are not fingerprinted (state groups may hold differently)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_nonfinite_steps, int) or self.max_nonfinite_steps < 1:
             raise ConfigError(f"max_nonfinite_steps must be an int >= 1, got {self.max_nonfinite_steps!r}")
+        if not isinstance(self.fingerprint_every, int) or self.fingerprint_every < 0:
+            raise ConfigError(f"fingerprint_every must be an int >= 0 (0: off), got {self.fingerprint_every!r}")
+        try:
+            re.compile(self.fingerprint_exclude or "")
+        except re.error as exc:
+            raise ConfigError(f"fingerprint_exclude is not a regular expression: {exc}") from None
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> "HealthConfig":
@@ -66,12 +80,30 @@ class HealthConfig:
         flag = environ.get(NONFINITE_GUARD_ENV, "1").strip().lower()
         if flag not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
             raise ConfigError(f"{NONFINITE_GUARD_ENV} must be 1 or 0, got {flag!r}")
-        raw = environ.get(MAX_NONFINITE_STEPS_ENV, str(cls.max_nonfinite_steps)).strip()
-        try:
-            limit = int(raw)
-        except ValueError:
-            raise ConfigError(f"{MAX_NONFINITE_STEPS_ENV} must be an integer >= 1, got {raw!r}") from None
-        return cls(nonfinite_guard=flag in ("1", "true", "yes", "on"), max_nonfinite_steps=limit)
+        limit = _int_env(environ, MAX_NONFINITE_STEPS_ENV, cls.max_nonfinite_steps, ">= 1")
+        every = _int_env(environ, FINGERPRINT_EVERY_ENV, cls.fingerprint_every, ">= 0 (0: off)")
+        return cls(nonfinite_guard=flag in ("1", "true", "yes", "on"), max_nonfinite_steps=limit,
+                   fingerprint_every=every)
+
+
+def _int_env(environ: Mapping[str, str], name: str, default: int, what: str) -> int:
+    raw = environ.get(name, str(default)).strip()
+    try:
+        return int(raw)
+    except ValueError:
+        raise ConfigError(f"{name} must be an integer {what}, got {raw!r}") from None
+
+
+def rank0_listeners(config: HealthConfig, state: Callable[[], Any], advertise: Callable[[str, object], None] | None,
+                    channel: Any, log: Callable[..., None]) -> list[Any]:
+    """Group rank 0's health step listeners (none elsewhere: ``advertise`` is None there): its compute time
+    for the lighthouse's straggler scores, and the fingerprints (rank 0's state stands for its group's)."""
+    if advertise is None:
+        return []
+    fingerprinter = Fingerprinter(config.fingerprint_every, state, advertise, log, config.fingerprint_exclude)
+    if config.fingerprint_every and hasattr(channel, "watch_quorums"):
+        channel.watch_quorums(fingerprinter.quorum_issued)
+    return [ComputeAdvertiser(advertise), fingerprinter]
 
 
 class NonFiniteGuard:
@@ -123,7 +155,11 @@ class NonFiniteGuard:
         return torch.futures.collect_all([summed, counted]).then(average)
 
     def judge(self, step: Step, committed: bool) -> None:
-        """After the vote: name this group when its gradients were left out; leave after too many in a row."""
+        """After the vote: name this group when its gradients were left out; leave after too many in a row.
+
+        Replica states that diverged with no majority (fingerprints) raise ``StateDivergedError``: stop."""
+        if isinstance(step.error, StateDivergedError):
+            raise step.error
         if not step.nonfinite:
             if step.collectives_ready:
                 self.in_a_row = 0

@@ -26,6 +26,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from datetime import timedelta
 from typing import Any, Callable, Sequence, TypeVar
 
@@ -43,7 +44,8 @@ from torchft_lite._quorum_round import QuorumRounds
 from torchft_lite._step import Step, WorldSizeMode
 from torchft_lite._step_listeners import StepListeners
 from torchft_lite.errors import CollectiveError, ManagerError, ManagerTimeout, QuorumError, QuorumTimeout
-from torchft_lite.health import HealthConfig, NonFiniteGuard
+from torchft_lite.health import HealthConfig, NonFiniteGuard, rank0_listeners
+from torchft_lite.step_report import report_of
 from torchft_lite.watchdog import Watchdog, WatchdogConfig
 from torchft_lite.work import DoneWork, ManagedWork, _ManagedWork, guard_future  # noqa: F401  (torchft's name)
 
@@ -98,9 +100,8 @@ class Manager:
             ``$TORCHFT_LITE_HEAL_SOURCES``; only when every member advertises as many and the transport stripes).
         heal_in_place: the default ``HTTPTransport`` receives a heal into the live tensors (default True, or
             ``$TORCHFT_LITE_HEAL_IN_PLACE``); :meth:`Healer.in_place_targets` says why that is safe.
-        wiring: what the Manager connects to (default: the group's TCPStore, a ManagerServer on group rank 0,
-            HTTP heals); ``torchft_lite.testing`` has one without sockets.
-        health: the non-finite guard (default: on, from the environment; ``torchft_lite.health``).
+        wiring: what the Manager connects to (default: TCPStore, ManagerServer, HTTP heals; or ``testing``'s).
+        health: the non-finite guard and fingerprints (default: on, from the environment; ``torchft_lite.health``).
         """
         s = self._settings = ManagerSettings.resolve(  # everything is validated before anything starts
             min_replica_size=min_replica_size, timeout=timeout, quorum_timeout=quorum_timeout,
@@ -128,8 +129,9 @@ class Manager:
                                                   self._control)
         self._parts = parts  # keeps the store client alive as long as the Manager
         self._replica_id, self._channel = parts.replica_id, parts.channel
-        self._guard = NonFiniteGuard(health or HealthConfig.from_env(os.environ), self._log, self._record,
-                                     self._channel.advertise if isinstance(self._channel, Advertises) else None)
+        advertise = self._channel.advertise if isinstance(self._channel, Advertises) else None
+        health = health or HealthConfig.from_env(os.environ)
+        self._guard = NonFiniteGuard(health, self._log, self._record, advertise)
         defaults = WatchdogConfig(quorum=s.quorum_timeout + s.timeout + 60.0, heal=3 * s.timeout + 60.0,
                                   step=s.quorum_timeout + 5 * s.timeout + 300.0)
         self.watchdog = Watchdog(watchdog or WatchdogConfig.from_env(os.environ, defaults),
@@ -137,6 +139,8 @@ class Manager:
         self._healer = Healer(parts.transport, self._channel.peer_metadata, self.state_dict, self.load_state_dict,
                               in_place=parts.heal_in_place, timeout=s.timeout, log=self._log, record=self._record,
                               watchdog=self.watchdog, clock=parts.clock)
+        for listener in rank0_listeners(health, self._healer.user_state, advertise, self._channel, self._log):
+            self._listeners.add(listener)  # compute times (stragglers) and fingerprints
         if load_state_dict is not None and state_dict is not None:
             self.register_state_dict_fn("default", load_state_dict, state_dict)
         self._rounds = QuorumRounds(
@@ -148,7 +152,7 @@ class Manager:
                                     MEMBER_GONE_GRACE)
         self._control.run(self._channel.follow_events(self._members.on_event), s.connect_timeout,
                           "the lighthouse event stream to start")
-        self._preemption = PreemptionSignals(preemption_signals, self._on_preemption_signal)
+        self._preemption = PreemptionSignals(preemption_signals, lambda: self._current.quorum)
         # A child-process group starts its child now: join the first quorum once it can configure.
         if isinstance(pg, WarmsUp):
             pg.wait_warm(timedelta(seconds=s.connect_timeout))
@@ -206,6 +210,7 @@ class Manager:
             self._await(step, step.quorum, "the quorum and heal")
             if step.healing:
                 step.healing = not self._healer.apply(step)  # a healed replica takes part
+        step.compute_from = time.monotonic()
 
     def _raise_quorum_failure(self, step: Step) -> None:
         """Synchronous quorum: a failed Quorum call raises, as torchft's does (a failed heal is only recorded)."""
@@ -229,7 +234,10 @@ class Manager:
         step = self._current
         if step.ready is None:
             raise RuntimeError("wait_quorum() called before start_quorum()")
+        began = time.monotonic()
         self._await(step, step.ready, "the quorum")
+        if step.compute_from is not None:  # blocked after start_quorum returned (StepReport.quorum_s)
+            step.late_quorum_wait += time.monotonic() - began
         self.watchdog.end("quorum")
 
     def _backstop(self) -> float:  # the coroutine bounds each of its own waits; this is the backstop
@@ -261,8 +269,9 @@ class Manager:
         Never raises: on error the step is marked failed and the returned work
         resolves with ``tensor`` as it is.
         """
-        self.wait_quorum()
         step = self._current
+        step.first_allreduce_at = step.first_allreduce_at or time.monotonic()
+        self.wait_quorum()
         self._healer.publish(step, self._step)
         if not step.collectives_ready:
             # No process group for this quorum: peers can't be in step with us.
@@ -301,12 +310,6 @@ class Manager:
 
     # ------------------------------------------------------------ graceful leave
 
-    def _on_preemption_signal(self, signum: int) -> None:
-        # Only note it: the training thread leaves at the next safe point. Abandon a quorum in flight.
-        self._log(logging.WARNING, "received %s: leaving after this step", signal.Signals(signum).name)
-        if self._current.quorum is not None:
-            self._current.quorum.cancel()
-
     def _maybe_leave(self) -> None:
         """At a safe point (between steps): leave if a preemption signal arrived."""
         if self._preemption.pending is not None and not self._closed:
@@ -338,6 +341,7 @@ class Manager:
         step = self._current
         if step.quorum is None:
             raise RuntimeError("should_commit() called before start_quorum()")
+        step.commit_from = time.monotonic()
         self._await(step, step.quorum, "the quorum and heal")
         self.watchdog.end("quorum")
         self._listeners.notify("state_changing")
@@ -392,6 +396,7 @@ class Manager:
         step.open = False
         self.watchdog.end("step")
         self.watchdog.end("heal")
+        self._listeners.notify("step_finished", report_of(step, decision, self._rounds.quorum_id))
         if step.torn_at_max_step:
             # Nobody can heal it and its state mixes two steps: stop (restart it from a durable
             # checkpoint, or heal it once a peer is ahead).
@@ -433,14 +438,7 @@ class Manager:
         self._preemption.restore()
         if self._current.quorum is not None:
             self._current.quorum.cancel()
-        try:
-            self._healer.transport.shutdown(wait=wait)
-        except Exception as exc:  # still stop the server below; the failure is logged
-            self._log(logging.WARNING, "checkpoint transport shutdown failed: %s", exc)
-        try:
-            self._control.run(self._channel.close(), 10.0, "the ManagerServer to stop")
-        except TimeoutError as exc:
-            self._log(logging.WARNING, "shutdown incomplete: %s", exc)
+        self._parts.close(self._control, self._log, wait)
 
     def _log(self, level: int, msg: str, *args: Any, exc_info: Any = None) -> None:
         if logger.isEnabledFor(level):

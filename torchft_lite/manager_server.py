@@ -52,8 +52,10 @@ from lighthouse.rpc.h2grpc import GrpcServer, RpcAbort
 from lighthouse.rpc.refusals import RefusalLog
 from lighthouse.rpc.tls import ALPN_GRPC, TlsSettings
 from torchft_lite._lighthouse_link import LighthouseLink
+from torchft_lite._server_rounds import QuorumRound, VoteRound
 from torchft_lite._quorum_compute import QuorumMember, compute_quorum_result, heal_sources_of, member_data, response_of
-from torchft_lite.errors import QuorumError, QuorumTimeout
+from torchft_lite._fingerprint_vote import parse_fingerprint
+from torchft_lite.errors import QuorumError, QuorumTimeout, StateDivergedError
 
 __all__ = ["ManagerServer", "ManagerServerConfig", "EXIT_CODE_KILLED"]
 
@@ -101,25 +103,6 @@ class ManagerServerConfig:
             raise ValueError(f"heal_sources must be >= 1, got {self.heal_sources}")
 
 
-@dataclass
-class _QuorumRound:
-    requests: dict[int, pb.ManagerQuorumRequest] = field(default_factory=dict)
-    deadlines: dict[int, float] = field(default_factory=dict)  # loop time, per rank: of its latest request
-    result: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-
-    @property
-    def deadline(self) -> float | None:
-        """The earliest deadline among the ranks' current requests."""
-        return min(self.deadlines.values(), default=None)
-
-
-@dataclass
-class _VoteRound:
-    step: int
-    votes: dict[int, bool] = field(default_factory=dict)
-    result: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-
-
 @dataclass(frozen=True)
 class ManagerServerStatistics:
     quorums: int
@@ -162,13 +145,14 @@ class ManagerServer:
             self._grpc.add_unary(f"/{SERVICE}/{name}", handler)
         self._grpc.add_server_stream(f"/{SERVICE}/Events", self._rpc_events)
         self._port: int | None = None
-        self._quorum_round: _QuorumRound | None = None
-        self._vote_round: _VoteRound | None = None
+        self._quorum_round: QuorumRound | None = None
+        self._vote_round: VoteRound | None = None
         self._checkpoint_metadata: dict[int, str] = {}
         self._tasks: set[asyncio.Task] = set()
         self._link = LighthouseLink(self._lighthouse, config.replica_id, config.heartbeat_interval)
         self._quorums = 0
         self._advertised: dict[str, object] = {}
+        self._quorum_watchers: list[Callable[[list[tuple[str, int, str]]], None]] = []
         self._quorum_failures = 0
         self._last_quorum_id: int | None = None
 
@@ -191,6 +175,10 @@ class ManagerServer:
             self._advertised.pop(key, None)
         else:
             self._advertised[key] = value
+
+    def add_quorum_watcher(self, watch: Callable[[list[tuple[str, int, str]]], None]) -> None:
+        """Call ``watch`` with each quorum's ``(replica id, step, data)`` members, on the server's loop."""
+        self._quorum_watchers.append(watch)
 
     def _advertised_data(self) -> str:
         return json.dumps(self._advertised, separators=(",", ":"), sort_keys=True) if self._advertised else ""
@@ -252,7 +240,7 @@ class ManagerServer:
         self._checkpoint_metadata[rank] = request.checkpoint_metadata
         round_ = self._quorum_round
         if round_ is None:
-            round_ = self._quorum_round = _QuorumRound()
+            round_ = self._quorum_round = QuorumRound()
         round_.requests[rank] = request  # a rank that retries replaces its request, and its deadline
         if timeout is not None:
             # Absolute: a rank that asked early also gives up early.
@@ -268,7 +256,7 @@ class ManagerServer:
             raise RpcAbort(exc.code, str(exc)) from None
         members = [
             QuorumMember(p.replica_id, p.address, p.store_address, p.step, p.world_size, p.commit_failures,
-                         heal_sources=heal_sources_of(p.data))
+                         heal_sources=heal_sources_of(p.data), fingerprint=parse_fingerprint(p.data))
             for p in quorum.participants
         ]
         # Group rank r of every replica group forms one process group, so every
@@ -283,6 +271,8 @@ class ManagerServer:
             result = compute_quorum_result(
                 quorum.quorum_id, members, self.config.replica_id, rank, init_sync=request.init_sync
             )
+        except StateDivergedError as exc:
+            raise RpcAbort(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
         except ValueError as exc:
             raise RpcAbort(grpc.StatusCode.INTERNAL, str(exc)) from None
         return response_of(result)
@@ -294,13 +284,15 @@ class ManagerServer:
             async with asyncio.timeout(timeout):
                 return await self.quorum(request, timeout)
         except RpcAbort as exc:
+            if exc.details.startswith(StateDivergedError.MARK):
+                raise StateDivergedError(exc.details) from exc
             raise QuorumError(f"ManagerServer {self.address()} (in-process): {what} failed: "
                               f"{exc.code.name}: {exc.details}") from exc
         except TimeoutError as exc:
             raise QuorumTimeout(f"ManagerServer {self.address()} (in-process): {what} got no answer "
                                 f"within {timeout:.2f}s (status: Cancelled, message: Timeout expired)") from exc
 
-    def _start_lighthouse_quorum(self, round_: _QuorumRound) -> None:
+    def _start_lighthouse_quorum(self, round_: QuorumRound) -> None:
         steps = {rank: r.step for rank, r in sorted(round_.requests.items())}
         if len(set(steps.values())) > 1:
             detail = ", ".join(f"rank {rank} at step {step}" for rank, step in steps.items())
@@ -313,7 +305,7 @@ class ManagerServer:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _lighthouse_quorum(self, round_: _QuorumRound) -> None:
+    async def _lighthouse_quorum(self, round_: QuorumRound) -> None:
         requests = list(round_.requests.values())
         step = requests[0].step
         now = asyncio.get_running_loop().time()
@@ -356,6 +348,12 @@ class ManagerServer:
                 logger.info("[%s] quorum %d at step %d: %d member(s)", self.config.replica_id,
                             quorum.quorum_id, step, len(quorum.participants))
             self._last_quorum_id = quorum.quorum_id
+            members = [(p.replica_id, p.step, p.data) for p in quorum.participants]
+            for watch in self._quorum_watchers:  # the Fingerprinter names the groups a corruption hit
+                try:
+                    watch(members)
+                except Exception:
+                    logger.exception("[%s] quorum watcher failed", self.config.replica_id)
             round_.result.set_result(quorum)
             return
         self._quorum_failures += 1
@@ -381,7 +379,7 @@ class ManagerServer:
             self._vote_round = None
             raise RpcAbort(grpc.StatusCode.FAILED_PRECONDITION, message)
         if round_ is None:
-            round_ = self._vote_round = _VoteRound(step=request.step)
+            round_ = self._vote_round = VoteRound(step=request.step)
         round_.votes[rank] = request.should_commit
         if len(round_.votes) == self.config.world_size:
             self._vote_round = None

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -31,6 +32,7 @@ from torch.distributed import ReduceOp
 
 from lighthouse.protocol import torchft_pb2 as pb
 from torchft_lite._control_plane import ControlPlane
+from torchft_lite._fingerprint_vote import parse_fingerprint
 from torchft_lite._manager_settings import ManagerSettings
 from torchft_lite._manager_wiring import ManagerParts
 from torchft_lite._quorum_compute import QuorumMember, compute_quorum_result, response_of
@@ -275,6 +277,8 @@ class _Channel:
         self.listeners: list[Callable[[pb.LeaseEvent], None]] = []
         self.metadata = ""
         self.advertised: dict[str, Any] = {}
+        self.data = ""  # ``advertised`` as the last quorum request carried it
+        self.watchers: list[Callable[[list[tuple[str, int, str]]], None]] = []
 
     def advertise(self, key: str, value: Any) -> None:
         """What the group would send in ``QuorumMember.data`` (kept for tests to read)."""
@@ -285,11 +289,19 @@ class _Channel:
 
     async def quorum(self, request: pb.ManagerQuorumRequest, timeout: float) -> pb.ManagerQuorumResponse:
         self.metadata = request.checkpoint_metadata
+        self.data = json.dumps(self.advertised, sort_keys=True) if self.advertised else ""
         member = QuorumMember(self.replica_id, self.address, self.lighthouse.store_address, request.step, 1,
-                              request.commit_failures)
+                              request.commit_failures, fingerprint=parse_fingerprint(self.data))
         quorum_id, members = await self.lighthouse._ask(self.replica_id, member, timeout)
+        channels = self.lighthouse._channels
+        for watch in self.watchers:
+            watch([(m.replica_id, m.step, channels[m.replica_id].data if m.replica_id in channels else "")
+                   for m in members])
         return response_of(compute_quorum_result(quorum_id, members, self.replica_id, request.group_rank,
                                                  init_sync=request.init_sync))
+
+    def watch_quorums(self, watch: Callable[[list[tuple[str, int, str]]], None]) -> None:
+        self.watchers.append(watch)
 
     async def should_commit(self, group_rank: int, step: int, vote: bool, timeout: float) -> bool:
         return vote  # a group of one rank votes alone
