@@ -17,6 +17,7 @@ from lighthouse.quorum import QuorumConfig
 from lighthouse.rpc.access import INSECURE_ENV, TOKEN_ENV, TOKEN_FILE_ENV, Access
 from lighthouse.rpc.addresses import split_host_port
 from lighthouse.rpc.tls import CA_ENV, CERT_ENV, KEY_ENV, TlsSettings
+from lighthouse.stragglers import StragglerConfig
 
 ADMIN_TOKEN_ENV = "TORCHFT_LITE_ADMIN_TOKEN"
 DEFAULT_BIND = "[::]:29510"
@@ -70,9 +71,17 @@ class LighthouseConfig:
     grpc_engine: str = "native"
     """'native': the lighthouse's own h2c gRPC server (lighthouse/rpc/h2grpc, about 2.5x
     less server CPU per round than grpc.aio); 'grpcio': grpc.aio."""
+    evict_stragglers: bool = False
+    """Leave a group flagged as a straggler out of the next quorums (lighthouse.straggler_state); off: the
+    flag is only shown and logged."""
+    straggler_threshold: float = 2.0
+    """A group is flagged when its compute time stays above this many times its quorum's median ..."""
+    straggler_patience: int = 3
+    """... for this many quorums in a row (also the eviction cooldown, in quorums)."""
 
     def __post_init__(self) -> None:
         self.quorum_config()  # validates min_replicas and the timeouts
+        self.straggler_config()  # and the straggler settings
         if not isinstance(self.quorum_tick, (int, float)) or not math.isfinite(self.quorum_tick) or self.quorum_tick <= 0:
             raise ValueError(f"quorum_tick must be > 0 seconds, got {self.quorum_tick!r}")
         if not self.kill_timeout > 0:
@@ -104,6 +113,10 @@ class LighthouseConfig:
             startup_grace=self.heartbeat_timeout if self.startup_grace is None else self.startup_grace,
             holder_timeout=self.holder_timeout,
         )
+
+    def straggler_config(self) -> StragglerConfig:
+        return StragglerConfig(threshold=self.straggler_threshold, patience=self.straggler_patience,
+                               evict=self.evict_stragglers)
 
     # ------------------------------------------------------------------ CLI
 
@@ -195,6 +208,25 @@ class LighthouseConfig:
             "'grpcio' (grpc.aio)",
         )
         parser.add_argument(
+            "--evict-stragglers", "--evict_stragglers", action="store_true",
+            help="leave a group flagged as a straggler (see --straggler-threshold) out of the next quorums; it "
+            "keeps heartbeating, its Quorum call waits, and it is readmitted after --straggler-patience quorums "
+            "without it (doubled for each eviction in a row), behind, and heals. Never below min_replicas or a "
+            "strict majority of the healthy groups (never one of two): then the flag is only reported. Default: "
+            "only report (dashboard, /api/status, /metrics, a WARNING)",
+        )
+        parser.add_argument(
+            "--straggler-threshold", "--straggler_threshold", type=float, default=2.0,
+            help="a group is flagged as a straggler when its compute time (advertised as compute_ms by "
+            "torchft_lite managers) stays above this many times the median of its quorum's (smoothed over 3 "
+            "quorums), for --straggler-patience quorums in a row; must be > 1",
+        )
+        parser.add_argument(
+            "--straggler-patience", "--straggler_patience", type=int, default=3,
+            help="quorums in a row a group must stay above --straggler-threshold to be flagged; also the "
+            "eviction cooldown, in quorums; must be >= 1",
+        )
+        parser.add_argument(
             "--log-level", "--log_level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
             help="logging level",
         )
@@ -222,4 +254,7 @@ class LighthouseConfig:
             tls=TlsSettings.from_env(environ, cert=args.tls_cert, key=args.tls_key),
             state_dir=args.state_dir,
             grpc_engine=args.grpc_engine,
+            evict_stragglers=args.evict_stragglers,
+            straggler_threshold=args.straggler_threshold,
+            straggler_patience=args.straggler_patience,
         )

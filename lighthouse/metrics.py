@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from lighthouse.straggler_view import StragglerCollector
 from lighthouse.validation import REASONS
 from lighthouse.view import LighthouseView
 
@@ -75,6 +76,7 @@ class _StatisticsCollector(Collector):
 def build_registry(server: LighthouseView) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=True)
     registry.register(_StatisticsCollector(server))
+    registry.register(StragglerCollector(server))
     formation = Histogram(
         "lighthouse_quorum_formation_seconds",
         "Time from the first participant's join to the quorum being issued.",

@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from lighthouse.stragglers import ComputeSample
+
 __all__ = ["Decision", "Epoch", "IssuedQuorum", "Member", "QuorumConfig", "Status"]
 
 
@@ -65,6 +67,9 @@ class Member:
     """The step of the durable checkpoint the replica resumed from, as it
     advertises (``"resumed_from"`` in ``QuorumMember.data``); equal to ``step``
     while it has not committed since. None when it says nothing."""
+    compute: ComputeSample | None = field(default=None, compare=False)
+    """Its compute time of its last finished step, as it advertises (``"compute_ms"``/``"compute_step"``
+    in ``QuorumMember.data``, see :mod:`lighthouse.stragglers`); None when it says nothing valid."""
 
 
 @dataclass(frozen=True)

@@ -27,10 +27,11 @@ from lighthouse.epochs import StaleReplica, resumed_from_of
 from lighthouse.fencing import QuorumIdStore
 from lighthouse.leases import LeaseHeld, LeaseTable
 from lighthouse.protocol import torchft_pb2 as pb
-from lighthouse.quorum import Epoch, IssuedQuorum, Member, QuorumState, Status
+from lighthouse.quorum import Epoch, IssuedQuorum, Member, Status
 from lighthouse.rpc.addresses import split_host_port
 from lighthouse.rpc.broadcast import Broadcast
 from lighthouse.rpc.engines import RefusalLog, Server, Service, start_service
+from lighthouse.straggler_state import StragglerQuorumState, StragglerStatistics
 from lighthouse.validation import MAX_REPLICA_ID_LEN, RequestChecks  # noqa: F401  (importable from here)
 from lighthouse.view import LighthouseStatistics
 
@@ -60,8 +61,9 @@ class LighthouseServer:
         self._ids = QuorumIdStore(config.state_dir, wall_clock)
         seed = self._ids.initial()
         self._restart_evidence = self._ids.restart_evidence
-        self._state = QuorumState(config.quorum_config(), last_quorum_id=seed, started_at=clock(),
-                                  max_step=self._ids.initial_max_step(), restart_evidence=self._restart_evidence)
+        self._state = StragglerQuorumState(config.quorum_config(), config.straggler_config(), last_quorum_id=seed,
+                                           started_at=clock(), max_step=self._ids.initial_max_step(),
+                                           restart_evidence=self._restart_evidence)
         self._waiters: dict[str, list[asyncio.Future[bytes]]] = {}
         # Last Quorum request of each replica still worth showing (heartbeating,
         # participating or in the last quorum); pruned with them.
@@ -199,7 +201,8 @@ class LighthouseServer:
         self._leases.saw(replica_id, context.peer(), self._clock())
         self._counts["quorum_requests"] += 1
         member = Member(replica_id, requester.shrink_only, requester.commit_failures, payload=requester,
-                        step=requester.step, resumed_from=resumed_from_of(requester.data))
+                        step=requester.step, resumed_from=resumed_from_of(requester.data),
+                        compute=self._state.sample_of(replica_id, requester.data))
         try:
             self._state.join(member, self._clock())
         except StaleReplica as exc:
@@ -420,6 +423,10 @@ class LighthouseServer:
             epochs=0 if self._state.epoch is None else self._state.epoch.number,
             fenced_requests=self._counts["fenced_requests"],
         )
+
+    def stragglers(self) -> StragglerStatistics:
+        """Every group's compute-time scores, flags and evictions (read by /api/status and /metrics)."""
+        return self._state.straggler_statistics()
 
     def add_formation_observer(self, observe: Callable[[float], None]) -> None:
         """Call ``observe(seconds)`` with the formation time of each issued quorum."""

@@ -7,6 +7,7 @@ from dataclasses import asdict
 
 from lighthouse.protocol import torchft_pb2 as pb
 from lighthouse.quorum import Epoch, QuorumState
+from lighthouse.straggler_view import straggler_rows, straggler_summary
 from lighthouse.view import LighthouseView
 
 
@@ -44,6 +45,8 @@ def build_status(
     heartbeat_age = {rid: now - last for rid, last in state.heartbeats()}
     participants = {member.replica_id: joined for member, joined in state.participants()}
     prev = state.previous_quorum
+    stragglers = server.stragglers()
+    straggler = straggler_rows(stragglers)
 
     members = []
     if prev is not None:
@@ -56,6 +59,7 @@ def build_status(
                 heartbeat_age_s=age,
                 healthy=age is not None and age < config.heartbeat_timeout,
                 participating=m.replica_id in participants,
+                straggler=straggler.get(m.replica_id),
             )
             members.append(row)
 
@@ -71,6 +75,7 @@ def build_status(
             in_quorum=rid in in_quorum,
             participating=joined is not None,
             waiting_s=None if joined is None else now - joined,
+            straggler=straggler.get(rid),
         )
         replicas.append(row)
 
@@ -90,6 +95,7 @@ def build_status(
         },
         "status": {"state": stats.status, "reason": stats.reason},
         "epoch": epoch_row(state.epoch, now),
+        "stragglers": straggler_summary(stragglers),
         "quorum": None if prev is None else {
             "quorum_id": prev.quorum_id,
             "age_s": now - prev.issued_at,

@@ -13,6 +13,7 @@ from lighthouse.config import LighthouseConfig
 from lighthouse.protocol import torchft_pb2 as pb
 from lighthouse.quorum_data import Epoch
 from lighthouse.rpc.refusals import RefusalLog
+from lighthouse.straggler_state import StragglerStatistics
 
 __all__ = ["LighthouseStatistics", "LighthouseView"]
 
@@ -71,6 +72,9 @@ class LighthouseView(Protocol):
 
     def add_formation_observer(self, observe: Callable[[float], None]) -> None:
         """Call ``observe(seconds)`` with the formation time of each issued quorum."""
+
+    def stragglers(self) -> StragglerStatistics:
+        """Every group's compute-time scores, flags and evictions (lighthouse.straggler_state)."""
 
     def snapshot(self) -> dict:
         """Everything the dashboard shows, as plain JSON-able data."""
