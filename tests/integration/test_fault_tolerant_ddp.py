@@ -245,7 +245,8 @@ def test_a_group_with_nan_gradients_is_left_out_and_every_group_stays_identical_
 
 def test_nan_gradients_k_steps_in_a_row_end_the_group_with_exit_code_65_and_the_others_go_on(tmp_path):
     """``max_nonfinite_steps`` (3 by default) NaN steps in a row: the group leaves with EXIT_CODE_BAD_REPLICA;
-    the other finishes. The other injects a bit flip (``--inject-bitflip-at``), which nothing catches yet."""
+    the other finishes. The other injects a bit flip (``--inject-bitflip-at``): alone by then, it has nobody to
+    compare fingerprints with (tests/integration/test_fingerprints_e2e.py has groups that do)."""
     with cluster(tmp_path, min_replicas=1, join_timeout=5.0) as (_, add, report):
         bad = add(0, 2, steps=10, extra=("--inject-group", "0", "--inject-nan-at", "2", "--inject-nan-times", "5"))
         good = add(1, 2, steps=10, extra=("--inject-group", "1", "--inject-bitflip-at", "3"))
