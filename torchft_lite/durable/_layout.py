@@ -8,7 +8,7 @@
                                      (state-r0.tft alone with replicated_in_group=True)
     DIR/.staging-000000000100-ID/    the writing group's files while they are written (ID: its replica id)
     DIR/local/step-000000000100/     rank-local state, one small file per (group, rank):
-        GROUP-r0.tft                 RNG states and registered local state (data position)
+        GROUP-r0.tft                 RNG states, registered local state (data position), watchdog calibration
 
 A checkpoint is complete only when ``step-N/MANIFEST.json`` exists and reads
 back: the writing group assembles everything in its staging directory, its

@@ -24,6 +24,7 @@ from torchft_lite.durable import _rng
 from torchft_lite.durable._files import read_state_file
 from torchft_lite.durable._layout import CheckpointInfo, Layout, read_manifest
 from torchft_lite.errors import CheckpointError, CheckpointMismatchError, DurableCheckpointError
+from torchft_lite.watchdog import Watchdog
 
 __all__ = ["GroupAgreement", "Resumer", "check_fits"]
 
@@ -129,6 +130,9 @@ class Resumer:
         if local is None:
             return
         restored = _rng.restore(local.get("rng", {}))
+        watchdog = getattr(self._manager, "watchdog", None)
+        if "watchdog" in local and isinstance(watchdog, Watchdog):  # absent from checkpoints written before it
+            watchdog.load_calibration_state(local["watchdog"])  # refuses garbage with a WARNING
         pieces = local.get("local", {})
         for key, load in self._local_loaders.items():
             if key in pieces:

@@ -49,6 +49,7 @@ from torchft_lite.durable._files import (
 from torchft_lite.durable._layout import CheckpointInfo, Layout
 from torchft_lite.durable._resume import GroupAgreement, Resumer
 from torchft_lite.errors import CheckpointError, ConfigError, DurableCheckpointError
+from torchft_lite.watchdog import Watchdog
 
 __all__ = ["DurableCheckpointer", "DurableCheckpointStatistics"]
 
@@ -285,6 +286,9 @@ class DurableCheckpointer:
 
     def _capture_local(self, step: int) -> bytes:
         local = {"rng": _rng.capture(), "local": {key: fn() for key, (fn, _) in self._local_fns.items()}}
+        watchdog = getattr(self._manager, "watchdog", None)
+        if isinstance(watchdog, Watchdog):  # its observed durations: a restarted job starts calibrated
+            local["watchdog"] = watchdog.calibration_state()
         return encode_to_bytes(step, local)
 
     def _take_buffers(self, flat: FlatStateDict) -> FlatStateDict:
