@@ -12,7 +12,7 @@ TORCH_SPEC ?= torch==2.13.0
 # replace torch; a failure to get it only skips those comparisons.
 TORCHFT_SPEC ?= torchft-nightly==2026.10.26
 
-.PHONY: all venv test test-fast compat demo proto bench bench-ddp bench-recovery bench-heal bench-checkpoint browser clean help
+.PHONY: all venv test test-fast compat demo proto bench bench-ddp bench-recovery bench-heal bench-checkpoint bench-health browser clean help
 
 all: test
 
@@ -26,6 +26,7 @@ help:
 	@echo "make bench-recovery  run benchmarks/recovery_bench.py (stall and rejoin after a SIGKILL, ours vs torchft)"
 	@echo "make bench-heal  run benchmarks/heal_bench.py (state-dict transfer GB/s: ours, torchft's, loopback ceiling)"
 	@echo "make bench-checkpoint  run benchmarks/checkpoint_bench.py (durable checkpoint overhead: ours, DCP async_save, torch.save)"
+	@echo "make bench-health  run benchmarks/health_bench.py (non-finite guard and fingerprint cost per step, 100 MB and 1 GB)"
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -93,6 +94,9 @@ bench-heal: $(STAMP)
 # What durable checkpoints cost: step-time overhead, size, write and resume time, vs DCP and torch.save.
 bench-checkpoint: $(STAMP)
 	$(BIN)/python benchmarks/checkpoint_bench.py
+
+bench-health: $(STAMP)
+	$(BIN)/python benchmarks/health_bench.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -129,8 +129,12 @@ class NonFiniteGuard:
             return start_allreduce(pg, tensor, reduce_op, participants)
         from torch.distributed.distributed_c10d import AllreduceOptions
 
-        finite = torch.isfinite(tensor.sum(dtype=torch.float32))  # on the tensor's device: no host sync
-        tensor.masked_fill_(finite.logical_not(), 0.0)
+        finite = torch.isfinite(tensor.sum(dtype=torch.float32))
+        if tensor.device.type == "cpu":
+            if not bool(finite):  # free on the host, and it saves the (usual) finite bucket a write pass
+                tensor.zero_()
+        else:  # on the device: no host sync before the allreduce is enqueued
+            tensor.masked_fill_(finite.logical_not(), 0.0)
         left_out = (finite.logical_not() & counts).to(torch.float32).reshape(1)
         opts = AllreduceOptions()
         opts.reduceOp = ReduceOp.SUM
