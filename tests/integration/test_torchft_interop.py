@@ -96,7 +96,10 @@ def test_our_client_on_torchfts_lighthouse():
 @requires_torchft
 @pytest.mark.slow
 def test_our_managers_train_on_torchfts_lighthouse(tmp_path):
-    """Two replica groups of examples/train_ddp.py with our Manager, quorums from torchft's lighthouse."""
+    """Two replica groups of examples/train_ddp.py with our Manager, quorums from torchft's lighthouse.
+
+    Fingerprints every 2 steps and each step's compute time ride in ``QuorumMember.data``, which torchft's
+    lighthouse passes through untouched: the groups vote on identical fingerprints and nobody heals."""
     import json
     import time
     from pathlib import Path
@@ -111,7 +114,7 @@ def test_our_managers_train_on_torchfts_lighthouse(tmp_path):
         address = f"http://127.0.0.1:{server.address().rsplit(':', 1)[1]}"
         for g in range(2):
             groups.append(ReplicaGroup(g, 2, address, script, ["--steps", "8", "--report", str(report)],
-                                       log_dir=tmp_path).start())
+                                       log_dir=tmp_path, env={"TORCHFT_LITE_FINGERPRINT_EVERY": "2"}).start())
         deadline = time.monotonic() + 240
         for group in groups:
             assert group.wait(max(1.0, deadline - time.monotonic())) == [0], f"see logs in {tmp_path}"
@@ -122,6 +125,8 @@ def test_our_managers_train_on_torchfts_lighthouse(tmp_path):
         assert sorted(by_step) == list(range(1, 9))
         assert all(len(sums) == 1 for sums in by_step.values()), by_step
         assert len(rows) == 16  # both groups committed every step
+        logs = "".join(p.read_text(errors="replace") for p in tmp_path.glob("group*.log"))
+        assert logs.count("fingerprint of step") >= 2 * 3 and "silent data corruption" not in logs
     finally:
         for group in groups:
             group.stop()
