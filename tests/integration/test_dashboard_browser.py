@@ -157,3 +157,40 @@ def test_a_blocked_job_gets_a_new_epoch_from_the_dashboard_button(browser, tmp_p
         assert (tmp_path / "max_step").read_text().strip() == "0"
         page.screenshot(path=str(tmp_path / "epoch.png"))
         assert errors == []
+
+
+def test_dashboard_shows_straggler_scores_and_an_eviction(browser, tmp_path):
+    import asyncio
+    import json
+
+    from lighthouse.client import LighthouseClient
+
+    async def rounds(port: int) -> None:
+        async with LighthouseClient(f"127.0.0.1:{port}") as client:
+            for step in range(5):  # x is 5x slower: flagged, and evicted, after the 5th quorum
+                for rid in "abx":  # all known as healthy first: with min_replicas=1 nobody forms a quorum alone
+                    await client.heartbeat(rid, timeout=60)
+                await asyncio.gather(*(
+                    client.quorum(rid, timeout=60, step=step,
+                                  data=json.dumps({"compute_ms": ms, "compute_step": step}))
+                    for rid, ms in (("a", 100.0), ("b", 110.0), ("x", 500.0))))
+
+    with BackgroundLighthouse(lighthouse_config(min_replicas=1, evict_stragglers=True)) as lighthouse:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pool.submit(lambda: asyncio.run(rounds(lighthouse.grpc_port))).result(120)
+        page = browser.new_page()
+        errors = []
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        page.goto(f"http://127.0.0.1:{lighthouse.http_port}/")
+        page.wait_for_function("document.querySelectorAll('#replicas tbody tr').length === 3", timeout=30_000)
+        headers = page.locator("#replicas thead th").all_inner_texts()
+        assert headers[-4:] == ["compute", "relative", "individual", "straggler"]
+        rows = {row.locator("td").first.inner_text(): row.locator("td").all_inner_texts()
+                for row in page.locator("#replicas tbody tr").all()}
+        assert rows["x"][-4:] == ["500.0 ms", "4.55x", "-", "evicted: readmitted after 3 more quorums"]
+        assert rows["a"][-4:] == ["100.0 ms", "0.91x", "-", "ok"]
+        assert page.locator("#replicas td.straggler.bad").count() == 1
+        assert "eviction on" in page.locator("#straggler-config").inner_text()
+        assert "left out as stragglers: x" in page.locator("#reason").inner_text()
+        page.screenshot(path=str(tmp_path / "stragglers.png"))
+        assert errors == []
