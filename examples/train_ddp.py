@@ -67,7 +67,10 @@ def parse_args() -> argparse.Namespace:
                         help="for this many step attempts in a row (default 1)")
     faults.add_argument("--inject-bitflip-at", type=int, metavar="STEP",
                         help="before the step attempted at STEP, flip one bit (bit 22, the top of the mantissa) of "
-                             "the first parameter's first element on group rank 0: silent data corruption")
+                             "the first parameter's first element on group rank --inject-rank: silent data "
+                             "corruption")
+    faults.add_argument("--inject-rank", type=int, default=0, metavar="R",
+                        help="the group rank --inject-bitflip-at flips a bit on (default 0)")
     faults.add_argument("--slow-ms", type=float, default=0.0, help="sleep this many ms every step (a straggler)")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args()
@@ -119,7 +122,7 @@ class Faults:
         mine = args.inject_group == replica_group
         self.nan_at = args.inject_nan_at if mine else None
         self.nan_left = args.inject_nan_times
-        self.flip_at = args.inject_bitflip_at if mine and rank == 0 else None
+        self.flip_at = args.inject_bitflip_at if mine and rank == args.inject_rank else None
         self.slow = args.slow_ms / 1000 if mine else 0.0
         self.label = f"[group {replica_group} rank {rank}]"
 
@@ -131,10 +134,10 @@ class Faults:
                 bits = first.view(-1)[:1].view(torch.int32)
                 bits ^= 1 << 22
             print(f"{self.label} injected a bit flip at step {step}", flush=True)
-        if self.slow:
-            time.sleep(self.slow)
 
     def loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        if self.slow:  # here, between start_quorum and the first allreduce: the group's compute time
+            time.sleep(self.slow)
         if self.nan_at is None or step < self.nan_at or self.nan_left <= 0:
             return loss
         self.nan_left -= 1

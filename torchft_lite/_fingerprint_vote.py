@@ -1,10 +1,12 @@
 """Which replica groups hold a corrupted state: a majority vote on fingerprints, as a pure function.
 
-Every ``fingerprint_every`` steps each group advertises, in its
-``QuorumMember.data``, a fingerprint of the state it holds at its step
-(:mod:`torchft_lite.fingerprint`)::
+Every ``fingerprint_every`` steps each rank fingerprints the state it holds
+at its step (:mod:`torchft_lite.fingerprint`) and sends it with its quorum
+request to its group's ManagerServer, which folds its ranks' into the group's
+(:func:`group_fingerprint`) and advertises that in the group's
+``QuorumMember.data``::
 
-    "fingerprint": {"step": 300, "digest": "9f0c...", "sums": "<base64>"}
+    "fingerprint": {"step": 300, "digest": "9f0c...", "sums": "<base64>", "ranks": ["51ab...", ...]}
 
 Groups at the same step that took part in the same commits must hold the same
 bytes. When they don't, one of them was hit by silent data corruption (a
@@ -32,19 +34,22 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import json
 import re
 import struct
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-__all__ = ["FINGERPRINT_KEY", "Verdict", "first_difference", "parse_fingerprint", "vote"]
+__all__ = ["FINGERPRINT_KEY", "Verdict", "first_difference", "group_fingerprint", "parse_fingerprint", "vote"]
 
 FINGERPRINT_KEY = "fingerprint"
 MAX_SUMS = 2048
 """Per-tensor sums one fingerprint carries at most (consecutive tensors share a sum beyond that):
 2048 x 4 bytes is 11 KB of base64, well inside the lighthouse's 64 KB of member data."""
 _DIGEST = re.compile(r"[0-9a-f]{16,64}")
+MAX_RANKS = 4096
+_FOLD = (1 << 32) - 1
 
 
 @dataclass(frozen=True)
@@ -55,6 +60,8 @@ class Advertised:
     digest: str
     sums: tuple[int, ...] = ()
     """32-bit sums of consecutive runs of tensors, for naming the first that differs (may be empty)."""
+    ranks: tuple[str, ...] = ()
+    """Each group rank's own digest (a group's fingerprint), for naming the rank that differs."""
 
 
 @dataclass(frozen=True)
@@ -88,10 +95,30 @@ def parse_fingerprint(data: str) -> Advertised | None:
     raw = parsed.get(FINGERPRINT_KEY) if isinstance(parsed, dict) else None
     if not isinstance(raw, dict):
         return None
-    step, digest, sums = raw.get("step"), raw.get("digest"), raw.get("sums", "")
+    step, digest, sums, ranks = raw.get("step"), raw.get("digest"), raw.get("sums", ""), raw.get("ranks", [])
     if type(step) is not int or step < 0 or not isinstance(digest, str) or not _DIGEST.fullmatch(digest):
         return None
-    return Advertised(step, digest, _unpack_sums(sums))
+    if not (isinstance(ranks, list) and len(ranks) <= MAX_RANKS
+            and all(isinstance(r, str) and _DIGEST.fullmatch(r) for r in ranks)):
+        ranks = []
+    return Advertised(step, digest, _unpack_sums(sums), tuple(ranks))
+
+
+def group_fingerprint(step: int, ranks: Sequence[str]) -> dict[str, Any] | None:
+    """The group's fingerprint at ``step`` from each group rank's (its ``state_fingerprint``, in rank order).
+
+    None unless every rank sent a valid one of ``step``: a group that can't vouch for all its ranks does not
+    vote (nor does the quorum, see :func:`vote`). The digest covers every rank's, in order; the sums are the
+    ranks' added up per tensor run (a flipped bit on any rank changes one), when their lengths agree.
+    """
+    parsed = [parse_fingerprint(f'{{"{FINGERPRINT_KEY}": {text}}}') if text else None for text in ranks]
+    if not parsed or any(fp is None or fp.step != step for fp in parsed):
+        return None
+    digest = hashlib.blake2b("\n".join(fp.digest for fp in parsed).encode(), digest_size=16).hexdigest()
+    lengths = {len(fp.sums) for fp in parsed}
+    sums = [sum(column) % _FOLD for column in zip(*(fp.sums for fp in parsed))] if len(lengths) == 1 else []
+    return {"step": step, "digest": digest, "ranks": [fp.digest for fp in parsed],
+            "sums": base64.b64encode(struct.pack(f"<{len(sums)}I", *sums)).decode("ascii")}
 
 
 def _unpack_sums(text: Any) -> tuple[int, ...]:
@@ -129,6 +156,11 @@ def vote(members: Sequence[tuple[str, int, Advertised | None]]) -> Verdict | Non
     majority = tuple(sorted(rid for rid, d in digests.items() if d == winner))
     corrupt = tuple(sorted(rid for rid, d in digests.items() if d != winner))
     return Verdict(max_step, majority, corrupt, False, digests)
+
+
+def differing_ranks(a: Advertised, b: Advertised) -> list[int]:
+    """The group ranks whose own digests differ between two groups' fingerprints."""
+    return [rank for rank, (x, y) in enumerate(zip(a.ranks, b.ranks)) if x != y]
 
 
 def first_difference(mine: Sequence[int], theirs: Sequence[int]) -> int | None:

@@ -72,7 +72,7 @@ class ClientChannel:
         return await self._client.quorum(
             group_rank=request.group_rank, step=request.step, checkpoint_metadata=request.checkpoint_metadata,
             shrink_only=request.shrink_only, init_sync=request.init_sync, commit_failures=request.commit_failures,
-            timeout=timeout,
+            state_fingerprint=request.state_fingerprint, timeout=timeout,
         )
 
     async def should_commit(self, group_rank: int, step: int, vote: bool, timeout: float) -> bool:

@@ -67,10 +67,12 @@ class ManagerClient(UnaryChannel):
         init_sync: bool,
         commit_failures: int,
         timeout: float,
+        state_fingerprint: str = "",
     ) -> pb.ManagerQuorumResponse:
         request = pb.ManagerQuorumRequest(
             group_rank=group_rank, step=step, checkpoint_metadata=checkpoint_metadata,
             shrink_only=shrink_only, init_sync=init_sync, commit_failures=commit_failures,
+            state_fingerprint=state_fingerprint,
         )
         return await self._invoke(
             "Quorum", request, pb.ManagerQuorumResponse, timeout,

@@ -27,8 +27,11 @@ class QuorumRounds:
 
     def __init__(self, channel: GroupChannel, pg: Any, healer: Healer, *, group_rank: int,
                  replica_id: str, init_sync: bool, use_async_quorum: bool, spares_above: int | None,
-                 log: Callable[..., None], clock: Callable[[], float] = time.monotonic) -> None:
+                 log: Callable[..., None], clock: Callable[[], float] = time.monotonic,
+                 fingerprint: Callable[[int], str] = lambda step: "") -> None:
+        """``fingerprint(step)``: this rank's state fingerprint at ``step`` for its request, or ""."""
         self.quorum_id = -1
+        self._fingerprint = fingerprint
         self._channel, self._pg, self._healer = channel, pg, healer
         self._group_rank, self._replica_id = group_rank, replica_id
         self._init_sync, self._use_async_quorum, self._spares_above = init_sync, use_async_quorum, spares_above
@@ -51,6 +54,7 @@ class QuorumRounds:
         request = pb.ManagerQuorumRequest(
             group_rank=self._group_rank, step=step.number, checkpoint_metadata=self._healer.transport.metadata(),
             shrink_only=shrink_only, init_sync=self._init_sync, commit_failures=commit_failures,
+            state_fingerprint=self._fingerprint(step.number),
         )
         response = await self._channel.quorum(request, timeout)
         step.participation = participation_of(response, counts_healing=allow_heal and not self._use_async_quorum,

@@ -4,10 +4,10 @@ A flipped bit in one group's parameters (bad memory, a flaky accelerator) is
 invisible to the non-finite guard: the values stay finite, the group keeps
 training on a state the others don't hold, and the next heal from it copies
 the corruption. Every ``fingerprint_every`` steps (``HealthConfig``; default
-100, 0 turns it off), group rank 0 of each group fingerprints its state at the
-start of the step, before the quorum is asked for, and advertises it with its
-quorum data; :mod:`torchft_lite._fingerprint_vote` says what the quorum does
-with the fingerprints (the minority heals from the majority; with no majority
+100, 0 turns it off), every rank fingerprints its state at the start of the
+step, before the quorum is asked for, and sends it with its quorum request; its
+group advertises the fold of its ranks' in its quorum data, and
+:mod:`torchft_lite._fingerprint_vote` says what the quorum does with them (the minority heals from the majority; with no majority
 every group stops).
 
 The fingerprint covers the floating-point tensors of the registered state (the
@@ -20,15 +20,18 @@ hold differently) are left out, and so are the paths ``fingerprint_exclude``
 matches: by default BatchNorm's running statistics, which DDP does not
 average across groups.
 
-Only group rank 0's state is fingerprinted: it stands for its group (DDP keeps
-every rank of a group identical). A corrupted tensor on another rank of a
-group is not found.
+Every rank fingerprints its own state (ranks of a group may hold different
+shards or, with per-rank data, different parameters; group rank ``r`` of every
+group holds the same) and sends it with its quorum request; the group's
+fingerprint covers all of its ranks', so a flipped bit on any rank is found,
+and the log names the rank.
 """
 
 from __future__ import annotations
 
 import base64
 import hashlib
+import json
 import logging
 import re
 import struct
@@ -38,7 +41,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from torchft_lite._fingerprint_vote import FINGERPRINT_KEY, MAX_SUMS, first_difference, parse_fingerprint, vote
+from torchft_lite._fingerprint_vote import MAX_SUMS, differing_ranks, first_difference, parse_fingerprint, vote
 
 __all__ = ["DEFAULT_EXCLUDE", "Fingerprint", "Fingerprinter", "fingerprint_of"]
 
@@ -124,16 +127,23 @@ def fingerprint_of(state: Any, exclude: str | None = DEFAULT_EXCLUDE) -> Fingerp
 
 
 class Fingerprinter:
-    """Group rank 0's step listener: fingerprints the state every ``every`` steps and logs the quorum's verdict."""
+    """Every rank's step listener: fingerprints its state every ``every`` steps, for its next quorum request.
 
-    def __init__(self, every: int, state: Callable[[], Any], advertise: Callable[[str, object], None],
-                 log: Callable[..., None], exclude: str | None = DEFAULT_EXCLUDE) -> None:
+    Group rank 0's also logs the quorum's verdict (:meth:`quorum_issued`, on the ManagerServer's loop).
+    """
+
+    def __init__(self, every: int, state: Callable[[], Any], log: Callable[..., None],
+                 exclude: str | None = DEFAULT_EXCLUDE) -> None:
         self.every = every
-        self._state, self._advertise, self._log, self._exclude = state, advertise, log, exclude
+        self._state, self._log, self._exclude = state, log, exclude
         self.last: tuple[int, Fingerprint] | None = None
-        """The step and fingerprint last advertised."""
+        """The step and fingerprint last taken."""
         self.seconds = 0.0
         """How long the last fingerprint took."""
+        self.fingerprints = 0
+        """Fingerprints computed (for metrics)."""
+        self.corruptions = 0
+        """Quorums whose vote found a group holding another state (for metrics)."""
 
     def step_starting(self, step: int) -> None:
         if self.every <= 0 or step <= 0 or step % self.every:
@@ -142,34 +152,35 @@ class Fingerprinter:
         fingerprint = fingerprint_of(self._state(), self._exclude)
         self.seconds = time.monotonic() - started
         self.last = (step, fingerprint)
-        self._advertise(FINGERPRINT_KEY, fingerprint.advertised(step))
+        self.fingerprints += 1
         self._log(logging.INFO, "fingerprint of step %d: %s (%d tensor run(s), %.1f MB, %.3fs)", step,
                   fingerprint.digest[:12], len(fingerprint.sums), fingerprint.nbytes / 1e6, self.seconds)
 
-    def step_committed(self, step: int, replica_rank: int | None) -> None:
-        # Only the quorum of the fingerprinted step judges it: stop advertising it once that step is done.
-        if self.last is not None and step > self.last[0]:
-            self._advertise(FINGERPRINT_KEY, None)
+    def for_step(self, step: int) -> str:
+        """This rank's ``ManagerQuorumRequest.state_fingerprint`` at ``step``: JSON, or empty when it took none."""
+        if self.last is None or self.last[0] != step:
+            return ""
+        return json.dumps(self.last[1].advertised(step), separators=(",", ":"))
 
     def quorum_issued(self, members: Sequence[tuple[str, int, str]]) -> None:
         """The lighthouse issued a quorum of ``(replica id, step, data)``: log the fingerprint vote's verdict."""
-        parsed = [(rid, step, parse_fingerprint(data)) for rid, step, data in members]
-        verdict = vote(parsed)
+        parsed = {rid: (step, parse_fingerprint(data)) for rid, step, data in members}
+        verdict = vote([(rid, step, fp) for rid, (step, fp) in parsed.items()])
         if verdict is None or not verdict.corrupt:
             return
+        self.corruptions += 1
         where = ""
-        if self.last is not None and self.last[0] == verdict.step:
-            fingerprint = self.last[1]
-            index, reference = None, None
-            for rid, _, fp in sorted(parsed, key=lambda m: m[0] not in verdict.majority):
-                index = first_difference(fingerprint.sums, fp.sums) if fp is not None else None
-                if index is not None:
-                    reference = rid
-                    break
-            if index is not None:
-                first, last = fingerprint.runs[index]
-                named = first if first == last else f"{first} .. {last}"
-                where = f"; first tensor that differs from {reference}'s: {named}"
+        reference = (verdict.majority or verdict.corrupt)[0]
+        odd = next(rid for rid in verdict.corrupt if rid != reference)
+        theirs, ours = parsed[odd][1], parsed[reference][1]
+        ranks = differing_ranks(theirs, ours)
+        if ranks:
+            where += f"; group rank(s) {', '.join(map(str, ranks))} differ"
+        index = first_difference(theirs.sums, ours.sums)
+        if index is not None and self.last is not None and index < len(self.last[1].runs):
+            first, last = self.last[1].runs[index]
+            where += f"; first tensor that differs between {odd} and {reference}: " + (
+                first if first == last else f"{first} .. {last}")
         action = ("every group stops (exit code 70): restart the job from its last durable checkpoint"
                   if verdict.split else f"{', '.join(verdict.corrupt)} heal(s) from the majority in this quorum")
         self._log(logging.WARNING, "silent data corruption: %s%s; %s", verdict.describe(), where, action)

@@ -94,16 +94,19 @@ def _int_env(environ: Mapping[str, str], name: str, default: int, what: str) -> 
         raise ConfigError(f"{name} must be an integer {what}, got {raw!r}") from None
 
 
-def rank0_listeners(config: HealthConfig, state: Callable[[], Any], advertise: Callable[[str, object], None] | None,
-                    channel: Any, log: Callable[..., None]) -> list[Any]:
-    """Group rank 0's health step listeners (none elsewhere: ``advertise`` is None there): its compute time
-    for the lighthouse's straggler scores, and the fingerprints (rank 0's state stands for its group's)."""
-    if advertise is None:
-        return []
-    fingerprinter = Fingerprinter(config.fingerprint_every, state, advertise, log, config.fingerprint_exclude)
+def health_checks(config: HealthConfig, state: Callable[[], Any], advertise: Callable[[str, object], None] | None,
+                  channel: Any, listeners: Any, log: Callable[..., None],
+                  record: Callable[[Step, BaseException], None]) -> tuple["NonFiniteGuard", Fingerprinter]:
+    """One rank's health checks, wired: its non-finite guard and its Fingerprinter (added to ``listeners``, the
+    Manager's ``StepListeners``). On group rank 0 (where ``advertise`` is set) the compute-time advertiser for
+    the lighthouse's straggler scores is added too, and the Fingerprinter logs each quorum's verdict."""
+    fingerprinter = Fingerprinter(config.fingerprint_every, state, log, config.fingerprint_exclude)
+    listeners.add(fingerprinter)
     if config.fingerprint_every and hasattr(channel, "watch_quorums"):
         channel.watch_quorums(fingerprinter.quorum_issued)
-    return [ComputeAdvertiser(advertise), fingerprinter]
+    if advertise is not None:
+        listeners.add(ComputeAdvertiser(advertise))
+    return NonFiniteGuard(config, log, record, advertise), fingerprinter
 
 
 class NonFiniteGuard:

@@ -44,7 +44,7 @@ from torchft_lite._quorum_round import QuorumRounds
 from torchft_lite._step import Step, WorldSizeMode
 from torchft_lite._step_listeners import StepListeners
 from torchft_lite.errors import CollectiveError, ManagerError, ManagerTimeout, QuorumError, QuorumTimeout
-from torchft_lite.health import HealthConfig, NonFiniteGuard, rank0_listeners
+from torchft_lite.health import HealthConfig, health_checks
 from torchft_lite.step_report import report_of
 from torchft_lite.watchdog import Watchdog, WatchdogConfig
 from torchft_lite.work import DoneWork, ManagedWork, _ManagedWork, guard_future  # noqa: F401  (torchft's name)
@@ -129,9 +129,6 @@ class Manager:
                                                   self._control)
         self._parts = parts  # keeps the store client alive as long as the Manager
         self._replica_id, self._channel = parts.replica_id, parts.channel
-        advertise = self._channel.advertise if isinstance(self._channel, Advertises) else None
-        health = health or HealthConfig.from_env(os.environ)
-        self._guard = NonFiniteGuard(health, self._log, self._record, advertise)
         defaults = WatchdogConfig(quorum=s.quorum_timeout + s.timeout + 60.0, heal=3 * s.timeout + 60.0,
                                   step=s.quorum_timeout + 5 * s.timeout + 300.0)
         self.watchdog = Watchdog(watchdog or WatchdogConfig.from_env(os.environ, defaults),
@@ -139,13 +136,15 @@ class Manager:
         self._healer = Healer(parts.transport, self._channel.peer_metadata, self.state_dict, self.load_state_dict,
                               in_place=parts.heal_in_place, timeout=s.timeout, log=self._log, record=self._record,
                               watchdog=self.watchdog, clock=parts.clock)
-        for listener in rank0_listeners(health, self._healer.user_state, advertise, self._channel, self._log):
-            self._listeners.add(listener)  # compute times (stragglers) and fingerprints
+        advertise = self._channel.advertise if isinstance(self._channel, Advertises) else None
+        self._guard, fingerprints = health_checks(health or HealthConfig.from_env(os.environ), self._healer.user_state,
+                                                  advertise, self._channel, self._listeners, self._log, self._record)
         if load_state_dict is not None and state_dict is not None:
             self.register_state_dict_fn("default", load_state_dict, state_dict)
         self._rounds = QuorumRounds(
             self._channel, pg, self._healer, group_rank=s.group_rank, replica_id=self._replica_id,
             init_sync=init_sync, use_async_quorum=use_async_quorum, log=self._log, clock=parts.clock,
+            fingerprint=fingerprints.for_step,
             spares_above=s.min_replica_size if world_size_mode is WorldSizeMode.FIXED_WITH_SPARES else None,
         )
         self._members = MemberWatch(self._replica_id, lambda: self._current, pg, self._record, self._log,

@@ -54,7 +54,7 @@ from lighthouse.rpc.tls import ALPN_GRPC, TlsSettings
 from torchft_lite._lighthouse_link import LighthouseLink
 from torchft_lite._server_rounds import QuorumRound, VoteRound
 from torchft_lite._quorum_compute import QuorumMember, compute_quorum_result, heal_sources_of, member_data, response_of
-from torchft_lite._fingerprint_vote import parse_fingerprint
+from torchft_lite._fingerprint_vote import FINGERPRINT_KEY, group_fingerprint, parse_fingerprint
 from torchft_lite.errors import QuorumError, QuorumTimeout, StateDivergedError
 
 __all__ = ["ManagerServer", "ManagerServerConfig", "EXIT_CODE_KILLED"]
@@ -180,8 +180,12 @@ class ManagerServer:
         """Call ``watch`` with each quorum's ``(replica id, step, data)`` members, on the server's loop."""
         self._quorum_watchers.append(watch)
 
-    def _advertised_data(self) -> str:
-        return json.dumps(self._advertised, separators=(",", ":"), sort_keys=True) if self._advertised else ""
+    def _advertised_data(self, requests: list[pb.ManagerQuorumRequest]) -> str:
+        """What is advertised, and the group's fingerprint when every rank sent one of this step."""
+        fingerprint = group_fingerprint(requests[0].step, [r.state_fingerprint for r in
+                                                           sorted(requests, key=lambda r: r.group_rank)])
+        data = self._advertised if fingerprint is None else {**self._advertised, FINGERPRINT_KEY: fingerprint}
+        return json.dumps(data, separators=(",", ":"), sort_keys=True) if data else ""
 
     def address(self) -> str:
         if self._port is None:
@@ -330,7 +334,7 @@ class ManagerServer:
                     step=step,
                     world_size=self.config.world_size,
                     shrink_only=any(r.shrink_only for r in requests),
-                    data=member_data(self.config.heal_sources, self._advertised_data()),
+                    data=member_data(self.config.heal_sources, self._advertised_data(requests)),
                     commit_failures=max(r.commit_failures for r in requests),
                 )
             except Exception as exc:  # LighthouseError, or anything unexpected: the ranks must hear of it

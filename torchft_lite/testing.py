@@ -32,7 +32,7 @@ from torch.distributed import ReduceOp
 
 from lighthouse.protocol import torchft_pb2 as pb
 from torchft_lite._control_plane import ControlPlane
-from torchft_lite._fingerprint_vote import parse_fingerprint
+from torchft_lite._fingerprint_vote import FINGERPRINT_KEY, group_fingerprint, parse_fingerprint
 from torchft_lite._manager_settings import ManagerSettings
 from torchft_lite._manager_wiring import ManagerParts
 from torchft_lite._quorum_compute import QuorumMember, compute_quorum_result, response_of
@@ -289,7 +289,9 @@ class _Channel:
 
     async def quorum(self, request: pb.ManagerQuorumRequest, timeout: float) -> pb.ManagerQuorumResponse:
         self.metadata = request.checkpoint_metadata
-        self.data = json.dumps(self.advertised, sort_keys=True) if self.advertised else ""
+        fingerprint = group_fingerprint(request.step, [request.state_fingerprint])  # a group of one rank
+        data = self.advertised if fingerprint is None else {**self.advertised, FINGERPRINT_KEY: fingerprint}
+        self.data = json.dumps(data, sort_keys=True) if data else ""
         member = QuorumMember(self.replica_id, self.address, self.lighthouse.store_address, request.step, 1,
                               request.commit_failures, fingerprint=parse_fingerprint(self.data))
         quorum_id, members = await self.lighthouse._ask(self.replica_id, member, timeout)

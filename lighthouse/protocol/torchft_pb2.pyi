@@ -118,7 +118,7 @@ class LeaseEvent(_message.Message):
     def __init__(self, kind: _Optional[_Union[LeaseEvent.Kind, str]] = ..., replica_id: _Optional[str] = ..., quorum_id: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ManagerQuorumRequest(_message.Message):
-    __slots__ = ("group_rank", "step", "checkpoint_metadata", "shrink_only", "init_sync", "commit_failures", "reconfigure_handle")
+    __slots__ = ("group_rank", "step", "checkpoint_metadata", "shrink_only", "init_sync", "commit_failures", "reconfigure_handle", "state_fingerprint")
     GROUP_RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_METADATA_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +126,7 @@ class ManagerQuorumRequest(_message.Message):
     INIT_SYNC_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FAILURES_FIELD_NUMBER: _ClassVar[int]
     RECONFIGURE_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    STATE_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     group_rank: int
     step: int
     checkpoint_metadata: str
@@ -133,7 +134,8 @@ class ManagerQuorumRequest(_message.Message):
     init_sync: bool
     commit_failures: int
     reconfigure_handle: str
-    def __init__(self, group_rank: _Optional[int] = ..., step: _Optional[int] = ..., checkpoint_metadata: _Optional[str] = ..., shrink_only: _Optional[bool] = ..., init_sync: _Optional[bool] = ..., commit_failures: _Optional[int] = ..., reconfigure_handle: _Optional[str] = ...) -> None: ...
+    state_fingerprint: str
+    def __init__(self, group_rank: _Optional[int] = ..., step: _Optional[int] = ..., checkpoint_metadata: _Optional[str] = ..., shrink_only: _Optional[bool] = ..., init_sync: _Optional[bool] = ..., commit_failures: _Optional[int] = ..., reconfigure_handle: _Optional[str] = ..., state_fingerprint: _Optional[str] = ...) -> None: ...
 
 class ManagerQuorumResponse(_message.Message):
     __slots__ = ("quorum_id", "recover_src_manager_address", "recover_src_replica_rank", "recover_dst_replica_ranks", "store_address", "max_step", "max_replica_rank", "max_world_size", "replica_rank", "replica_world_size", "heal", "commit_failures", "replica_ids", "reconfigure_handles", "recover_src_replica_ranks", "recover_src_manager_addresses")

@@ -60,3 +60,20 @@ def test_two_groups_that_differ_stop_with_the_diverged_code_and_commit_nothing_a
         assert max(steps_of(rows, g)) == 4, steps_of(rows, g)  # the fingerprint of step 4 stopped both
         log = logs_of(tmp_path, g)
         assert "disagree with no majority" in log and "exit code 70" in log
+
+
+def test_a_bit_flipped_on_group_rank_1_is_found_named_and_healed(tmp_path):
+    """Ranks of a group fingerprint their own state; the group's fingerprint covers all of them."""
+    with cluster(tmp_path, min_replicas=3, join_timeout=10.0) as (_, add, report):
+        groups = [add(g, 3, steps=8, world_size=2, min_replicas=2, env=EVERY_4,
+                      extra=("--inject-group", "0", "--inject-rank", "1", "--inject-bitflip-at", "3"))
+                  for g in range(3)]
+        for group in groups:
+            assert group.wait(WAIT) == [0, 0], f"group {group.group_id} failed; logs in {tmp_path}"
+    rows = read_reports(report)
+    found = [line for line in logs_of(tmp_path, 1).splitlines() if "silent data corruption" in line]
+    assert found and all("step 4" in line and "group rank(s) 1 differ" in line for line in found), found
+    for step in range(5, 9):
+        for rank in (0, 1):
+            sums = {r["group"]: r["checksum"] for r in rows if r["step"] == step and r["rank"] == rank}
+            assert set(sums) == {0, 1, 2} and len(set(sums.values())) == 1, (step, rank, sums)

@@ -3,6 +3,7 @@ healed from the majority; with no majority nothing commits and every group stops
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 
@@ -10,7 +11,9 @@ import pytest
 import torch
 
 from tests.unit.torchft_lite.test_manager import Replica, replicas, train  # noqa: F401  (the fixture)
-from torchft_lite._fingerprint_vote import Advertised, first_difference, parse_fingerprint, vote
+from torchft_lite._fingerprint_vote import (
+    Advertised, differing_ranks, first_difference, group_fingerprint, parse_fingerprint, vote,
+)
 from torchft_lite._quorum_compute import QuorumMember, compute_quorum_result
 from torchft_lite.errors import ConfigError, StateDivergedError
 from torchft_lite.exit_codes import EXIT_CODE_DIVERGED, exit_code_for
@@ -107,21 +110,40 @@ def test_the_quorum_heals_the_corrupt_member_from_the_majority_and_a_split_fails
         compute_quorum_result(4, members[:2], "a", 0)
 
 
-def test_the_fingerprinter_advertises_every_n_steps_and_stops_once_the_step_is_committed():
-    advertised: dict = {}
+def test_every_rank_fingerprints_every_n_steps_for_its_quorum_request_of_that_step_only():
     s = state()
-    printer = Fingerprinter(3, lambda: s, lambda k, v: advertised.pop(k, None) if v is None
-                            else advertised.__setitem__(k, v), lambda *a, **k: None)
+    printer = Fingerprinter(3, lambda: s, lambda *a, **k: None)
     printer.step_starting(0)
     printer.step_starting(2)
-    assert advertised == {}
+    assert printer.for_step(0) == printer.for_step(2) == ""
     printer.step_starting(3)
-    assert advertised["fingerprint"]["step"] == 3
-    assert parse_fingerprint('{"fingerprint": %s}' % __import__("json").dumps(advertised["fingerprint"])).sums
-    printer.step_committed(3, 0)  # the retried step would still advertise it
-    assert "fingerprint" in advertised
-    printer.step_committed(4, 0)
-    assert advertised == {}
+    sent = printer.for_step(3)
+    assert parse_fingerprint('{"fingerprint": %s}' % sent) == Advertised(3, fingerprint_of(s).digest,
+                                                                        fingerprint_of(s).sums)
+    assert printer.for_step(4) == ""  # a later step's quorum does not carry it
+
+
+def rank_fingerprint(step: int, st: dict) -> str:
+    printer = Fingerprinter(step, lambda: st, lambda *a, **k: None)
+    printer.step_starting(step)
+    return printer.for_step(step)
+
+
+def test_a_group_vouches_for_all_its_ranks_and_a_flip_on_any_rank_changes_its_fingerprint():
+    rank0, rank1 = state(), state()
+    rank1["model"]["layer.weight"] += 1.0  # ranks of a group may hold different state
+    clean = group_fingerprint(4, [rank_fingerprint(4, rank0), rank_fingerprint(4, rank1)])
+    assert len(clean["ranks"]) == 2
+    flip_bit(rank1["optim"]["state"][0]["exp_avg"], index=2)
+    flipped = group_fingerprint(4, [rank_fingerprint(4, rank0), rank_fingerprint(4, rank1)])
+    a = parse_fingerprint('{"fingerprint": %s}' % json.dumps(clean))
+    b = parse_fingerprint('{"fingerprint": %s}' % json.dumps(flipped))
+    assert a.digest != b.digest and differing_ranks(a, b) == [1]
+    assert fingerprint_of(rank0).runs[first_difference(a.sums, b.sums)][0] == "optim.state.0.exp_avg"
+    # A rank without a fingerprint of this step (or with garbage): the group does not vote.
+    assert group_fingerprint(4, [rank_fingerprint(4, rank0), ""]) is None
+    assert group_fingerprint(4, [rank_fingerprint(4, rank0), "{nope"]) is None
+    assert group_fingerprint(5, [rank_fingerprint(4, rank0)]) is None
 
 
 def test_fingerprint_settings_come_from_the_environment_and_bad_ones_are_named():
@@ -149,7 +171,8 @@ def test_a_flipped_bit_in_one_of_three_groups_is_healed_from_the_majority(replic
     assert {g.manager.current_step() for g in groups.values()} == {4}
     warnings = [r.getMessage() for r in caplog.records if "silent data corruption" in r.getMessage()]
     assert warnings and all("c" in w and "step 2" in w for w in warnings)
-    assert any("first tensor that differs" in w and "default.w" in w for w in warnings), warnings
+    assert any("first tensor that differs" in w and "default.w" in w and "group rank(s) 0 differ" in w
+               for w in warnings), warnings
 
 
 def test_two_groups_that_differ_commit_nothing_and_both_stop_with_the_diverged_code(replicas):
