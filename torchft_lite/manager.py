@@ -45,6 +45,7 @@ from torchft_lite._step import Step, WorldSizeMode
 from torchft_lite._step_listeners import StepListeners
 from torchft_lite.errors import CollectiveError, ManagerError, ManagerTimeout, QuorumError, QuorumTimeout
 from torchft_lite.health import HealthConfig, health_checks
+from torchft_lite.metrics import metrics_from_env
 from torchft_lite.step_report import report_of
 from torchft_lite.watchdog import Watchdog, WatchdogConfig
 from torchft_lite.work import DoneWork, ManagedWork, _ManagedWork, guard_future  # noqa: F401  (torchft's name)
@@ -157,6 +158,7 @@ class Manager:
             pg.wait_warm(timedelta(seconds=s.connect_timeout))
         self._log(logging.INFO, "manager ready (group rank %d of %d, ManagerServer %s)", s.group_rank,
                   s.group_world_size, self._channel.address)
+        self.metrics = metrics_from_env(self)  # TORCHFT_LITE_METRICS_PORT: /metrics (torchft_lite.metrics)
 
     # ------------------------------------------------------------ state dicts
 
