@@ -145,6 +145,12 @@ class Fingerprinter:
         self.corruptions = 0
         """Quorums whose vote found a group holding another state (for metrics)."""
 
+    def pause(self, why: str) -> None:
+        """Fingerprint no more: the groups' states legitimately differ at ``start_quorum`` (LocalSGD, DiLoCo)."""
+        if self.every > 0:
+            self._log(logging.INFO, "replica fingerprints are off: %s", why)
+        self.every = 0
+
     def step_starting(self, step: int) -> None:
         if self.every <= 0 or step <= 0 or step % self.every:
             return

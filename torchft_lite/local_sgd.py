@@ -60,6 +60,11 @@ class _InnerStepHooks:
         self._manager = manager
         self._local_optimizer = optimizer
         self._hooks: list[RemovableHandle] = []
+        # Between syncs every group trains on its own, so the state a user registers (the model) differs
+        # across groups when a sync's quorum is asked for: replica fingerprints would call that corruption.
+        fingerprints = getattr(manager, "_fingerprints", None)
+        if fingerprints is not None:
+            fingerprints.pause(f"{type(self).__name__} trains each group on its own between syncs")
 
     def __enter__(self):
         self._hooks = [

@@ -138,14 +138,15 @@ class Manager:
                               in_place=parts.heal_in_place, timeout=s.timeout, log=self._log, record=self._record,
                               watchdog=self.watchdog, clock=parts.clock)
         advertise = self._channel.advertise if isinstance(self._channel, Advertises) else None
-        self._guard, fingerprints = health_checks(health or HealthConfig.from_env(os.environ), self._healer.user_state,
-                                                  advertise, self._channel, self._listeners, self._log, self._record)
+        self._guard, self._fingerprints = health_checks(
+            health or HealthConfig.from_env(os.environ), self._healer.user_state, advertise, self._channel,
+            self._listeners, self._log, self._record)
         if load_state_dict is not None and state_dict is not None:
             self.register_state_dict_fn("default", load_state_dict, state_dict)
         self._rounds = QuorumRounds(
             self._channel, pg, self._healer, group_rank=s.group_rank, replica_id=self._replica_id,
             init_sync=init_sync, use_async_quorum=use_async_quorum, log=self._log, clock=parts.clock,
-            fingerprint=fingerprints.for_step,
+            fingerprint=self._fingerprints.for_step,
             spares_above=s.min_replica_size if world_size_mode is WorldSizeMode.FIXED_WITH_SPARES else None,
         )
         self._members = MemberWatch(self._replica_id, lambda: self._current, pg, self._record, self._log,

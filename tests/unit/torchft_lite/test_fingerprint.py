@@ -198,3 +198,39 @@ def test_two_groups_that_differ_commit_nothing_and_both_stop_with_the_diverged_c
     assert all(isinstance(exc, StateDivergedError) for exc in raised.values()), raised
     assert {exit_code_for(exc) for exc in raised.values()} == {EXIT_CODE_DIVERGED}
     assert all(torch.equal(g.weights, before[name]) and g.manager.current_step() == 2 for name, g in groups.items())
+
+
+def test_local_sgd_turns_fingerprints_off_because_groups_differ_between_syncs(replicas):
+    """At a sync's start_quorum every group holds its own locally trained model: not corruption."""
+    from torchft_lite.local_sgd import LocalSGD
+
+    lighthouse = InMemoryLighthouse(min_replicas=2)
+    groups = {name: replicas(lighthouse, name, 1.0, min_replica_size=2, health=HealthConfig(fingerprint_every=1))
+              for name in "ab"}
+    models = {name: torch.nn.Linear(3, 1) for name in groups}
+    for g in groups.values():
+        g.manager.register_state_dict_fn("model", models[g.manager.replica_id[0]].load_state_dict,
+                                         models[g.manager.replica_id[0]].state_dict)
+    raised: dict[str, BaseException] = {}
+
+    def run(name: str) -> None:
+        model = models[name]
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        torch.manual_seed(ord(name))  # each group its own data
+        try:
+            with LocalSGD(groups[name].manager, model, optimizer, sync_every=2):
+                for _ in range(6):
+                    optimizer.zero_grad()
+                    model(torch.randn(4, 3)).sum().backward()
+                    optimizer.step()
+        except BaseException as exc:
+            raised[name] = exc
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in groups]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not raised, raised
+    assert all(g.manager._fingerprints.every == 0 and g.manager.current_step() >= 3 for g in groups.values())
+    assert torch.equal(models["a"].weight, models["b"].weight)  # the last sync averaged them
