@@ -34,9 +34,15 @@ import os
 import time
 from datetime import timedelta
 
-import torch
-from torch import nn
-from torch.utils.data import TensorDataset
+SCRIPT_START = time.time()  # --timeline: before ``import torch``, the first thing a restart pays for
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import TensorDataset  # noqa: E402
+
+TORCH_IMPORTED = time.time()
+
+from rejoin_timeline import Timeline  # noqa: E402  (next to this script; imports neither torch nor the library)
 
 
 def parse_args() -> argparse.Namespace:
@@ -48,6 +54,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--min-replicas", type=int, default=1, help="min_replica_size for the Manager (default 1)")
     parser.add_argument("--timeout", type=float, default=10.0, help="collective/heal timeout in seconds (default 10)")
     parser.add_argument("--report", help="append a JSON line per committed step to this file")
+    parser.add_argument("--timeline", help="append one JSON line to this file at this process's first committed "
+                                           "step: when it started, imported torch and the library, built the "
+                                           "Manager, got its first quorum, healed (examples/rejoin_timeline.py; "
+                                           "needs --log-level INFO or lower)")
     parser.add_argument("--impl", choices=["torchft_lite", "torchft"], default="torchft_lite",
                         help="which library to import as `torchft` (torchft: PyTorch's, for comparisons)")
     parser.add_argument("--pg", choices=["gloo", "baby-gloo"], default="gloo",
@@ -156,7 +166,13 @@ def params_checksum(model: nn.Module) -> str:
 def main() -> None:
     args = parse_args()
     # The same script runs on either library: that is the drop-in promise.
+    timeline = Timeline(args.timeline, args.impl, SCRIPT_START)
+    timeline.mark("torch_imported", at=TORCH_IMPORTED)
     torchft = importlib.import_module(args.impl)
+    # What ``from torchft import Manager, ...`` would load (torchft_lite resolves its names lazily).
+    _ = (torchft.Manager, torchft.DistributedDataParallel, torchft.Optimizer, torchft.DistributedSampler,
+         torchft.ProcessGroupGloo)
+    timeline.mark("library_imported")
     replica_group = int(os.environ.get("REPLICA_GROUP_ID", 0))
     num_groups = int(os.environ.get("NUM_REPLICA_GROUPS", 2))
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -182,11 +198,15 @@ def main() -> None:
                                          group_rank=rank, num_replicas=world, shuffle=True)
     batches = Batches(dataset, sampler, args.batch_size)
 
+    timeline.mark("manager_begin")
     pg_class = torchft.ProcessGroupBabyGloo if args.pg == "baby-gloo" else torchft.ProcessGroupGloo
     pg = pg_class(timeout=timedelta(seconds=args.timeout))
     manager = torchft.Manager(pg=pg, min_replica_size=args.min_replicas, load_state_dict=load_state_dict,
                               state_dict=state_dict, replica_id=f"train_ddp_{replica_group}",
                               timeout=timedelta(seconds=args.timeout))
+    timeline.mark("manager_constructed")
+    if hasattr(manager, "add_step_listener"):  # torchft_lite: the first step's StepReport
+        manager.add_step_listener(timeline)
     checkpointer = None
     if args.checkpoint_dir:
         checkpointer = torchft.DurableCheckpointer(manager, args.checkpoint_dir, every=args.checkpoint_every,
@@ -205,6 +225,7 @@ def main() -> None:
         while manager.current_step() < args.steps:
             faults.before_step(manager.current_step(), model)
             batch, target = batches.next()
+            timeline.mark("first_step_begin")
             optimizer.zero_grad()
             loss = faults.loss(manager.current_step(), criterion(ddp_model(batch), target))
             loss.backward()
@@ -216,6 +237,7 @@ def main() -> None:
                 step = manager.current_step()
                 print(f"[group {replica_group} rank {rank}] step={step} loss={loss.item():.4f} "
                       f"participants={manager.num_participants()}", flush=True)
+                timeline.first_commit(replica_group, rank, step)
                 if report:
                     report.write(json.dumps({"group": replica_group, "rank": rank, "step": step,
                                              "checksum": params_checksum(model), "loss": loss.item(),

@@ -7,6 +7,11 @@ by this process (leaner: no agent process per group). Each group runs in its
 own process group/session, so :meth:`ReplicaGroup.kill` takes down every rank
 at once, like a machine dying.
 
+:meth:`ReplicaGroup.start_standby` keeps a warm standby per rank
+(:mod:`torchft_lite.standby`: interpreter, torch and the library already
+imported); the next :meth:`ReplicaGroup.start` runs the script in it instead of
+a fresh process, which is what a launcher can do about a restart's fixed cost.
+
 Jobs started here are secured as a real one should be: the lighthouse and
 every group get one job token (see :func:`job_token_env`) through their
 environment, never a command line (which ``ps`` shows to every user) or a log.
@@ -178,6 +183,9 @@ class ReplicaGroup:
         self.advertise = advertise
         self.prefix = list(prefix)
         self.procs: list[subprocess.Popen] = []
+        self.standbys: list[subprocess.Popen] = []
+        """Warm standbys (one per rank) for the next :meth:`start`, from :meth:`start_standby`."""
+        self._standby_ready: list[bool] = []
         self.incarnation = 0
         self._store = None
 
@@ -191,12 +199,56 @@ class ReplicaGroup:
         env.update(self.extra_env)
         return env
 
-    def _log(self, rank: int | str):
+    def _log(self, rank: int | str, incarnation: int | None = None):
         if self.log_dir is None:
             return subprocess.DEVNULL
-        return open(self.log_dir / f"group{self.group_id}.{self.incarnation}.{rank}.log", "ab")
+        incarnation = self.incarnation if incarnation is None else incarnation
+        return open(self.log_dir / f"group{self.group_id}.{incarnation}.{rank}.log", "ab")
+
+    def start_standby(self, preload: Sequence[str] | None = None) -> "ReplicaGroup":
+        """Start one standby per rank for the next :meth:`start` (direct mode only); see
+        :mod:`torchft_lite.standby`. Not killed by :meth:`kill`: it stands for a spare on another host.
+        ``preload``: the modules it imports while it waits (default: its ``DEFAULT_PRELOAD``)."""
+        if self.use_torchrun:
+            raise ValueError("standbys need the direct mode: torchrun starts its own workers")
+        if self.standbys:
+            raise RuntimeError(f"group {self.group_id} already has standbys")
+        command = [*self.prefix, sys.executable, "-m", "torchft_lite.standby"]
+        if preload is not None:
+            command += ["--preload", ",".join(preload)]
+        for rank in range(self.world_size):  # each logs as the incarnation it will become
+            self.standbys.append(subprocess.Popen(
+                [*command, self.script, *self.script_args], env=self._env(), stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=self._log(rank, self.incarnation + 1), start_new_session=True,
+                bufsize=0))
+        self._standby_ready = [False] * self.world_size
+        return self
+
+    def wait_standby(self, timeout: float) -> bool:
+        """Wait (at most ``timeout`` s) until every standby is warm; False if not by then.
+        Raises ``RuntimeError`` when one exited (its log says why) or there are none."""
+        if not self.standbys:
+            raise RuntimeError(f"group {self.group_id} has no standbys: call start_standby() first")
+        deadline = time.monotonic() + timeout
+        for rank, proc in enumerate(self.standbys):
+            assert proc.stdout is not None
+            while not self._standby_ready[rank]:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                ready, _, _ = select.select([proc.stdout], [], [], left)
+                line = proc.stdout.readline() if ready else b"-"
+                if line == b"ready\n":
+                    self._standby_ready[rank] = True
+                elif not line:
+                    raise RuntimeError(f"group {self.group_id}: the standby of rank {rank} exited (code "
+                                       f"{proc.wait(10)}) before it was ready; see its log")
+        return True
 
     def start(self) -> "ReplicaGroup":
+        """Start every rank: in the warm standbys if every rank has one, else in fresh processes."""
+        if self.standbys and all(self._standby_ready):
+            return self._start_standbys()
         self.incarnation += 1
         env = self._env()
         if self.use_torchrun:
@@ -221,6 +273,28 @@ class ReplicaGroup:
                 env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             ))
+        return self
+
+    def _start_standbys(self) -> "ReplicaGroup":
+        from torch.distributed import TCPStore
+
+        from torchft_lite.standby import go_line
+
+        self.incarnation += 1
+        self._store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                               timeout=timedelta(seconds=60))
+        self.procs, self.standbys, self._standby_ready = self.standbys, [], []
+        for rank, proc in enumerate(self.procs):
+            assert proc.stdin is not None and proc.stdout is not None
+            env = {"MASTER_ADDR": self.store_host, "MASTER_PORT": str(self._store.port),
+                   "WORLD_SIZE": str(self.world_size), "RANK": str(rank), "LOCAL_RANK": str(rank)}
+            try:
+                proc.stdin.write(go_line(env))
+            except BrokenPipeError:
+                pass  # it died while waiting: alive() and the caller's checks see that
+            finally:
+                proc.stdin.close()
+                proc.stdout.close()
         return self
 
     def alive(self) -> bool:
@@ -254,6 +328,13 @@ class ReplicaGroup:
         return [p.poll() for p in self.procs]
 
     def stop(self, timeout: float = 10.0) -> None:
+        """Stop every rank and standby (SIGTERM, then SIGKILL after ``timeout``)."""
+        for proc in self.standbys:
+            _stop(proc, timeout)
+            for pipe in (proc.stdin, proc.stdout):
+                if pipe is not None:
+                    pipe.close()
+        self.standbys, self._standby_ready = [], []
         for proc in self.procs:
             leftovers = _descendants(proc.pid) if proc.poll() is None else []
             _stop(proc, timeout)

@@ -12,31 +12,41 @@ All of them subclass :class:`torch.distributed.ProcessGroup`.
 than in a submodule: they look up ``TCPStore``, ``PrefixStore`` and
 ``create_store_client`` in this package's namespace, where tests written for
 torchft substitute them.
+
+The child-process groups, NCCL, the dummy and the wrappers load on first use
+(:data:`_LAZY`): a restarted trainer on gloo pays for none of them before its
+first step.
 """
 
 from __future__ import annotations
 
+import importlib
 import uuid
 from datetime import timedelta
+from typing import Any
 
 from torch.distributed import PrefixStore, Store, TCPStore
 
-from .child_process import ProcessGroupBaby, ProcessGroupBabyGloo, ProcessGroupBabyNCCL
 from .base import ProcessGroup, ProcessGroupClosed
-from .dummy import ProcessGroupDummy
 from .gloo import ProcessGroupGloo
 from .handles import ReconfigureOptions, Rendezvous, plan_rendezvous
-from .nccl import ProcessGroupNCCL
 from .reconfigurable import ReconfigurableProcessGroup
 from .store import StoreAddress, parse_store_addr
 from .tracked_work import CompletedWork, TrackedWork
-from .wrappers import (
-    ErrorSwallowingProcessGroupWrapper,
-    FakeProcessGroupWrapper,
-    ManagedProcessGroup,
-    ProcessGroupWrapper,
-    _ErrorSwallowingWork,
-)
+
+_LAZY = {
+    "ProcessGroupBaby": "child_process",
+    "ProcessGroupBabyGloo": "child_process",
+    "ProcessGroupBabyNCCL": "child_process",
+    "ProcessGroupDummy": "dummy",
+    "ProcessGroupNCCL": "nccl",
+    "ErrorSwallowingProcessGroupWrapper": "wrappers",
+    "FakeProcessGroupWrapper": "wrappers",
+    "ManagedProcessGroup": "wrappers",
+    "ProcessGroupWrapper": "wrappers",
+    "_ErrorSwallowingWork": "wrappers",
+}
+"""Names loaded from their submodule on first access (``__getattr__``)."""
 
 __all__ = [
     "CompletedWork",
@@ -63,8 +73,21 @@ __all__ = [
     "reconfigure_with_store",
 ]
 
-# torchft's private name, for code written against torchft (as is _ErrorSwallowingWork, imported above).
+# torchft's private name, for code written against torchft (as is _ErrorSwallowingWork, in _LAZY).
 _rendezvous = plan_rendezvous
+
+
+def __getattr__(name: str) -> Any:
+    submodule = _LAZY.get(name)
+    if submodule is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{submodule}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 _RECONFIGURE_TIMEOUT = timedelta(seconds=60)
 
