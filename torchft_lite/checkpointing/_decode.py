@@ -8,7 +8,9 @@ received buffer in, or a network protocol asks for
 :meth:`~TensorWriter.buffer_at` (a writable view of the destination memory,
 never past the end of a checksum block) and reports
 :meth:`~TensorWriter.filled` after the kernel has written into it, so nothing
-is copied in user space.
+is copied in user space. The pages of a tensor allocated here are populated
+in bulk just before its first bytes land (``_prefault``), not faulted in
+one by one inside the socket's copy.
 
 Each block's sum64 is computed on the checksum thread as soon as its last
 byte has landed, while the event loop reads on. The sender's sums arrive
@@ -33,7 +35,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
-from torchft_lite.checkpointing import _checksum, _cuda, _dtensor
+from torchft_lite.checkpointing import _checksum, _cuda, _dtensor, _prefault
 from torchft_lite.checkpointing._encode import flatten
 from torchft_lite.checkpointing._format import (
     DTYPES, PREFIX_SIZE, Header, Path, TensorEntry, byte_view, format_path, parse_header, unpack_prefix,
@@ -41,6 +43,8 @@ from torchft_lite.checkpointing._format import (
 from torchft_lite.errors import CheckpointTransferError
 
 __all__ = ["TensorWriter", "decode_bytes", "targets_of"]
+
+_POPULATE_MIN_BYTES = 64 << 10  # a smaller block's few page faults cost less than the call that spares them
 
 
 def targets_of(state_dict: Any) -> dict[Path, torch.Tensor]:
@@ -70,9 +74,10 @@ class TensorWriter:
         self._targets = targets
         self._tensors: list[torch.Tensor] = []
         self._copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
+        fresh: set[int] = set()  # the tensors allocated here (by index), whose pages do not exist yet
         try:
             for entry, path in zip(header.entries, header.paths):
-                self._tensors.append(self._buffer_for(entry, (targets or {}).get(path)))
+                self._tensors.append(self._buffer_for(entry, (targets or {}).get(path), fresh))
         except RuntimeError as exc:  # torch could not allocate what the header declared
             raise CheckpointTransferError(f"cannot allocate {header.data_bytes} bytes for the checkpoint") from exc
         self._views = [byte_view(tensor) for tensor in self._tensors]
@@ -83,12 +88,16 @@ class TensorWriter:
         self._expected: list[int | None] = [None] * len(blocks)  # the sender's, from the trailers
         self.received_bytes = 0
         self._abandoned = threading.Event()
+        # blocks of fresh tensors whose pages are populated in bulk just before their first bytes land (_prefault)
+        self._unpopulated = bytearray(tensor in fresh and end - start >= _POPULATE_MIN_BYTES
+                                      for start, end, tensor in blocks.spans) if _prefault.supported() else None
 
-    def _buffer_for(self, entry: TensorEntry, target: torch.Tensor | None) -> torch.Tensor:
+    def _buffer_for(self, entry: TensorEntry, target: torch.Tensor | None, fresh: set[int]) -> torch.Tensor:
         dtype = DTYPES[entry.dtype]
         if target is not None:
             target = _dtensor.local_of(target)  # a DTensor's shard is received into its local tensor
         if target is None or target.dtype != dtype or tuple(target.shape) != entry.shape:
+            fresh.add(len(self._tensors))
             return torch.empty(entry.shape, dtype=dtype)
         if target.device.type == "cpu" and target.is_contiguous():
             return target
@@ -116,7 +125,12 @@ class TensorWriter:
         self._check_range(offset, limit)
         if offset >= limit:
             raise CheckpointTransferError(f"no room for data at byte {offset} (the range ends at {limit})")
-        _, end, tensor = self.header.blocks.spans[self._block_at(offset)]
+        block = self._block_at(offset)
+        start, end, tensor = self.header.blocks.spans[block]
+        if self._unpopulated is not None and self._unpopulated[block]:
+            self._unpopulated[block] = 0
+            _prefault.populate(self._tensors[tensor].data_ptr() + start - self.header.entries[tensor].offset,
+                               end - start)
         return self._view(offset, min(limit, end), tensor)
 
     def data_tensor(self, start: int, end: int) -> torch.Tensor:
