@@ -40,9 +40,9 @@ def _session() -> aiohttp.ClientSession:
 
 
 async def get_into(url: str, params: dict[str, str], headers: dict[str, str],
-                   sink_for: Callable[[int], lean.BodySink], *, tls: ssl.SSLContext | None = None) -> None:
+                   sink_for: Callable[[int], lean.BodySink], *, tls: ssl.SSLContext | None = None) -> dict[str, str]:
     """What ``lean.get_into`` does, through aiohttp: its chunks are copied into the sink (over TLS with
-    ``tls``, as the lean client, whatever scheme ``url`` names)."""
+    ``tls``, as the lean client, whatever scheme ``url`` names); returns the headers, names in lower case."""
     secure = {}
     if tls is not None:
         url, secure = "https://" + url.partition("://")[2], {"ssl": tls}
@@ -72,6 +72,7 @@ async def get_into(url: str, params: dict[str, str], headers: dict[str, str],
                 destination[:count] = view[:count]
                 sink.filled(count)
                 view = view[count:]
+        return {name.lower(): value for name, value in response.headers.items()}
 
 
 def use_aiohttp_for_heals() -> None:

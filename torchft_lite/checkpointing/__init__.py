@@ -9,11 +9,13 @@ Where things live::
     _http_socket.py        the checkpoint server's socket: where it listens, send buffers, flushing
     _http_receive.py       Receiver: one heal, from one source or striped over several (the first is the truth)
     _http_client.py        the heal's HTTP client: response bodies land straight in tensor memory
+    _streams.py            how many streams a receive takes by default: the data's size, the source's advertisement
     _body_sinks.py         where those bodies go: a whole encoding, a data range, a small answer
     pg_transport.py        PGTransport: the same format over a process group's send/recv
     _format.py             the heal format: layout, limits, header validation (Header, Blocks)
     _encode.py             sending: flatten (validate, describe), encode (read to host), body (bytes + sums)
     _decode.py             receiving: TensorWriter (bytes into tensors, checked), decode_bytes, targets_of
+    _prefault.py           fresh destination pages populated in bulk just before the socket writes into them
     _header_difference.py  what two replicas' headers for one step declare differently
     _checksum.py           sum64 block checksums
     _dtensor.py            DTensors: the local shard travels, its layout rides in the header

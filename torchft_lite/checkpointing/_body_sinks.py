@@ -75,10 +75,15 @@ class DataSink:
 
 
 class EncodedSink:
-    """Prefix, header and (unless ``header_only``) data and checksums of one state dict, as a body of ``length``."""
+    """Prefix, header and (unless ``header_only``) data and checksums of one state dict, as a body of ``length``.
+
+    ``header_only`` None: whichever the body holds, the header alone or the
+    whole encoding (a source that serves no separate header sends it all);
+    :attr:`whole` then says which it was.
+    """
 
     def __init__(self, url: str, step: int, length: int, targets: dict[Path, Any], *,
-                 header_only: bool) -> None:
+                 header_only: bool | None) -> None:
         if length < PREFIX_SIZE:
             raise CheckpointTransferError(f"checkpoint truncated: {url} sent a {length}-byte answer")
         self._url, self._step, self._length, self._header_only = url, step, length, header_only
@@ -111,6 +116,8 @@ class EncodedSink:
             if length:
                 return
         header_end = PREFIX_SIZE + len(self._pending)
+        if self._header_only is None:
+            self._header_only = self._length == header_end
         if self._header_only and self._length != header_end:
             raise CheckpointTransferError(f"{self._url} sent {self._length - header_end} bytes after the header")
         header_json = bytes(self._pending)
@@ -122,6 +129,11 @@ class EncodedSink:
         self.writer = TensorWriter(header, self._targets)
         if header.data_bytes and not self._header_only:
             self._data = DataSink(self.writer, 0, header.data_bytes)
+
+    @property
+    def whole(self) -> bool:
+        """Whether the body held the whole encoding (known once the header is in)."""
+        return self._header_only is False
 
     def complete_writer(self) -> TensorWriter:
         """The tensor writer, once the body has ended; the header must have been whole."""

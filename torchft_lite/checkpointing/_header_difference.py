@@ -8,9 +8,28 @@ from __future__ import annotations
 
 from typing import Any
 
-from torchft_lite.checkpointing._format import Header, Path, decode_key, decode_tree, format_path
+from torchft_lite.checkpointing._format import (
+    PREFIX_SIZE, Header, Path, decode_key, decode_tree, format_path, parse_header, unpack_prefix,
+)
+from torchft_lite.errors import CheckpointTransferError
 
-__all__ = ["header_difference"]
+__all__ = ["encoded_header_difference", "header_difference"]
+
+
+def encoded_header_difference(header: Header, header_bytes: bytes, raw: bytes) -> str | None:
+    """None when ``raw`` (another source's prefix and header) equals ``header_bytes``; else what differs, in words.
+
+    ``header`` is ``header_bytes`` validated: the primary's, which a striped heal takes.
+    """
+    if raw == header_bytes:
+        return None
+    try:
+        length, crc = unpack_prefix(raw[:PREFIX_SIZE])
+        if len(raw) != PREFIX_SIZE + length:
+            raise CheckpointTransferError(f"a {length}-byte header declared, {len(raw) - PREFIX_SIZE} sent")
+        return header_difference(header, parse_header(raw[PREFIX_SIZE:], crc))
+    except CheckpointTransferError as exc:
+        return f"the second sent an unusable header: {exc}"
 
 
 def header_difference(first: Header, other: Header) -> str:

@@ -102,6 +102,8 @@ class _ResponseProtocol(asyncio.BufferedProtocol):
         self._sink: BodySink | None = None
         self._remaining = 0
         self.status = 0
+        self.headers: dict[str, str] = {}
+        """The response's headers, names in lower case."""
         self.transport: asyncio.Transport | None = None
         self._low_water = 1  # the socket's SO_RCVLOWAT
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -144,6 +146,7 @@ class _ResponseProtocol(asyncio.BufferedProtocol):
         if "transfer-encoding" in headers or not headers.get("content-length", "").isdigit():
             raise CheckpointTransferError("the checkpoint server's answer has no Content-Length")
         self.status = int(parts[1])
+        self.headers = headers
         self._remaining = int(headers["content-length"])
         self._sink = self._sink_for(self._remaining) if self.status == 200 else _ErrorText(self._remaining)
         body = memoryview(self._head)[end + 4:]
@@ -201,15 +204,17 @@ class _ResponseProtocol(asyncio.BufferedProtocol):
 
 
 async def get_into(url: str, params: dict[str, str], headers: dict[str, str],
-                   sink_for: Callable[[int], BodySink], *, tls: ssl.SSLContext | None = None) -> None:
-    """GET ``url``; a 200 body of ``n`` bytes goes into ``sink_for(n)``.
+                   sink_for: Callable[[int], BodySink], *, tls: ssl.SSLContext | None = None) -> dict[str, str]:
+    """GET ``url``; a 200 body of ``n`` bytes goes into ``sink_for(n)``; returns the response's headers.
+
+    Header names are in lower case (a source's ``X-Checkpoint-Streams``, say).
 
     Any other status raises :class:`HTTPStatusError`. ``sink_for`` (and the
     sink) may raise to refuse the body; the connection is then aborted.
     Cancelling the call aborts the connection. ``tls``: connect with TLS
     (required for an ``https://`` URL; also used for ``http://`` when given).
     """
-    await _request("GET", url, params, headers, sink_for, tls)
+    return await _request("GET", url, params, headers, sink_for, tls)
 
 
 async def post(url: str, params: dict[str, str], headers: dict[str, str], *,
@@ -219,7 +224,7 @@ async def post(url: str, params: dict[str, str], headers: dict[str, str], *,
 
 
 async def _request(method: str, url: str, params: dict[str, str], headers: dict[str, str],
-                   sink_for: Callable[[int], BodySink], tls: ssl.SSLContext | None) -> None:
+                   sink_for: Callable[[int], BodySink], tls: ssl.SSLContext | None) -> dict[str, str]:
     parsed = urllib.parse.urlsplit(url)
     if parsed.scheme not in ("http", "https") or parsed.hostname is None:
         raise CheckpointTransferError(f"not an http:// or https:// URL: {url!r}")
@@ -244,6 +249,7 @@ async def _request(method: str, url: str, params: dict[str, str], headers: dict[
                  *(f"{name}: {value}" for name, value in headers.items())]
         transport.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
         await protocol.done
+        return protocol.headers
     finally:
         if protocol.done.done() and not protocol.done.cancelled() and protocol.done.exception() is None:
             transport.close()

@@ -1,9 +1,11 @@
 """The receiving side of HTTPTransport: one heal, from one source or striped over several.
 
-From one source (and ``num_chunks`` <= 1) the whole encoding comes in one GET.
-Otherwise the primary's header comes first, then block-aligned data ranges,
-``max(num_chunks, len(sources))`` of them, fetched at once, range ``i`` from
-source ``i % len(sources)``.
+From one source with ``num_chunks`` set to 0 or 1 the whole encoding comes in
+one GET. Otherwise the primary's header comes first, then block-aligned data
+ranges, ``max(num_chunks, len(sources))`` of them, fetched at once, range
+``i`` from source ``i % len(sources)``; with ``num_chunks`` unset (None), as
+many as ``_streams.streams_for`` picks from the data's size and what the
+primary advertises (a single source that serves no header is read whole).
 
 Striped over several replicas, the first, the *primary*, is the truth: the
 result is the primary's snapshot byte for byte, and the others (secondaries)
@@ -28,11 +30,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lighthouse.rpc.tls import TlsSettings
-from torchft_lite.checkpointing import _checksum, _http_client
 from torchft_lite.checkpointing._body_sinks import BytesSink, DataSink, EncodedSink
 from torchft_lite.checkpointing._decode import TensorWriter
-from torchft_lite.checkpointing._format import MAX_HEADER_BYTES, PREFIX_SIZE, Path, parse_header, unpack_prefix
-from torchft_lite.checkpointing._header_difference import header_difference
+from torchft_lite.checkpointing import _checksum, _http_client, _streams
+from torchft_lite.checkpointing._format import MAX_HEADER_BYTES, PREFIX_SIZE, Path
+from torchft_lite.checkpointing._header_difference import encoded_header_difference
 from torchft_lite.errors import (
     CheckpointError, CheckpointHTTPError, CheckpointTransferError, CheckpointURLError, CheckpointURLTimeout,
 )
@@ -84,14 +86,15 @@ class Receiver:
     """Fetches state dicts for one HTTPTransport; lives on the control-plane loop.
 
     Args:
-        num_chunks: data ranges to fetch at once (at least one per source).
+        num_chunks: data ranges to fetch at once (at least one per source); None: from the size and what the
+            primary advertises (``_streams``).
         headers: sent with every request (the job token's ``Authorization``, ``Access.headers()``).
         tls: which sources are fetched over TLS, trusting what (``TlsSettings.uses_tls``: an ``https://``
             source, or every source once the job set TLS); None: ``https://`` sources only, trusting the
             system's CAs.
     """
 
-    def __init__(self, num_chunks: int, headers: dict[str, str], tls: TlsSettings | None = None) -> None:
+    def __init__(self, num_chunks: int | None, headers: dict[str, str], tls: TlsSettings | None = None) -> None:
         self._num_chunks = num_chunks
         self._headers = dict(headers)
         self._tls = TlsSettings() if tls is None else tls
@@ -112,8 +115,8 @@ class Receiver:
         primary = urls[0]  # what fails a heal, other than its timeout, is the primary's
         try:
             async with asyncio.timeout(timeout):
-                if len(urls) == 1 and self._num_chunks <= 1:
-                    sink = await self._get_encoded(heal, primary, "", targets, header_only=False)
+                if len(urls) == 1 and self._num_chunks is not None and self._num_chunks <= 1:
+                    sink, _ = await self._get_encoded(heal, primary, "", targets, header_only=False)
                     writer = sink.complete_writer()
                 else:
                     writer = await self._fetch_ranges(heal, targets)
@@ -153,8 +156,8 @@ class Receiver:
         return {"session": heal.session_id, "timeout": f"{remaining:.3f}", **{k: str(v) for k, v in extra.items()}}
 
     async def _get_encoded(self, heal: _Heal, url: str, path: str, targets: dict[Path, Any],
-                           header_only: bool) -> EncodedSink:
-        """GET ``url + path`` into an encoded-state-dict sink; returns the sink, its body complete."""
+                           header_only: bool | None) -> tuple[EncodedSink, dict[str, str]]:
+        """GET ``url + path`` into an encoded-state-dict sink; the sink (its body complete) and the answer's headers."""
         sink: EncodedSink | None = None
 
         def sink_for(length: int) -> EncodedSink:
@@ -163,10 +166,10 @@ class Receiver:
             sink = EncodedSink(url, heal.step, length, targets, header_only=header_only)
             return sink
 
-        await _http_client.get_into(url + path, self._params(heal), self._auth_headers(), sink_for,
-                                    tls=self._tls_for(url))
+        headers = await _http_client.get_into(url + path, self._params(heal), self._auth_headers(), sink_for,
+                                              tls=self._tls_for(url))
         assert sink is not None
-        return sink
+        return sink, headers
 
     async def _get_bytes(self, heal: _Heal, url: str, path: str, limit: int, *, exact: bool = False,
                          hold: float | None = None) -> bytes:
@@ -224,9 +227,13 @@ class Receiver:
         headers = {source: asyncio.create_task(self._get_bytes(heal, url, "/header", _MAX_HEADER_ANSWER))
                    for source, url in enumerate(heal.urls) if source}
         try:
-            primary = await self._get_encoded(heal, heal.urls[0], "/header", targets, header_only=True)
+            primary, advertised = await self._primary_header(heal, targets)
             writer = primary.complete_writer()
-            parts = writer.header.blocks.split(max(self._num_chunks, len(heal.urls)))
+            if primary.whole:
+                return writer
+            streams = self._num_chunks if self._num_chunks is not None else \
+                _streams.streams_for(writer.header.data_bytes, advertised)
+            parts = writer.header.blocks.split(max(streams, len(heal.urls)))
             ranges = [_Range(start, end, i % len(heal.urls)) for i, (start, end) in enumerate(parts)]
             await self._stripe(heal, writer, ranges)
             await self._compare_headers(heal, primary, headers, ranges)
@@ -234,6 +241,25 @@ class Receiver:
         finally:
             await _cancel(list(headers.values()))
         return writer
+
+    async def _primary_header(self, heal: _Heal, targets: dict[Path, Any]) -> tuple[EncodedSink, int]:
+        """The primary's header and how many streams it advertises (``_streams``).
+
+        With ``num_chunks`` unset and one source, a source that serves no
+        header alone is read whole, in one stream: one that answers the
+        header's request with everything, or has no such route (404, 405).
+        """
+        adaptive, url = self._num_chunks is None and len(heal.urls) == 1, heal.urls[0]
+        try:
+            sink, answer = await self._get_encoded(heal, url, "/header", targets,
+                                                   header_only=None if adaptive else True)
+        except _http_client.HTTPStatusError as exc:
+            if not adaptive or exc.status not in (404, 405):
+                raise
+            logger.info("step %d: %s serves no header alone (HTTP %d); receiving the state dict whole, in one "
+                        "stream", heal.step, heal.names[0], exc.status)
+            sink, answer = await self._get_encoded(heal, url, "", targets, header_only=False)
+        return sink, _streams.advertised(answer)
 
     async def _stripe(self, heal: _Heal, writer: TensorWriter, ranges: list[_Range]) -> None:
         """Fetch every range at once; what a secondary fails to deliver, or delivers too slowly, the primary sends.
@@ -317,7 +343,8 @@ class Receiver:
                 logger.warning("step %d: could not fetch the header of %s to compare it with the primary's: %s",
                                heal.step, heal.names[source], _describe(exc))
                 continue
-            difference = _secondary_header_difference(primary, raw)
+            assert primary.writer is not None
+            difference = encoded_header_difference(primary.writer.header, primary.header_bytes, raw)
             if difference is not None:
                 logger.warning("%s and %s disagree about step %d: %s; the heal takes the header of the primary %s, "
                                "and its data wherever they differ", heal.names[0], heal.names[source], heal.step,
@@ -354,7 +381,7 @@ class Receiver:
                        "from the primary", heal.step, which, heal.names[0], len(differing),
                        blocks.bytes_of(differing))
         writer.receive_again(differing)
-        streams = asyncio.Semaphore(max(self._num_chunks, len(heal.urls)))
+        streams = asyncio.Semaphore(max(len(ranges), len(heal.urls)))
 
         async def fetch_again(start: int, end: int) -> None:
             async with streams:
@@ -399,20 +426,6 @@ def _lagging(part: _Range, now: float, primary_rate: float) -> str | None:
     if primary_rate > 0 and left > sink.length / primary_rate:
         return f"would need about {left:.1f}s more at its pace ({sink.received / elapsed / 1e6:.1f} MB/s)"
     return None
-
-
-def _secondary_header_difference(primary: EncodedSink, raw: bytes) -> str | None:
-    """None when ``raw`` (another source's prefix and header) equals the primary's; else what differs, in words."""
-    if raw == primary.header_bytes:
-        return None
-    assert primary.writer is not None
-    try:
-        length, crc = unpack_prefix(raw[:PREFIX_SIZE])
-        if len(raw) != PREFIX_SIZE + length:
-            raise CheckpointTransferError(f"a {length}-byte header declared, {len(raw) - PREFIX_SIZE} sent")
-        return header_difference(primary.writer.header, parse_header(raw[PREFIX_SIZE:], crc))
-    except CheckpointTransferError as exc:
-        return f"the second sent an unusable header: {exc}"
 
 
 def _describe(error: BaseException) -> str:

@@ -51,6 +51,7 @@ from lighthouse.rpc.refusals import RefusalLog
 from torchft_lite.checkpointing._encode import EncodedStateDict, FlatStateDict
 from torchft_lite.checkpointing._http_socket import flushed, listen, tune
 from torchft_lite.checkpointing._http_snapshot import Session, Snapshot
+from torchft_lite.checkpointing._streams import ADVERTISE_HEADER, SERVED_STREAMS
 from torchft_lite.errors import CheckpointError
 
 __all__ = ["ABORT_GRACE", "CheckpointServer"]
@@ -74,14 +75,19 @@ class CheckpointServer:
         access: who may ask (``Access.check`` on every request: 401 or 403 and nothing else).
         hostname: the name the transport advertises, for the log.
         tls: serve HTTPS with this context (``TlsSettings.server_context()``); None: plain HTTP.
+        streams: how many concurrent range requests one receiver may make, advertised in every
+            answer's ``X-Checkpoint-Streams`` (see ``_streams``); it bounds the default, not an explicit
+            ``num_chunks``.
 
     The transport reads ``snapshot``, ``last_step``, ``held`` and
     ``bytes_served`` from the training thread (plain attributes, for its
     statistics and torchft's attributes).
     """
 
-    def __init__(self, timeout: float, access: Access, hostname: str, tls: ssl.SSLContext | None = None) -> None:
+    def __init__(self, timeout: float, access: Access, hostname: str, tls: ssl.SSLContext | None = None,
+                 streams: int = SERVED_STREAMS) -> None:
         self._timeout = timeout
+        self._streams = streams
         self._tls = tls
         self._access = access
         self._refusals = RefusalLog("checkpoint server")
@@ -302,7 +308,8 @@ class CheckpointServer:
                 logger.error("step %d: encoding the state dict failed: %r", step, exc)
                 raise web.HTTPInternalServerError(text=f"step {step} could not be encoded: {exc}") from exc
             pieces, length, data_bytes = self._pieces(request, encoded, part, sums)
-            response = web.StreamResponse(headers={"Content-Type": "application/octet-stream"})
+            response = web.StreamResponse(headers={"Content-Type": "application/octet-stream",
+                                                   ADVERTISE_HEADER: str(self._streams)})
             response.content_length = length
             await response.prepare(request)
             tune(request.transport)

@@ -60,7 +60,12 @@ class HTTPTransport(CheckpointTransport[T]):
     Args:
         timeout: default bound for serving and for held requests.
         num_chunks: receive the tensor data over this many concurrent HTTP
-            requests, split by bytes; 0 or 1 means one stream.
+            requests, split by bytes; 0 or 1 means one stream. None (the
+            default): chosen per receive from the data's size and what the
+            source advertises (``_streams``: one stream per 256 MiB, at most
+            the source's 4; a small state dict keeps one). Fresh tensors a
+            receive allocates have their pages populated on two threads
+            ahead of the writes, whatever the streams (``_prefault``).
         hostname: advertised in :meth:`metadata`; defaults to ``socket.gethostname()``.
         bind_host: the address the server listens on ("::" is dual-stack).
         port: the port to listen on; 0 picks a free one.
@@ -87,7 +92,7 @@ class HTTPTransport(CheckpointTransport[T]):
             socket. A failed receive may leave such tensors partly overwritten.
     """
 
-    def __init__(self, timeout: timedelta, num_chunks: int = 0, *, hostname: str | None = None,
+    def __init__(self, timeout: timedelta, num_chunks: int | None = None, *, hostname: str | None = None,
                  bind_host: str = "::", port: int = 0, token: str | None = None,
                  state_dict: Callable[[], T] | None = None, access: Access | None = None,
                  tls: TlsSettings | None = None) -> None:
@@ -98,7 +103,7 @@ class HTTPTransport(CheckpointTransport[T]):
             tls = TlsSettings.from_env() if tls is None else tls
         except ValueError as exc:
             raise ConfigError(f"checkpoint transport: {exc}") from exc
-        if num_chunks < 0:
+        if num_chunks is not None and num_chunks < 0:
             raise ConfigError(f"num_chunks must be >= 0, got {num_chunks}")
         if timeout.total_seconds() <= 0:
             raise ConfigError(f"timeout must be positive, got {timeout}")
@@ -181,7 +186,8 @@ class HTTPTransport(CheckpointTransport[T]):
         """Fetch ``step`` from several replicas at once; the result is the first's (the primary's) byte for byte.
 
         The data is cut into ``max(num_chunks, len(sources))`` block-aligned
-        ranges, fetched at once, range ``i`` from source ``i % len(sources)``.
+        ranges (``num_chunks`` None: as many as the size and the primary's
+        advertisement pick, see the constructor), fetched at once, range ``i`` from source ``i % len(sources)``.
         The other sources only make it faster: a difference in a header is
         logged; a range that one of them fails to deliver (or delivers much
         slower than the primary could) comes from the primary; blocks of

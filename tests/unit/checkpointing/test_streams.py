@@ -1,0 +1,38 @@
+"""How many streams a receive with num_chunks unset takes: from the data's size and the source's advertisement."""
+
+import pytest
+
+from torchft_lite.checkpointing import _streams
+
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize("data_bytes, advertised, expected", [
+    (0, 4, 1),                   # nothing to fetch still takes one stream
+    (100 * MiB, 4, 1),           # below one stream's worth
+    (256 * MiB, 4, 1),
+    (600 * MiB, 4, 2),
+    (1024 * MiB, 4, 4),          # the issue's 1 GiB heal: four streams
+    (8 << 30, 4, 4),             # never past what the source serves
+    (8 << 30, 1, 1),             # a source that advertises nothing usable
+    (8 << 30, 64, _streams.MAX_STREAMS),
+])
+def test_streams_come_from_the_size_up_to_what_the_source_serves(data_bytes, advertised, expected):
+    assert _streams.streams_for(data_bytes, advertised) == expected
+
+
+@pytest.mark.parametrize("headers, expected", [
+    ({}, 1),                                   # an older sender says nothing: one stream
+    ({"x-checkpoint-streams": "4"}, 4),
+    ({"x-checkpoint-streams": " 2 "}, 2),
+    ({"x-checkpoint-streams": "0"}, 1),
+    ({"x-checkpoint-streams": "-3"}, 1),
+    ({"x-checkpoint-streams": "many"}, 1),
+    ({"x-checkpoint-streams": "1000000"}, _streams.MAX_STREAMS),
+])
+def test_the_advertisement_is_read_defensively(headers, expected):
+    assert _streams.advertised(headers) == expected
+
+
+def test_our_server_advertises_more_than_one_stream():
+    assert 1 < _streams.SERVED_STREAMS <= _streams.MAX_STREAMS
