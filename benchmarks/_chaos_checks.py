@@ -15,6 +15,13 @@ the newest complete checkpoint on disk at the kill, and every process that
 committed step C+1 logged ``resumed from step C``. Any other new epoch the
 lighthouse starts (its ``epoch N of the job starts`` line) is an unplanned
 rewind: committed steps redone after faults of single groups.
+
+torchft's lighthouse keeps no record of the job's step, so a restarted one (or
+a quorum formed while the groups holding the latest step hang) can let the
+job redo steps it had committed. Those rewinds are found from the reports
+alone (:func:`find_rewinds`); for an implementation allowed to redo steps the
+reports are split at them too, so a redone step is counted as redone, while
+two states at one step of one epoch are still a divergence.
 """
 
 from __future__ import annotations
@@ -27,7 +34,8 @@ from bisect import bisect_left
 from collections import defaultdict
 from pathlib import Path
 
-__all__ = ["complete_checkpoints", "heal_and_stall_figures", "print_summary", "read_reports", "verify"]
+__all__ = ["complete_checkpoints", "find_rewinds", "heal_and_stall_figures", "job_step_at", "read_reports", "split_epochs",
+           "verify"]
 
 _STEP_DIR = re.compile(r"^step-(\d{12})$")
 _RESUME_LINE = re.compile(r"\] (?:resumed from step (\d+)|no checkpoint: starting fresh)")
@@ -68,13 +76,46 @@ def complete_checkpoints(root: Path) -> list[int]:
     return sorted(steps, reverse=True)
 
 
-def split_epochs(rows: list[dict], kill_alls: list[dict]) -> list[list[dict]]:
-    """The rows of each job epoch: epoch k holds the rows written between kill-all k-1 and kill-all k."""
-    bounds = [event["at"] for event in kill_alls]
+def split_epochs(rows: list[dict], restarts: list[dict]) -> list[list[dict]]:
+    """The rows of each job epoch: epoch k holds the rows written between restart k-1 and restart k (a
+    kill-all, or a rewind; each with its time ``at``)."""
+    bounds = [event["at"] for event in restarts]
     epochs: list[list[dict]] = [[] for _ in range(len(bounds) + 1)]
     for row in rows:
         epochs[bisect_left(bounds, row["time"])].append(row)
     return epochs
+
+
+def find_rewinds(rows: list[dict], kill_alls: list[dict], gap: float = 1.0) -> list[dict]:
+    """Where the job went back and redid steps it had committed, from the reports alone: a process commits
+    a step it (or, more than ``gap`` seconds before, any process) had already committed with other
+    parameters, after the job had reached that step. Rows of one step written within ``gap`` of each other
+    are one quorum's commit: if they differ, that is a divergence, not a rewind. Each rewind: ``at`` (just
+    before the row that showed it), ``from_step`` (the highest step committed before), ``to_step`` (the
+    step the job went on from). Kill-alls start fresh epochs of their own and are not rewinds."""
+    bounds = [event["at"] for event in kill_alls]
+    rewinds: list[dict] = []
+    first: dict[tuple[int, int], tuple[str, float]] = {}  # (step, rank) -> its first checksum and time
+    own: dict[tuple[int, int], int] = {}  # (pid, rank) -> the last step it committed
+    high, epoch = None, 0
+    for row in sorted(rows, key=lambda r: r["time"]):
+        if bisect_left(bounds, row["time"]) != epoch:
+            epoch, high = bisect_left(bounds, row["time"]), None
+            first.clear()
+            own.clear()
+        seen = first.get((row["step"], row["rank"]))
+        again = own.get((row["pid"], row["rank"]))
+        redone = ((seen is not None and seen[0] != row["checksum"] and row["time"] - seen[1] > gap)
+                  or (again is not None and row["step"] <= again))
+        if redone and high is not None and row["step"] <= high:
+            rewinds.append({"at": row["time"] - 1e-6, "from_step": high, "to_step": row["step"] - 1})
+            first.clear()
+            own.clear()
+            high = None
+        first.setdefault((row["step"], row["rank"]), (row["checksum"], row["time"]))
+        own[(row["pid"], row["rank"])] = row["step"]
+        high = row["step"] if high is None else max(high, row["step"])
+    return rewinds
 
 
 def _check_epoch(index: int, rows: list[dict], first_step: int, batches_before: int | None) -> dict[str, list]:
@@ -172,108 +213,94 @@ def _check_kill_all(k: int, event: dict, rows: list[dict], starts: list[dict], w
     return errors
 
 
-def verify(rows: list[dict], kill_alls: list[dict], starts: list[dict], workdir: Path) -> dict:
+def verify(rows: list[dict], kill_alls: list[dict], starts: list[dict], workdir: Path,
+           rewinds_allowed: bool = False) -> dict:
     """Every check, from the reports, the groups' logs and the lighthouse's log.
 
     ``kill_alls``: what the run recorded at each kill-all (``at``, wall time with every process dead;
     ``killed_step``; ``checkpoint``, the newest complete one then). ``starts``: every group start
-    (``at``, ``group``, ``incarnation``, ``pids`` by rank)."""
-    epochs = split_epochs(rows, kill_alls)
+    (``at``, ``group``, ``incarnation``, ``pids`` by rank). ``rewinds_allowed``: the implementation may
+    redo committed steps after a fault (torchft): the rows are split at the rewinds found in them, which
+    are counted and shown; otherwise rewinds are left in and fail the checks within their epoch."""
+    rewinds = find_rewinds(rows, kill_alls)
+    restarts = sorted([{"at": e["at"], "resumed": e["checkpoint"], "kill_all": i} for i, e in enumerate(kill_alls)]
+                      + ([{"at": r["at"], "resumed": r["to_step"], "kill_all": None} for r in rewinds]
+                         if rewinds_allowed else []), key=lambda r: r["at"])
+    epochs = split_epochs(rows, restarts)
     found: dict[str, list] = defaultdict(list)
     kill_errors: list[str] = []
     events = []
     for k, epoch_rows in enumerate(epochs):
-        resumed_at = kill_alls[k - 1]["checkpoint"] if k else 0
+        resumed_at = restarts[k - 1]["resumed"] if k else 0
         batches_before = _batches_at(epochs[:k], resumed_at)
         if batches_before is None:
-            kill_errors.append(f"kill-all {k}: no single batches_committed reported at step {resumed_at}, where "
+            kill_errors.append(f"epoch {k}: no single batches_committed reported at step {resumed_at}, where "
                                "the new epoch resumed")
         for key, value in _check_epoch(k, epoch_rows, resumed_at + 1, batches_before).items():
             found[key].extend(value)
-    for k, event in enumerate(kill_alls):
-        after = epochs[k + 1]
-        kill_errors.extend(_check_kill_all(k, event, after, starts, workdir))
+    windows = []
+    for k, restart in enumerate(restarts):
+        if restart["kill_all"] is None:
+            continue
+        event, after = kill_alls[restart["kill_all"]], epochs[k + 1]
+        kill_errors.extend(_check_kill_all(restart["kill_all"], event, after, starts, workdir))
         recovered = min((r["time"] for r in after), default=None)
         events.append({"killed_step": event["killed_step"], "checkpoint": event["checkpoint"],
                        "redone": event["killed_step"] - event["checkpoint"], "lighthouse": event["lighthouse"],
                        "recovery_s": None if recovered is None else round(recovered - event["at"], 2)})
-    # A kill-all's epoch starts between the kill and the new epoch's first commit (0.5 s of slack: the
-    # lighthouse's log stamps milliseconds), or the next kill-all when nothing was committed in between.
-    windows = []
-    for k, event in enumerate(kill_alls):
-        ends = min((r["time"] for r in epochs[k + 1]), default=None)
+        # A kill-all's epoch starts between the kill and the new epoch's first commit (0.5 s of slack: the
+        # lighthouse's log stamps milliseconds), or the next restart when nothing was committed in between.
+        ends = recovered
         if ends is None:
-            ends = kill_alls[k + 1]["at"] if k + 1 < len(kill_alls) else float("inf")
+            ends = restarts[k + 1]["at"] if k + 1 < len(restarts) else float("inf")
         windows.append((event["at"], ends + 0.5, event["checkpoint"]))
     unplanned = [f"{time.strftime('%H:%M:%S', time.localtime(when))}: the lighthouse took the job from step "
                  f"{from_step} down to {to_step} because {why}"
                  for when, from_step, to_step, why in _lighthouse_epochs(workdir / "lighthouse.log")
                  if not any(start <= when <= end and to_step == c for start, end, c in windows)]
-    last_rows = epochs[-1] or [{"step": kill_alls[-1]["checkpoint"] if kill_alls else 0}]
+    last_rows = epochs[-1] or [{"step": restarts[-1]["resumed"] if restarts else 0}]
     commits = sum(len({r["step"] for r in epoch_rows}) for epoch_rows in epochs)
     recoveries = [e["recovery_s"] for e in events if e["recovery_s"] is not None]
     return {"committed_steps": max(r["step"] for r in last_rows), "commits": commits,
-            "steps_redone": sum(e["redone"] for e in events),
+            "steps_redone": sum(e["redone"] for e in events) + sum(r["from_step"] - r["to_step"] for r in rewinds),
             "kill_all_recovery_median_s": round(statistics.median(recoveries), 2) if recoveries else None,
             "kill_all_recovery_max_s": max(recoveries, default=None),
             "divergent_steps": found["divergent_steps"], "duplicated_steps": found["duplicated_steps"],
             "missing_steps": found["missing_steps"], "inconsistent_steps": found["inconsistent_steps"],
             "batch_accounting_errors": found["batch_accounting_errors"][:20],
-            "kill_alls": events, "kill_all_errors": kill_errors, "unplanned_rewinds": unplanned}
+            "kill_alls": events, "kill_all_errors": kill_errors, "unplanned_rewinds": unplanned,
+            "rewinds": rewinds, "restarts": restarts}
 
 
-def heal_and_stall_figures(workdir: Path, rows: list[dict], kill_alls: list[dict]) -> dict:
+# What each library logs when a group has loaded a peer's state (ours says how many MB; torchft does not).
+_HEALED = {"torchft_lite": re.compile(r"healed: ([\d.]+) MB"), "torchft": re.compile(r"Loaded state dict\.()")}
+
+
+def heal_and_stall_figures(workdir: Path, rows: list[dict], restarts: list[dict], impl: str = "torchft_lite") -> dict:
     """Heals and their bytes (from the groups' logs) and stalls: gaps between committed steps over 1 s
-    (a kill-all's gap runs from the last step before it to the first after it)."""
+    (a restart's gap, a kill-all's or a rewind's, runs from the last step before it to the first after it)."""
     heals, heal_mb = 0, 0.0
     for log in workdir.glob("group*.log"):
-        for match in re.finditer(r"healed: ([\d.]+) MB", log.read_text(errors="replace")):
+        for match in _HEALED[impl].finditer(log.read_text(errors="replace")):
             heals += 1
-            heal_mb += float(match.group(1))
+            heal_mb += float(match.group(1) or 0.0)
     first_commit: dict[tuple[int, int], float] = {}
-    for k, epoch_rows in enumerate(split_epochs(rows, kill_alls)):
+    for k, epoch_rows in enumerate(split_epochs(rows, restarts)):
         for row in epoch_rows:
             key = (k, row["step"])
             first_commit[key] = min(first_commit.get(key, row["time"]), row["time"])
     times = [first_commit[key] for key in sorted(first_commit)]
     gaps = [b - a for a, b in zip(times, times[1:])]
     stalls = [g for g in gaps if g > 1.0]
-    return {"heals": heals, "heal_mb": round(heal_mb, 1), "stalls_over_1s": len(stalls),
-            "longest_stall_s": round(max(gaps, default=0.0), 2), "stalled_s": round(sum(stalls), 1)}
+    return {"heals": heals, "heal_mb": round(heal_mb, 1) if impl == "torchft_lite" else None,
+            "stalls_over_1s": len(stalls), "longest_stall_s": round(max(gaps, default=0.0), 2),
+            "stalled_s": round(sum(stalls), 1)}
 
 
-def print_summary(args, faults: dict, restarts: int, checks: dict, figures: dict, outcome: dict, ok: bool) -> None:
-    events = checks["kill_alls"]
-    print("\n================ chaos summary ================")
-    print(f"seed / groups x ranks          {args.seed} / {args.groups} x {args.ranks}")
-    print(f"process group                  {args.pg}")
-    every = f"every {args.checkpoint_every} steps" if args.checkpoint_every else "off"
-    print(f"durable checkpoints            {every}")
-    print(f"faults injected                {sum(faults.values())} "
-          f"({', '.join(f'{k} {v}' for k, v in sorted(faults.items()))})")
-    print(f"group restarts                 {restarts}")
-    print(f"heals (bytes)                  {figures['heals']} ({figures['heal_mb']:.0f} MB)")
-    print(f"stalls over 1 s                {figures['stalls_over_1s']} ({figures['stalled_s']:.0f} s in all, "
-          f"longest {figures['longest_stall_s']:.1f} s)")
-    print(f"committed steps                {checks['committed_steps']}"
-          + (f" ({checks['commits']} commits in {len(events) + 1} job epochs)" if events else ""))
-    if events:
-        redone = ", ".join(f"{e['killed_step']}->{e['checkpoint']}" for e in events[:6])
-        print(f"kill-all faults                {len(events)} (killed at step -> resumed from: {redone}"
-              f"{', ...' if len(events) > 6 else ''})")
-        print(f"steps redone                   {checks['steps_redone']}")
-        if checks["kill_all_recovery_max_s"] is not None:
-            print(f"kill to first step after       median {checks['kill_all_recovery_median_s']:.1f} s, "
-                  f"max {checks['kill_all_recovery_max_s']:.1f} s")
-        print(f"kill-all resume errors         {len(checks['kill_all_errors'])}")
-    print(f"unplanned rewinds              {len(checks['unplanned_rewinds'])}")
-    print(f"divergent steps                {len(checks['divergent_steps'])}")
-    print(f"duplicated / missing steps     {len(checks['duplicated_steps'])} / {len(checks['missing_steps'])}")
-    print(f"batch accounting errors        {len(checks['batch_accounting_errors'])}")
-    print(f"hangs                          {len(outcome['hangs'])}")
-    print(f"efficiency                     {outcome['efficiency']:.0%} "
-          f"({outcome['chaos_steps_per_s']:.1f} vs {outcome['baseline_steps_per_s']:.1f} steps/s fault-free)")
-    print(f"verdict                        {'PASS' if ok else 'FAIL'}")
-    print("================================================")
-    for error in (checks["kill_all_errors"] + checks["unplanned_rewinds"])[:10]:
-        print(f"  {error}")
+def job_step_at(rows: list[dict], restarts: list[dict], when: float) -> int:
+    """The job's step at wall time ``when``: the highest committed in the epoch then under way (steps a
+    restart redoes count once), or the step that epoch resumed from before its first commit."""
+    k = bisect_left([event["at"] for event in restarts], when)
+    since = restarts[k - 1]["at"] if k else float("-inf")
+    resumed = restarts[k - 1]["resumed"] if k else 0
+    return max((r["step"] for r in rows if since < r["time"] <= when), default=resumed)

@@ -4,6 +4,8 @@ The run's first fault is a kill-all (every group SIGKILLed at once, the lighthou
 some draws), and it is the only one: every run proves the job resumes from its newest
 durable checkpoint, in about the time the run took before kill-alls existed. The checker's
 tests feed it a made-up run (no processes) with two kill-alls, then spoil it one way at a time.
+Where torchft is installed, a run of three faults at a fixed rate puts both libraries through
+the same schedule side by side (issue 19's benchmark, kept from rotting).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks._chaos_checks import verify
+from benchmarks._chaos_impls import torchft_missing
+from tests.conftest import needs_torchft
 
 CHAOS = Path(__file__).resolve().parents[2] / "benchmarks" / "chaos.py"
 
@@ -35,10 +39,11 @@ def chaos_run(tmp_path_factory) -> tuple[dict, str]:
                "--first-fault", "kill-all", "--kill-all-weight", "0", "--workdir", str(workdir)]
     out = subprocess.run(command, capture_output=True, text=True, timeout=840)
     assert out.stdout.strip(), out.stderr[-3000:]
-    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    line = json.loads(out.stdout.strip().splitlines()[-1])
     # The summary table and the first errors under it, and how to run this schedule again.
     table = out.stdout[-4000:] + "\nreproduce: " + " ".join(command[1:])
-    summary["returncode"] = out.returncode
+    summary = {**line["results"]["torchft_lite"], "kinds": line["kinds"], "skipped_kinds": line["skipped_kinds"],
+               "ok": line["ok"], "returncode": out.returncode}
     return summary, table
 
 
@@ -70,6 +75,39 @@ def test_the_run_drew_network_partitions(chaos_run):
         pytest.skip(f"skipped: partitions need root/netns ({why}); the run above had none")
     assert "partition" in summary["kinds"], table
     assert summary["faults"].get("partition", 0) >= 1, table
+
+
+torchft_why = torchft_missing(probe_import=False)
+requires_torchft = needs_torchft(torchft_why is None, f"the side-by-side run needs torchft: {torchft_why}")
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+@requires_torchft
+def test_the_same_faults_side_by_side_with_torchft(tmp_path):
+    """A few faults at a fixed rate against each library in turn: both take the same schedule, both are
+    checked, the kinds torchft can't take are named, and the goal is judged (not asserted: timings are
+    the benchmark's, not a test's)."""
+    command = [sys.executable, str(CHAOS), "--impl", "torchft_lite,torchft", "--seed", str(SEED), "--fault-every", "4",
+               "--duration", "12", "--baseline", "3", "--workdir", str(tmp_path)]
+    out = subprocess.run(command, capture_output=True, text=True, timeout=540)
+    assert out.stdout.strip(), out.stderr[-3000:]
+    line = json.loads(out.stdout.strip().splitlines()[-1])
+    table = out.stdout[-5000:] + "\nreproduce: " + " ".join(command[1:])
+    assert "side by side: one fault every 4 s for 12 s" in out.stdout, table
+    assert "kill-all" not in line["kinds"] and "durable checkpoints" in line["skipped_kinds"]["kill-all"], table
+    ours, theirs = line["results"]["torchft_lite"], line["results"]["torchft"]
+    for result in (ours, theirs):
+        # The same three faults, in order, unless one still waited for its moment when the phase ended.
+        assert sum(result["faults"].values()) + result["not_injected"] == line["scheduled_faults"] == 3, table
+        assert result["committed_steps"] > 0 and result["baseline_steps_per_s"] > 0, table
+        assert result["hangs"] == [], table
+    if ours["not_injected"] == theirs["not_injected"] == 0:
+        assert ours["faults"] == theirs["faults"], table
+    assert ours["failed"] == [] and ours["divergent_steps"] == 0, table
+    assert isinstance(line["goal"]["efficiency_ahead"], bool), table
+    assert out.returncode == 0 and line["ok"], table
 
 
 T = 1_700_000_000.0  # the made-up run's wall clock; job epoch k runs from T + 100 k
