@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -82,9 +83,21 @@ class Network:
     def __init__(self, groups: int, hostnames: bool = False) -> None:
         self.hostnames = hostnames
         self.tag = f"{os.getpid() % 10000}"
-        self.net = 200 + os.getpid() % 50
+        self.net = self._free_net(200 + os.getpid() % 50)
         self.groups = groups
         self.forwarding = Path("/proc/sys/net/ipv4/ip_forward").read_text().strip()
+
+    @staticmethod
+    def _free_net(preferred: int) -> int:
+        """A 10.N.0.0/16 no interface of the host uses: another run's (or a crashed run's leftover) veths
+        with the same addresses would take this run's packets, and its groups would reach no store."""
+        listed = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True).stdout
+        used = {int(n) for n in re.findall(r"inet 10\.(\d+)\.", listed)}
+        for net in [*range(preferred, 255), *range(200, preferred)]:
+            if net not in used:
+                return net
+        raise SystemExit("no free 10.200-254.0.0/16 network for the partition namespaces; remove stale "
+                         "namespaces (ip netns list) or run without partition faults (--kinds)")
 
     @staticmethod
     def unavailable(hostnames: bool = False) -> str | None:
