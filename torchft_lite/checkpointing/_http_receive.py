@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lighthouse.rpc.tls import TlsSettings
+from torchft_lite.checkpointing import _checksum, _http_client, _streams
 from torchft_lite.checkpointing._body_sinks import BytesSink, DataSink, EncodedSink
 from torchft_lite.checkpointing._decode import TensorWriter
-from torchft_lite.checkpointing import _checksum, _http_client, _streams
 from torchft_lite.checkpointing._format import MAX_HEADER_BYTES, PREFIX_SIZE, Path
 from torchft_lite.checkpointing._header_difference import encoded_header_difference
 from torchft_lite.errors import (
