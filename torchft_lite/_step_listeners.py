@@ -8,11 +8,12 @@ logged and never fails the step: a durable save must not stop training.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any, Callable
 
 from torchft_lite._capabilities import StepListener
 
-__all__ = ["StepListeners"]
+__all__ = ["StepListeners", "metrics_from_env"]
 
 
 class StepListeners:
@@ -37,3 +38,13 @@ class StepListeners:
             except Exception as exc:  # logged with its traceback; the step goes on
                 self._log(logging.ERROR, "step listener %s.%s failed: %s: %s", type(listener).__name__, event,
                           type(exc).__name__, exc, exc_info=(type(exc), exc, exc.__traceback__))
+
+
+def metrics_from_env(manager: Any) -> Any:
+    """``torchft_lite.metrics.metrics_from_env``, imported only when ``TORCHFT_LITE_METRICS_PORT`` is set:
+    prometheus_client and an HTTP server are imports a restarting trainer that exports nothing never needs."""
+    if not os.environ.get("TORCHFT_LITE_METRICS_PORT", "").strip():
+        return None
+    from torchft_lite.metrics import metrics_from_env as attach
+
+    return attach(manager)

@@ -42,10 +42,9 @@ from torchft_lite._member_events import MemberWatch
 from torchft_lite._preemption import PreemptionSignals
 from torchft_lite._quorum_round import QuorumRounds
 from torchft_lite._step import Step, WorldSizeMode
-from torchft_lite._step_listeners import StepListeners
+from torchft_lite._step_listeners import StepListeners, metrics_from_env
 from torchft_lite.errors import CollectiveError, ManagerError, ManagerTimeout, QuorumError, QuorumTimeout
 from torchft_lite.health import HealthConfig, health_checks
-from torchft_lite.metrics import metrics_from_env
 from torchft_lite.step_report import report_of
 from torchft_lite.watchdog import Watchdog, WatchdogConfig
 from torchft_lite.work import DoneWork, ManagedWork, _ManagedWork, guard_future  # noqa: F401  (torchft's name)
