@@ -297,10 +297,16 @@ def heal_and_stall_figures(workdir: Path, rows: list[dict], restarts: list[dict]
             "stalled_s": round(sum(stalls), 1)}
 
 
-def job_step_at(rows: list[dict], restarts: list[dict], when: float) -> int:
+def job_step_at(rows: list[dict], restarts: list[dict], when: float, key: str = "step") -> int:
     """The job's step at wall time ``when``: the highest committed in the epoch then under way (steps a
-    restart redoes count once), or the step that epoch resumed from before its first commit."""
+    restart redoes count once), or the step that epoch resumed from before its first commit. With ``key``
+    ``batches_committed``: the batches the job had committed then (its goodput in batches, which also
+    counts a group that is down, restarting or healing while the others commit without it)."""
     k = bisect_left([event["at"] for event in restarts], when)
     since = restarts[k - 1]["at"] if k else float("-inf")
     resumed = restarts[k - 1]["resumed"] if k else 0
-    return max((r["step"] for r in rows if since < r["time"] <= when), default=resumed)
+    if key == "step":
+        before = resumed
+    else:  # the batches at the step the epoch resumed from, as an earlier epoch reported them
+        before = max((r[key] for r in rows if r["step"] == resumed and r["time"] <= since), default=0)
+    return max((r[key] for r in rows if since < r["time"] <= when), default=before)

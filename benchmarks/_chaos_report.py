@@ -74,7 +74,8 @@ def print_summary(args, impl: str, result: dict) -> None:
     print(f"batch accounting errors        {len(checks['batch_accounting_errors'])}")
     print(f"hangs                          {len(outcome['hangs'])}")
     print(f"efficiency                     {outcome['efficiency']:.0%} "
-          f"({outcome['chaos_steps_per_s']:.1f} vs {outcome['baseline_steps_per_s']:.1f} steps/s fault-free)")
+          f"({outcome['chaos_steps_per_s']:.1f} vs {outcome['baseline_steps_per_s']:.1f} steps/s fault-free; "
+          f"in batches committed {outcome['batch_efficiency']:.0%})")
     failed = result["failed"]
     print(f"verdict                        {'PASS' if not failed else 'FAIL: ' + ', '.join(failed)}")
     print("=" * (49 + len(impl)))
@@ -92,6 +93,7 @@ def _cells(result: dict) -> dict[str, str]:
         "fault-free steps/s": f"{outcome['baseline_steps_per_s']:.1f}",
         "steps/s under faults": f"{outcome['chaos_steps_per_s']:.1f}",
         "efficiency": f"{outcome['efficiency']:.0%}",
+        "batch efficiency": f"{outcome['batch_efficiency']:.0%}",
         "longest stall": f"{figures['longest_stall_s']:.1f} s",
         "stalls over 1 s": f"{figures['stalls_over_1s']} ({figures['stalled_s']:.0f} s)",
         "heals": f"{figures['heals']}{mb}",

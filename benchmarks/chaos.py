@@ -330,13 +330,17 @@ def run_impl(args: argparse.Namespace, impl: str, workdir: Path, schedule: list[
     restarts = checks["restarts"]
     figures = heal_and_stall_figures(workdir, rows, restarts, impl)
 
-    def rate(start: float, end: float) -> float:
-        return (job_step_at(rows, restarts, end) - job_step_at(rows, restarts, start)) / max(end - start, 1e-9)
+    def rate(start: float, end: float, key: str = "step") -> float:
+        done = job_step_at(rows, restarts, end, key) - job_step_at(rows, restarts, start, key)
+        return done / max(end - start, 1e-9)
 
     baseline = rate(outcome["base_start"], outcome["chaos_start"])
     under_faults = rate(outcome["chaos_start"], outcome["chaos_end"])
+    batches = [rate(outcome["base_start"], outcome["chaos_start"], "batches_committed"),
+               rate(outcome["chaos_start"], outcome["chaos_end"], "batches_committed")]
     outcome.update(baseline_steps_per_s=baseline, chaos_steps_per_s=under_faults,
                    efficiency=under_faults / baseline if baseline else 0.0,
+                   batch_efficiency=batches[1] / batches[0] if batches[0] else 0.0,
                    chaos_seconds=outcome["chaos_end"] - outcome["chaos_start"])
     result = {"faults": dict(chaos.faults), "restarts": chaos.restarts, "checks": checks, "figures": figures,
               "outcome": outcome}

@@ -87,6 +87,14 @@ def test_a_redo_after_a_restart_is_a_rewind_for_torchft_and_a_failure_for_ours(t
     restarts = theirs["restarts"]
     assert job_step_at(rows, restarts, T + 10) == 30 and job_step_at(rows, restarts, T + 13.05) == 25
     assert job_step_at(rows, restarts, T + 100) == 40
+    # In batches: 2 per step; the redo goes on from the 48 committed at step 24, not from the 60 at step 30.
+    assert job_step_at(rows, restarts, T + 10, "batches_committed") == 60
+    assert job_step_at(rows, restarts, T + 100, "batches_committed") == 80
+    # Between a restart and its epoch's first commit: what the epoch resumed from.
+    restart = [{"at": T + 12, "resumed": 24}]
+    assert job_step_at(rows, restart, T + 12.5) == 24
+    assert job_step_at(rows, restart, T + 12.5, "batches_committed") == 48
+    assert job_step_at(rows, restarts, T + 100, "batches_committed") == 80
 
 
 def test_two_states_at_one_step_of_one_quorum_are_a_divergence_even_where_redoing_is_allowed(tmp_path: Path):
