@@ -11,6 +11,9 @@ TORCH_SPEC ?= torch==2.13.0
 # benchmarks for comparison. Installed without its dependencies so it can't
 # replace torch; a failure to get it only skips those comparisons.
 TORCHFT_SPEC ?= torchft-nightly==2026.10.26
+# What importing torchft's Python side needs (its otel module, loaded by its transports, CLI and
+# Manager): without it the comparisons that run torchft (heal, chaos, recovery) would skip.
+TORCHFT_RUNTIME := "opentelemetry-sdk>=1.39" "opentelemetry-exporter-otlp-proto-http>=1.39"
 
 .PHONY: all venv test test-fast compat demo proto bench bench-ddp bench-recovery bench-heal bench-checkpoint bench-health browser clean help
 
@@ -35,6 +38,8 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	-$(BIN)/python -m pip install --quiet --no-deps "$(TORCHFT_SPEC)" \
 		|| echo "note: $(TORCHFT_SPEC) unavailable; torchft comparisons will be skipped"
+	-$(BIN)/python -m pip install --quiet $(TORCHFT_RUNTIME) \
+		|| echo "note: torchft's runtime imports unavailable; comparisons that run torchft will be skipped"
 	touch $@
 
 venv: $(STAMP)
@@ -60,7 +65,7 @@ test-fast: $(STAMP)
 # harness fails the target, failing torchft_lite tests don't (see the report).
 COMPAT_ARGS ?=
 compat: $(STAMP)
-	-$(BIN)/python -m pip install --quiet "opentelemetry-sdk>=1.39" "opentelemetry-exporter-otlp-proto-http>=1.39" numpy
+	-$(BIN)/python -m pip install --quiet $(TORCHFT_RUNTIME) numpy
 	@if $(BIN)/python -m pip install --quiet --no-deps "$(TORCHFT_SPEC)"; then \
 	  $(BIN)/python -m tests.compat.run --require-torchft $(COMPAT_ARGS); \
 	else \
@@ -73,14 +78,11 @@ demo: $(STAMP)
 proto: $(STAMP)
 	$(BIN)/python -m lighthouse.protocol.generate
 
-# torchft's own CLI imports OpenTelemetry; only the benchmark runs it.
 bench: $(STAMP)
-	-$(BIN)/python -m pip install --quiet "opentelemetry-sdk>=1.39" "opentelemetry-exporter-otlp-proto-http>=1.39"
 	$(BIN)/python benchmarks/lighthouse_bench.py
 
 # Survivors' stall and rejoin time after a SIGKILL, ours vs torchft's (same script).
 bench-recovery: $(STAMP)
-	-$(BIN)/python -m pip install --quiet "opentelemetry-sdk>=1.39" "opentelemetry-exporter-otlp-proto-http>=1.39"
 	$(BIN)/python benchmarks/recovery_bench.py
 
 # Per-step cost of fault tolerance: two replica groups vs a plain gloo DDP loop.
