@@ -32,7 +32,9 @@ def parse_args(argv=None, description: str | None = None) -> argparse.Namespace:
     parser.add_argument("--pg", choices=["gloo", "baby-gloo"], default="gloo",
                         help="the groups' process group: gloo in the trainer, or in a child process (default gloo)")
     parser.add_argument("--kinds", default=",".join(KINDS), help=f"fault kinds to use (default {','.join(KINDS)})")
-    parser.add_argument("--baseline", type=float, default=15.0, help="fault-free seconds first (default 15)")
+    parser.add_argument("--baseline", type=float, default=15.0,
+                        help="fault-free seconds before the faults, and again once every group is back after "
+                             "them: the baseline rate is over both (default 15)")
     parser.add_argument("--progress-timeout", type=float, default=120.0,
                         help="a live group must commit within this after the last fault (default 120)")
     parser.add_argument("--checkpoint-every", type=int, default=20,

@@ -91,6 +91,8 @@ def _cells(result: dict) -> dict[str, str]:
                                                                    if outcome["not_injected"] else ""),
         "group restarts": f"{result['restarts']}",
         "fault-free steps/s": f"{outcome['baseline_steps_per_s']:.1f}",
+        "  before / after": f"{outcome['baseline_before_steps_per_s']:.1f} / "
+                            f"{outcome['baseline_after_steps_per_s']:.1f}",
         "steps/s under faults": f"{outcome['chaos_steps_per_s']:.1f}",
         "efficiency": f"{outcome['efficiency']:.0%}",
         "batch efficiency": f"{outcome['batch_efficiency']:.0%}",

@@ -1,8 +1,8 @@
 """Chaos run: inject faults on a seeded schedule and prove nothing is lost; compare with torchft.
 
 Runs a lighthouse and N replica groups of examples/train_ddp.py (CPU, gloo,
-small model; ``--ranks`` per group) and, after a fault-free phase that sets
-the baseline speed, injects faults from a schedule drawn from ``--seed``:
+small model; ``--ranks`` per group) and, between two fault-free phases that
+set the baseline speed, injects faults from a schedule drawn from ``--seed``:
 
   kill        SIGKILL a whole replica group (restarted after a delay, like a scheduler)
   kill-rank   SIGKILL one rank of a group (the supervisor then replaces the group, as torchrun would)
@@ -42,7 +42,9 @@ and rank, with a parameter checksum), split into job epochs at the kill-alls
 * after a kill-all the job goes on from step C+1, C the newest complete checkpoint at the kill;
   no other rewind (torchft's are counted as steps redone instead);
 * no hang: every group makes progress within ``--progress-timeout`` after the last fault;
-* efficiency: net progress (redone steps count once) per second under faults / fault-free.
+* efficiency: net progress (redone steps count once) per second under faults / fault-free
+  (the phases before and after the faults together); also in batches committed, which counts
+  a group that is down or healing while the others commit without it.
 
 Prints each implementation's summary, the side-by-side table and one JSON
 line (the last line). Exit code 1 when torchft_lite's checks fail (torchft's
@@ -299,8 +301,14 @@ class Chaos:
             time.sleep(0.2)
         if ends is None:  # --faults: the efficiency runs until every group is back
             chaos_end = time.time()
+        # A second fault-free window once every group is back: this machine's load drifts over minutes, and a
+        # baseline taken on both sides of the faults is what they are measured against, not one side's luck.
+        after_start = time.time()
+        if not waiting:
+            time.sleep(self.args.baseline)
         return {"base_start": base_start, "chaos_start": chaos_start, "chaos_end": chaos_end,
-                "not_injected": len(self.pending), "hangs": sorted(waiting)}
+                "after_start": after_start, "after_end": time.time(), "not_injected": len(self.pending),
+                "hangs": sorted(waiting)}
 
     def another_holder(self, g: int, live: list[int]) -> bool:
         """Whether a live group other than ``g`` holds the latest committed step (of this epoch)."""
@@ -330,14 +338,16 @@ def run_impl(args: argparse.Namespace, impl: str, workdir: Path, schedule: list[
     restarts = checks["restarts"]
     figures = heal_and_stall_figures(workdir, rows, restarts, impl)
 
-    def rate(start: float, end: float, key: str = "step") -> float:
-        done = job_step_at(rows, restarts, end, key) - job_step_at(rows, restarts, start, key)
-        return done / max(end - start, 1e-9)
+    def rate(*windows: tuple[float, float], key: str = "step") -> float:
+        done = sum(job_step_at(rows, restarts, end, key) - job_step_at(rows, restarts, start, key)
+                   for start, end in windows)
+        return done / max(sum(end - start for start, end in windows), 1e-9)
 
-    baseline = rate(outcome["base_start"], outcome["chaos_start"])
-    under_faults = rate(outcome["chaos_start"], outcome["chaos_end"])
-    batches = [rate(outcome["base_start"], outcome["chaos_start"], "batches_committed"),
-               rate(outcome["chaos_start"], outcome["chaos_end"], "batches_committed")]
+    fault_free = [(outcome["base_start"], outcome["chaos_start"]), (outcome["after_start"], outcome["after_end"])]
+    faulted = (outcome["chaos_start"], outcome["chaos_end"])
+    baseline, under_faults = rate(*fault_free), rate(faulted)
+    batches = [rate(*fault_free, key="batches_committed"), rate(faulted, key="batches_committed")]
+    outcome.update(baseline_before_steps_per_s=rate(fault_free[0]), baseline_after_steps_per_s=rate(fault_free[1]))
     outcome.update(baseline_steps_per_s=baseline, chaos_steps_per_s=under_faults,
                    efficiency=under_faults / baseline if baseline else 0.0,
                    batch_efficiency=batches[1] / batches[0] if batches[0] else 0.0,
