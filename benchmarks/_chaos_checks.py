@@ -92,9 +92,15 @@ def find_rewinds(rows: list[dict], kill_alls: list[dict], gap: float = 1.0) -> l
     parameters, after the job had reached that step. Rows of one step written within ``gap`` of each other
     are one quorum's commit: if they differ, that is a divergence, not a rewind. Each rewind: ``at`` (just
     before the row that showed it), ``from_step`` (the highest step committed before), ``to_step`` (the
-    step the job went on from). Kill-alls start fresh epochs of their own and are not rewinds."""
+    step the job went on from). Kill-alls start fresh epochs of their own and are not rewinds.
+
+    The job can also go back to a lineage it had left: a quorum that again includes the group holding the
+    old, higher step heals everyone from it, and what was committed since the rewind is thrown away. That
+    shows as a row whose step is past the epoch's highest + 1 while the step before it was committed in
+    an earlier epoch; it is a rewind too, with ``to_step`` above ``from_step``."""
     bounds = [event["at"] for event in kill_alls]
     rewinds: list[dict] = []
+    ever: set[int] = set()  # every step committed in this kill-all epoch, in any lineage
     first: dict[tuple[int, int], tuple[str, float]] = {}  # (step, rank) -> its first checksum and time
     own: dict[tuple[int, int], int] = {}  # (pid, rank) -> the last step it committed
     high, epoch = None, 0
@@ -103,17 +109,20 @@ def find_rewinds(rows: list[dict], kill_alls: list[dict], gap: float = 1.0) -> l
             epoch, high = bisect_left(bounds, row["time"]), None
             first.clear()
             own.clear()
+            ever.clear()
         seen = first.get((row["step"], row["rank"]))
         again = own.get((row["pid"], row["rank"]))
         redone = ((seen is not None and seen[0] != row["checksum"] and row["time"] - seen[1] > gap)
                   or (again is not None and row["step"] <= again))
-        if redone and high is not None and row["step"] <= high:
+        back = high is not None and row["step"] > high + 1 and row["step"] - 1 in ever
+        if (redone and high is not None and row["step"] <= high) or back:
             rewinds.append({"at": row["time"] - 1e-6, "from_step": high, "to_step": row["step"] - 1})
             first.clear()
             own.clear()
             high = None
         first.setdefault((row["step"], row["rank"]), (row["checksum"], row["time"]))
         own[(row["pid"], row["rank"])] = row["step"]
+        ever.add(row["step"])
         high = row["step"] if high is None else max(high, row["step"])
     return rewinds
 
@@ -262,7 +271,9 @@ def verify(rows: list[dict], kill_alls: list[dict], starts: list[dict], workdir:
     commits = sum(len({r["step"] for r in epoch_rows}) for epoch_rows in epochs)
     recoveries = [e["recovery_s"] for e in events if e["recovery_s"] is not None]
     return {"committed_steps": max(r["step"] for r in last_rows), "commits": commits,
-            "steps_redone": sum(e["redone"] for e in events) + sum(r["from_step"] - r["to_step"] for r in rewinds),
+            "steps_redone": (sum(e["redone"] for e in events)
+                             + sum(max(0, r["from_step"] - r["to_step"]) for r in rewinds)),
+            "steps_thrown_away": sum(r["from_step"] - resumed for r, resumed in _back_to_old_lineages(rewinds)),
             "kill_all_recovery_median_s": round(statistics.median(recoveries), 2) if recoveries else None,
             "kill_all_recovery_max_s": max(recoveries, default=None),
             "divergent_steps": found["divergent_steps"], "duplicated_steps": found["duplicated_steps"],
@@ -274,6 +285,17 @@ def verify(rows: list[dict], kill_alls: list[dict], starts: list[dict], workdir:
 
 # What each library logs when a group has loaded a peer's state (ours says how many MB; torchft does not).
 _HEALED = {"torchft_lite": re.compile(r"healed: ([\d.]+) MB"), "torchft": re.compile(r"Loaded state dict\.()")}
+
+
+def _back_to_old_lineages(rewinds: list[dict]) -> list[tuple[dict, int]]:
+    """The rewinds that went back to a lineage left before, each with the step its abandoned lineage started
+    from (what was committed after that, up to the rewind's ``from_step``, was thrown away)."""
+    found, started = [], 0
+    for rewind in rewinds:
+        if rewind["to_step"] > rewind["from_step"]:
+            found.append((rewind, started))
+        started = rewind["to_step"]
+    return found
 
 
 def heal_and_stall_figures(workdir: Path, rows: list[dict], restarts: list[dict], impl: str = "torchft_lite") -> dict:

@@ -67,7 +67,7 @@ def print_summary(args, impl: str, result: dict) -> None:
         print(f"kill-all resume errors         {len(checks['kill_all_errors'])}")
     rewinds = ", ".join(f"{r['from_step']}->{r['to_step']}" for r in checks["rewinds"][:6])
     print(f"rewinds (from reports)         {len(checks['rewinds'])}" + (f" ({rewinds})" if rewinds else ""))
-    print(f"steps redone                   {checks['steps_redone']}")
+    print(f"steps redone / thrown away     {checks['steps_redone']} / {checks['steps_thrown_away']}")
     print(f"unplanned rewinds (lighthouse) {len(checks['unplanned_rewinds'])}")
     print(f"divergent steps                {len(checks['divergent_steps'])}")
     print(f"duplicated / missing steps     {len(checks['duplicated_steps'])} / {len(checks['missing_steps'])}")
@@ -100,7 +100,8 @@ def _cells(result: dict) -> dict[str, str]:
         "stalls over 1 s": f"{figures['stalls_over_1s']} ({figures['stalled_s']:.0f} s)",
         "heals": f"{figures['heals']}{mb}",
         "committed steps": f"{checks['committed_steps']}",
-        "rewinds / steps redone": f"{len(checks['rewinds'])} / {checks['steps_redone']}",
+        "rewinds": f"{len(checks['rewinds'])}",
+        "steps redone / thrown": f"{checks['steps_redone']} / {checks['steps_thrown_away']}",
         "divergent steps": f"{len(checks['divergent_steps'])}",
         "duplicated / missing": f"{len(checks['duplicated_steps'])} / {len(checks['missing_steps'])}",
         "hangs": f"{len(outcome['hangs'])}",

@@ -112,3 +112,15 @@ def test_a_late_row_of_the_same_commit_is_no_rewind(tmp_path: Path):
     assert rows[18]["step"] == 10 and rows[18]["group"] == 0
     assert find_rewinds(rows, []) == []
     assert verify(rows, [], [], tmp_path, rewinds_allowed=True)["divergent_steps"] == []
+
+
+def test_going_back_to_the_lineage_left_behind_is_a_rewind_that_throws_work_away(tmp_path: Path):
+    # torchft after a lighthouse restart: fresh groups start over from 0 while the holder of step 30 is
+    # away; when it is back, everyone heals from it and the 10 steps committed since are thrown away.
+    rows = (rows_of(range(1, 31), T, "a") + rows_of(range(1, 11), T + 13, "b", pids=(3, 4))
+            + rows_of(range(31, 41), T + 20, "c", batches_from=60))
+    assert [(r["from_step"], r["to_step"]) for r in find_rewinds(rows, [])] == [(30, 0), (10, 30)]
+    checks = verify(rows, [], [], tmp_path, rewinds_allowed=True)
+    assert checks["missing_steps"] == [] and checks["batch_accounting_errors"] == [] and checks["divergent_steps"] == []
+    assert checks["steps_redone"] == 30 and checks["steps_thrown_away"] == 10
+    assert job_step_at(rows, checks["restarts"], T + 100) == 40
