@@ -45,7 +45,9 @@ def run_job(tmp_path, steps: int, *lighthouse_flags: str, sleep: float = 0.0, mi
 
 
 def test_a_slowed_group_is_flagged_within_a_few_steps_and_only_reported(tmp_path):
-    log = run_job(tmp_path, 20)
+    # min_replicas=3: no quorum until all three are up. With 2, the first two groups could finish their 20
+    # steps (fast quorums, no sleep) before the third, started last on a loaded machine, ever joined.
+    log = run_job(tmp_path, 20, min_replicas=3)
     flags = FLAGGED.findall(log)
     assert flags, f"no group flagged; see {tmp_path / 'lighthouse.log'}"
     group, compute_ms, step, relative, median = flags[0]
@@ -58,9 +60,9 @@ def test_a_slowed_group_is_flagged_within_a_few_steps_and_only_reported(tmp_path
     print(f"\nstraggler detection delay: flagged at the quorum after the step begun at {step}, the {delay}th step "
           f"with all three groups (slow from its first step): compute {compute_ms} ms vs a quorum median of "
           f"{median} ms, relative score {relative}")
-    # Slow from its first step: 3 samples to smooth, then patience=3 quorums (the first sample may come from a
-    # quorum of two, which counts too).
-    assert group == "2" and delay <= 6 and float(relative) > 2.0
+    # Slow from its first step: samples to smooth, then patience=3 quorums, a step behind (measured: the 6th; the
+    # bound leaves room for a noisy step of the others).
+    assert group == "2" and delay <= 8 and float(relative) > 2.0
     assert "only reported" in log and "evicting straggler" not in log
     assert_identical_per_step(rows)
 
