@@ -24,6 +24,24 @@ from torchft_lite.testing import InMemoryLighthouse
 EVERY_2 = HealthConfig(fingerprint_every=2)
 
 
+def raised_in_threads(names, body) -> dict[str, BaseException]:
+    """Run ``body(name)`` for every name at once, one thread each; what each raised, by name."""
+    raised: dict[str, BaseException] = {}
+
+    def run(name: str) -> None:
+        try:
+            body(name)
+        except BaseException as exc:  # returned to the test
+            raised[name] = exc
+
+    threads = [threading.Thread(target=run, args=(name,)) for name in names]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    return raised
+
+
 def flip_bit(tensor: torch.Tensor, index: int = 1, bit: int = 3) -> None:
     """Flip one bit of one element, in place (as a cosmic ray or bad DRAM would)."""
     tensor.view(torch.int32).view(-1)[index] ^= 1 << bit
@@ -181,19 +199,7 @@ def test_two_groups_that_differ_commit_nothing_and_both_stop_with_the_diverged_c
     assert train(groups, 2) == {name: [True, True] for name in "ab"}
     flip_bit(groups["b"].weights)
     before = {name: g.weights.clone() for name, g in groups.items()}
-    raised: dict[str, BaseException] = {}
-
-    def run(name: str) -> None:
-        try:
-            groups[name].step()
-        except BaseException as exc:
-            raised[name] = exc
-
-    threads = [threading.Thread(target=run, args=(name,)) for name in groups]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
+    raised = raised_in_threads(groups, lambda name: groups[name].step())
     assert set(raised) == {"a", "b"}
     assert all(isinstance(exc, StateDivergedError) for exc in raised.values()), raised
     assert {exit_code_for(exc) for exc in raised.values()} == {EXIT_CODE_DIVERGED}
@@ -211,26 +217,18 @@ def test_local_sgd_turns_fingerprints_off_because_groups_differ_between_syncs(re
     for g in groups.values():
         g.manager.register_state_dict_fn("model", models[g.manager.replica_id[0]].load_state_dict,
                                          models[g.manager.replica_id[0]].state_dict)
-    raised: dict[str, BaseException] = {}
 
-    def run(name: str) -> None:
+    def train_locally(name: str) -> None:
         model = models[name]
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         torch.manual_seed(ord(name))  # each group its own data
-        try:
-            with LocalSGD(groups[name].manager, model, optimizer, sync_every=2):
-                for _ in range(6):
-                    optimizer.zero_grad()
-                    model(torch.randn(4, 3)).sum().backward()
-                    optimizer.step()
-        except BaseException as exc:
-            raised[name] = exc
+        with LocalSGD(groups[name].manager, model, optimizer, sync_every=2):
+            for _ in range(6):
+                optimizer.zero_grad()
+                model(torch.randn(4, 3)).sum().backward()
+                optimizer.step()
 
-    threads = [threading.Thread(target=run, args=(name,)) for name in groups]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
+    raised = raised_in_threads(groups, train_locally)
     assert not raised, raised
     assert all(g.manager._fingerprints.every == 0 and g.manager.current_step() >= 3 for g in groups.values())
     assert torch.equal(models["a"].weight, models["b"].weight)  # the last sync averaged them
