@@ -49,7 +49,8 @@ MAX_SUMS = 2048
 2048 x 4 bytes is 11 KB of base64, well inside the lighthouse's 64 KB of member data."""
 _DIGEST = re.compile(r"[0-9a-f]{16,64}")
 MAX_RANKS = 4096
-_FOLD = (1 << 32) - 1
+FOLD = (1 << 32) - 1
+"""Per-tensor sums travel folded to 32 bits modulo 2**32 - 1: a change of 2**k in a 64-bit sum stays visible."""
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,7 @@ def group_fingerprint(step: int, ranks: Sequence[str]) -> dict[str, Any] | None:
         return None
     digest = hashlib.blake2b("\n".join(fp.digest for fp in parsed).encode(), digest_size=16).hexdigest()
     lengths = {len(fp.sums) for fp in parsed}
-    sums = [sum(column) % _FOLD for column in zip(*(fp.sums for fp in parsed))] if len(lengths) == 1 else []
+    sums = [sum(column) % FOLD for column in zip(*(fp.sums for fp in parsed))] if len(lengths) == 1 else []
     return {"step": step, "digest": digest, "ranks": [fp.digest for fp in parsed],
             "sums": base64.b64encode(struct.pack(f"<{len(sums)}I", *sums)).decode("ascii")}
 

@@ -41,14 +41,13 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from torchft_lite._fingerprint_vote import MAX_SUMS, differing_ranks, first_difference, parse_fingerprint, vote
+from torchft_lite._fingerprint_vote import FOLD, MAX_SUMS, differing_ranks, first_difference, parse_fingerprint, vote
 
 __all__ = ["DEFAULT_EXCLUDE", "Fingerprint", "Fingerprinter", "fingerprint_of"]
 
 DEFAULT_EXCLUDE = r"(^|\.)(running_mean|running_var|num_batches_tracked)$"
 """Paths (dot-joined keys) left out of the fingerprint by default: BatchNorm's per-group statistics."""
 _MASK = (1 << 64) - 1
-_FOLD = (1 << 32) - 1  # sums are folded to 32 bits modulo 2**32 - 1: a change of 2**k in a 64-bit sum stays visible
 
 
 @dataclass(frozen=True)
@@ -120,7 +119,7 @@ def fingerprint_of(state: Any, exclude: str | None = DEFAULT_EXCLUDE) -> Fingerp
     runs, run_sums = [], []
     for start in range(0, len(covered), per_run):
         chunk = range(start, min(start + per_run, len(covered)))
-        run_sums.append(sum(sums[i] for i in chunk) % _FOLD)
+        run_sums.append(sum(sums[i] for i in chunk) % FOLD)
         runs.append((covered[chunk[0]][0], covered[chunk[-1]][0]))
     nbytes = sum(t.numel() * t.element_size() for _, t in covered)
     return Fingerprint(digest.hexdigest(), tuple(run_sums), tuple(runs), nbytes)
