@@ -364,6 +364,10 @@ class H2Connection(ResponseWriter, asyncio.Protocol):
         self._uncork()
         if self.transport is not None:
             transport = self.transport
+            if transport.is_closing():
+                # Closed already (the peer went, or an earlier close). A second close() of an asyncio TLS transport
+                # drops its protocol, and its buffer size and abort() then raise AttributeError.
+                return
             transport.close()
             if transport.get_write_buffer_size():  # a peer that does not read must not keep it open
                 asyncio.get_running_loop().call_later(self.limits.handshake_timeout, transport.abort)
