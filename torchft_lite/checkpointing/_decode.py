@@ -265,14 +265,19 @@ class TensorWriter:
         """
         self._abandoned.set()
 
-    def finish(self) -> Any:
-        """Check that every byte arrived intact and return the state dict."""
+    def finish(self, meshes_from: Mapping[Path, torch.Tensor] | None = None) -> Any:
+        """Check that every byte arrived intact and return the state dict.
+
+        ``meshes_from``: tensors by path whose DTensors lend their meshes to the result's (default the
+        targets): a durable resume reads into fresh tensors, yet its DTensors belong on the live meshes.
+        """
         self._verify()
         if self._abandoned.is_set():
             raise CheckpointTransferError("the receive was abandoned (failed or timed out) before it was applied")
         results = {id(buffer): target for buffer, target in self._copy_back}
         _cuda.to_device(self._copy_back)
-        return self.header.build([results.get(id(tensor), tensor) for tensor in self._tensors], self._targets)
+        return self.header.build([results.get(id(tensor), tensor) for tensor in self._tensors],
+                                 self._targets if meshes_from is None else meshes_from)
 
 
 def decode_bytes(blob: bytes | memoryview, targets: Mapping[Path, torch.Tensor] | None = None) -> tuple[int, Any]:

@@ -12,6 +12,7 @@ Where things live::
     _resume.py        Resumer: find, check (every byte, and that it fits the model), then load
     _layout.py        the directory layout, manifests, which checkpoints are complete, pruning
     _files.py         one state dict in one file (atomic write, verified read)
+    _sharded.py       DTensor state: each rank writes its shard; a resume needs the layout it was written with
     _rng.py           torch / CUDA / Python / NumPy generator states as plain data
 """
 

@@ -19,7 +19,9 @@ import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import Any, BinaryIO, Callable, Mapping
+
+import torch
 
 from torchft_lite.checkpointing._decode import TensorWriter
 from torchft_lite.checkpointing._encode import FlatStateDict, encode
@@ -83,8 +85,13 @@ def write_state_file(path: Path, step: int, flat: FlatStateDict) -> FileRecord:
                       _digest(encoded.header, trailer))
 
 
-def read_state_file(path: Path, expected: FileRecord | None = None) -> tuple[int, Any]:
-    """``(step, state dict)`` from ``path``, every byte checked; ``DurableCheckpointError`` names what is wrong."""
+def read_state_file(path: Path, expected: FileRecord | None = None,
+                    meshes_from: Mapping[Any, torch.Tensor] | None = None) -> tuple[int, Any]:
+    """``(step, state dict)`` from ``path``, every byte checked; ``DurableCheckpointError`` names what is wrong.
+
+    The tensors are fresh (the live state is untouched until the caller loads it); a DTensor is rebuilt on the
+    mesh of a DTensor of ``meshes_from`` (the live state's tensors by path) with the same layout, when one has it.
+    """
     try:
         size = path.stat().st_size
         if expected is not None and size != expected.bytes:
@@ -107,7 +114,7 @@ def read_state_file(path: Path, expected: FileRecord | None = None) -> tuple[int
                 position += count
             trailer = file.read(header.trailer_bytes)
             writer.expect(0, header.data_bytes, trailer)
-            state = writer.finish()
+            state = writer.finish(meshes_from)
     except DurableCheckpointError:
         raise
     except OSError as exc:

@@ -2,7 +2,8 @@
 
 Everything is read and checked before anything is loaded: the state file
 (every block's sum, the manifest's size and digest), the rank-local file, and
-whether the checkpoint fits the live state (tensor names, shapes, dtypes). A
+whether the checkpoint fits the live state (tensor names, shapes, dtypes, and
+a DTensor's mesh and placements: ``_sharded``). A
 checkpoint that is torn or corrupt is skipped with a WARNING and the one
 before it is tried; one that does not fit the model is refused with
 ``DurableCheckpointError`` (it is the wrong directory or the wrong model, and
@@ -23,6 +24,7 @@ from torchft_lite.checkpointing._format import format_path
 from torchft_lite.durable import _rng
 from torchft_lite.durable._files import read_state_file
 from torchft_lite.durable._layout import CheckpointInfo, Layout, read_manifest
+from torchft_lite.durable._sharded import check_layout
 from torchft_lite.errors import CheckpointError, CheckpointMismatchError, DurableCheckpointError
 from torchft_lite.watchdog import Watchdog
 
@@ -59,8 +61,9 @@ class Resumer:
             mismatch: CheckpointMismatchError | None = None
             try:
                 info = found.get(step) or read_manifest(self._layout.step_dir(step))
-                state, local = self._read(info)
-                check_fits(self._manager._manager_state_dict(), state, info)
+                live = self._manager._manager_state_dict()
+                state, local = self._read(info, live)
+                check_fits(live, state, info)
                 readable = True
             except CheckpointMismatchError as exc:
                 mismatch, readable = exc, False
@@ -83,14 +86,15 @@ class Resumer:
                      self._layout.root, candidates)
         return None
 
-    def _read(self, info: CheckpointInfo) -> tuple[Any, Any]:
+    def _read(self, info: CheckpointInfo, live: Any) -> tuple[Any, Any]:
         if info.per_rank and info.group_world_size != self._world:
             raise CheckpointMismatchError(f"the checkpoint of step {info.step} was written by groups of "
                                           f"{info.group_world_size} ranks (one file per rank); this group has {self._world}")
         name = Layout.state_file_name(self._rank if info.per_rank else 0)
         if name not in info.files:
             raise DurableCheckpointError(f"its manifest lists no {name}")
-        step, state = read_state_file(info.path / name, info.files[name])
+        # Into fresh tensors (nothing live changes before every check passed); DTensors onto the live meshes.
+        step, state = read_state_file(info.path / name, info.files[name], meshes_from=targets_of(live))
         if step != info.step:
             raise DurableCheckpointError(f"{name} holds step {step}, the manifest says {info.step}")
         if not (isinstance(state, dict) and isinstance(state.get("user"), dict) and "torchft" in state):
@@ -146,8 +150,9 @@ def check_fits(live: Any, loaded: Any, info: CheckpointInfo) -> None:
     """Raise unless every registered piece that holds tensors now gets the same tensors from ``loaded``.
 
     A piece without tensors yet (an optimizer before its first step) is not
-    compared; a missing piece or tensor, another shape or dtype, or an extra
-    tensor beside the live ones, is refused.
+    compared; a missing piece or tensor, another shape or dtype, another
+    DTensor layout (``_sharded.check_layout``), or an extra tensor beside the
+    live ones, is refused.
     """
     live_user, loaded_user = live["user"], loaded["user"]
     missing = sorted(set(live_user) - set(loaded_user))
@@ -160,7 +165,7 @@ def check_fits(live: Any, loaded: Any, info: CheckpointInfo) -> None:
         got = targets_of(loaded_user[key])
         for path, tensor in have.items():
             other = got.get(path)
-            where = f"{key}{format_path(path)}"
+            where = f"{key}.{format_path(path)}" if path else str(key)
             if other is None:
                 raise CheckpointMismatchError(f"the checkpoint of step {info.step} has no tensor {where} "
                                               "(another model?)")
@@ -168,6 +173,7 @@ def check_fits(live: Any, loaded: Any, info: CheckpointInfo) -> None:
                 raise CheckpointMismatchError(
                     f"the checkpoint of step {info.step} holds {where} as {tuple(other.shape)} {other.dtype}, "
                     f"the model has {tuple(tensor.shape)} {tensor.dtype} (another model?)")
+            check_layout(where, tensor, other, info.step, info.per_rank)
         # A tensor the live state lacks beside ones it has (a model's extra layer) is another model; one under
         # a container with no live tensors (an optimizer's moments before its first step) is expected.
         parents = {path[:-1] for path in have}

@@ -48,6 +48,7 @@ from torchft_lite.durable._files import (
 )
 from torchft_lite.durable._layout import CheckpointInfo, Layout
 from torchft_lite.durable._resume import GroupAgreement, Resumer
+from torchft_lite.durable._sharded import sharded_paths
 from torchft_lite.errors import CheckpointError, ConfigError, DurableCheckpointError
 from torchft_lite.watchdog import Watchdog
 
@@ -250,7 +251,10 @@ class DurableCheckpointer:
         if save is None or save.step != step:
             return  # not due, or the step changed since (a heal)
         if save.writes_state:  # copied on the worker while the forward and backward pass run
-            save.flat = self._take_buffers(flatten(self._manager._manager_state_dict()))
+            try:
+                save.flat = self._take_buffers(flatten(self._manager._manager_state_dict()))
+            except ConfigError as exc:  # a sharded state with replicated_in_group=True: every save fails alike
+                return self._failed(step, exc)
             save.copied = threading.Event()
         self._start(save, copy=save.writes_state)  # else only our few KB of rank-local state
 
@@ -292,7 +296,15 @@ class DurableCheckpointer:
         return encode_to_bytes(step, local)
 
     def _take_buffers(self, flat: FlatStateDict) -> FlatStateDict:
-        """``flat`` with its tensors swapped for host buffers of the same shapes (reused from the last save)."""
+        """``flat`` with its tensors swapped for host buffers of the same shapes (reused from the last save).
+
+        A DTensor's buffer holds its local shard only (``flat.tensors``); see ``_sharded``.
+        """
+        sharded = [] if self.per_rank else sharded_paths(flat)
+        if sharded:
+            raise ConfigError(f"DurableCheckpointer(replicated_in_group=True) saves group rank 0's state alone, but "
+                              f"{', '.join(sharded[:3])} {'are' if len(sharded) > 1 else 'is'} sharded across the "
+                              f"group's ranks: use replicated_in_group=False (the default), each rank writes its shard")
         sources = flat.tensors
         same = len(self._buffers) == len(sources) and all(
             b.shape == s.shape and b.dtype == s.dtype for b, s in zip(self._buffers, sources))
