@@ -84,8 +84,9 @@ def parse_args() -> argparse.Namespace:
     faults.add_argument("--inject-group", type=int, help="REPLICA_GROUP_ID of the group that kills itself")
     faults.add_argument("--kill-at-inner-step", type=int, metavar="N", help="SIGKILL this process before its "
                         "inner step N (counted from 0 in this process): a death mid inner loop")
-    faults.add_argument("--kill-in-sync", type=int, metavar="STEP", help="SIGKILL this process inside the sync at "
-                        "job step STEP, once its first collective completed and before its second starts")
+    faults.add_argument("--kill-in-sync", type=int, metavar="N", help="SIGKILL this process inside the first sync "
+                        "after it committed N syncs, once the sync's first collective completed and before its "
+                        "second starts")
     parser.add_argument("--log-level", default="WARNING")
     args = parser.parse_args()
     if (args.kill_at_inner_step is not None or args.kill_in_sync is not None) and args.inject_group is None:
@@ -153,15 +154,16 @@ class Faults:
     def __init__(self, args: argparse.Namespace, replica_group: int, manager) -> None:
         mine = args.inject_group == replica_group
         self.kill_at = args.kill_at_inner_step if mine else None
+        self.committed = 0  # syncs this process committed (the training loop counts them)
         if mine and args.kill_in_sync is not None:
             allreduce, started = manager.allreduce, []
 
             def allreduce_then_die(tensor, *rest, **kwargs):
-                if manager.current_step() != args.kill_in_sync:
+                if self.committed != args.kill_in_sync:
                     return allreduce(tensor, *rest, **kwargs)
                 if started:  # the sync's first collective went through; die before the second starts
                     started[0].wait()
-                    self.die(f"in the sync at step {args.kill_in_sync}, after its first collective")
+                    self.die(f"in the sync at step {manager.current_step()}, after its first collective")
                 started.append(allreduce(tensor, *rest, **kwargs))
                 return started[0]
 
@@ -239,7 +241,7 @@ def main() -> None:
                 optimizer.step()  # DiLoCo/LocalSGD: every per_sync-th inner step also syncs
                 inner_steps += 1
                 if manager.current_step() > before and manager.num_participants() >= args.min_replicas:
-                    step = manager.current_step()
+                    step, faults.committed = manager.current_step(), faults.committed + 1
                     print(f"{label} sync step={step} loss={loss.item():.4f} participants="
                           f"{manager.num_participants()} sent={link.bytes_sent / 1e6:.1f} MB", flush=True)
                     write({"event": "sync", "step": step, "inner_steps": inner_steps, "loss": loss.item(),
