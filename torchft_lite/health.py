@@ -122,13 +122,23 @@ class NonFiniteGuard:
         self.steps_skipped = 0  # steps this group's own gradients were left out of (for metrics and status)
 
     def start(self, pg: Any, tensor: torch.Tensor, reduce_op: Any, participants: int, step: Step,
-              counts: bool) -> Any:
+              counts: bool, quantize: bool = False) -> Any:
         """Start the step's allreduce of ``tensor`` (in place); its future yields ``tensor``, averaged.
 
         ``counts``: whether the quorum counts this group in ``participants`` (a spare, or a healing group
         where torchft does not count it, sends zeros and is not counted either way).
+        ``quantize``: sum in 8 bits (``torchft_lite.collectives``); the count of left-out groups stays exact.
+        A quantized reduction the input can never take (dtype, reduce op, group) raises
+        ``UnsupportedQuantization`` before anything is sent (see ``failed_to_start``).
         """
+        if quantize:  # imported on first use: a trainer that never quantizes does not load it
+            from torchft_lite.collectives import allreduce_quantized, check_quantized_reduction, \
+                start_quantized_allreduce
+
+            check_quantized_reduction([tensor], reduce_op, pg)
         if not (self.config.nonfinite_guard and reduce_op == ReduceOp.AVG and tensor.is_floating_point()):
+            if quantize:
+                return start_quantized_allreduce(pg, tensor, reduce_op, participants)
             return start_allreduce(pg, tensor, reduce_op, participants)
         from torch.distributed.distributed_c10d import AllreduceOptions
 
@@ -141,7 +151,10 @@ class NonFiniteGuard:
         left_out = (finite.logical_not() & counts).to(torch.float32).reshape(1)
         opts = AllreduceOptions()
         opts.reduceOp = ReduceOp.SUM
-        summed = pg.allreduce([tensor], opts).get_future()
+        if quantize:  # every rank issues its collectives in this order: the quantized sum, then the count
+            summed = allreduce_quantized([tensor], ReduceOp.SUM, pg).get_future()
+        else:
+            summed = pg.allreduce([tensor], opts).get_future()
         counted = pg.allreduce([left_out], opts).get_future()
 
         def average(_: Any) -> torch.Tensor:
@@ -160,6 +173,16 @@ class NonFiniteGuard:
             return tensor
 
         return torch.futures.collect_all([summed, counted]).then(average)
+
+    def failed_to_start(self, step: Step, error: Exception) -> None:
+        """The Manager's allreduce did not start: fail the step, unless the error is a quantized reduction
+        the input can never take (an ``UnsupportedQuantization``: a programming error, every step would fail
+        alike), which is raised to the caller."""
+        from torchft_lite.quantization import UnsupportedQuantization
+
+        if isinstance(error, UnsupportedQuantization):
+            raise error
+        self._record(step, error)
 
     def judge(self, step: Step, committed: bool) -> None:
         """After the vote: name this group when its gradients were left out; leave after too many in a row.

@@ -267,8 +267,8 @@ class Manager:
     def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False, reduce_op: ReduceOp = ReduceOp.AVG) -> ManagedWork:
         """Allreduce ``tensor`` across replica groups in place (AVG over participants).
 
-        Never raises: on error the step is marked failed and the returned work
-        resolves with ``tensor`` as it is.
+        Raises only what should_quantize=True can never take (UnsupportedQuantization); on any other error
+        the step is marked failed and the returned work resolves with ``tensor`` as it is.
         """
         step = self._current
         step.first_allreduce_at = step.first_allreduce_at or time.monotonic()
@@ -291,9 +291,9 @@ class Manager:
         if not self.is_participating():
             tensor.zero_()  # healing or a spare: take part with zeros so the peers' collective completes
         try:
-            fut = self._guard.start(self._pg, tensor, reduce_op, participants, step, step.participation.rank is not None)
+            fut = self._guard.start(self._pg, tensor, reduce_op, participants, step, step.participation.rank is not None, quantize=should_quantize)
         except Exception as exc:
-            self._record(step, exc)
+            self._guard.failed_to_start(step, exc)  # fails the step; raises a dtype/op should_quantize never takes
             return DoneWork(tensor)
         return ManagedWork(self.wrap_future(fut, tensor))
 
