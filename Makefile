@@ -15,7 +15,7 @@ TORCHFT_SPEC ?= torchft-nightly==2026.10.26
 # Manager): without it the comparisons that run torchft (heal, chaos, recovery) would skip.
 TORCHFT_RUNTIME := "opentelemetry-sdk>=1.39" "opentelemetry-exporter-otlp-proto-http>=1.39"
 
-.PHONY: all venv test test-fast compat demo proto bench bench-ddp bench-recovery bench-heal bench-checkpoint bench-health browser clean help
+.PHONY: all venv test test-fast compat demo proto bench bench-ddp bench-recovery bench-heal bench-checkpoint bench-health bench-diloco browser clean help
 
 all: test
 
@@ -30,6 +30,7 @@ help:
 	@echo "make bench-heal  run benchmarks/heal_bench.py (state-dict transfer GB/s: ours, torchft's, loopback ceiling)"
 	@echo "make bench-checkpoint  run benchmarks/checkpoint_bench.py (durable checkpoint overhead: ours, DCP async_save, torch.save)"
 	@echo "make bench-health  run benchmarks/health_bench.py (non-finite guard and fingerprint cost per step, 100 MB and 1 GB)"
+	@echo "make bench-diloco  run benchmarks/diloco_bench.py (DDP vs DiLoCo over a modelled slow link: bytes, wall time, loss)"
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -99,6 +100,10 @@ bench-checkpoint: $(STAMP)
 
 bench-health: $(STAMP)
 	$(BIN)/python benchmarks/health_bench.py
+
+# Per-step DDP vs DiLoCo (sync every 10/50/100, quantized) between two groups over a modelled 100 MB/s link.
+bench-diloco: $(STAMP)
+	$(BIN)/python benchmarks/diloco_bench.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
