@@ -69,6 +69,7 @@ class Healer:
         self._own_state, self._load_own_state = own_state, load_own_state
         self._timeout = timeout
         self._log, self._record, self._watchdog, self._clock = log, record, watchdog, clock
+        self._warmed = False  # the transport's warm_up (a deferred HTTP server) was called
 
     def register(self, key: str, load_state_dict: Callable[[Any], None], state_dict: Callable[[], Any]) -> None:
         if key in self.state_fns:
@@ -225,6 +226,11 @@ class Healer:
         At the step's vote, or earlier when the caller is about to change the
         state (``Manager.disallow_state_dict_read``). Once a step.
         """
+        if not self._warmed:  # the first step's vote is in: start a deferred server now, off the join path
+            self._warmed = True
+            warm_up = getattr(self.transport, "warm_up", None)
+            if callable(warm_up):
+                warm_up()
         if step.released:
             return
         step.released = True

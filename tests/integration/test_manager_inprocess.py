@@ -19,7 +19,7 @@ from torch.distributed import TCPStore
 
 from lighthouse.protocol import torchft_pb2 as pb
 from lighthouse.thread import BackgroundLighthouse
-from tests.conftest import lighthouse_config
+from tests.conftest import lighthouse_config, wait_until_sync
 from torchft_lite.checkpointing import CheckpointTransport
 from torchft_lite.errors import CheckpointTransferError, ManagerTimeout
 from torchft_lite.manager import MEMBER_GONE_GRACE, Manager
@@ -340,6 +340,21 @@ def test_default_transport_receives_in_place_into_data_aliases(lighthouse):
     finally:
         manager.shutdown()
         off.shutdown()
+
+
+def test_the_default_transports_server_starts_after_the_first_steps_vote_not_before(lighthouse):
+    """A restarted replica's join path does not start (or import) the HTTP server it needs only as a source."""
+    manager = make_manager(lighthouse, FakeProcessGroup(), None, "deferred")
+    try:
+        transport = manager._healer.transport
+        assert transport._server is None and transport.port > 0  # bound, not served yet
+        manager.start_quorum()
+        manager.allreduce(torch.ones(2)).wait()
+        assert transport._server is None  # the first step's collectives ran without it
+        assert manager.should_commit()
+        wait_until_sync(lambda: transport._server is not None, "the checkpoint server to start after the vote")
+    finally:
+        manager.shutdown()
 
 
 def fail_first_receive(manager: Manager, calls: list) -> None:

@@ -41,6 +41,7 @@ import itertools
 import logging
 import math
 import re
+import socket
 import ssl
 from typing import Iterable
 
@@ -49,7 +50,7 @@ from aiohttp import web
 from lighthouse.rpc.access import Access
 from lighthouse.rpc.refusals import RefusalLog
 from torchft_lite.checkpointing._encode import EncodedStateDict, FlatStateDict
-from torchft_lite.checkpointing._http_socket import flushed, listen, tune
+from torchft_lite.checkpointing._http_socket import ABORT_GRACE, flushed, tune
 from torchft_lite.checkpointing._http_snapshot import Session, Snapshot
 from torchft_lite.checkpointing._streams import ADVERTISE_HEADER, SERVED_STREAMS
 from torchft_lite.errors import CheckpointError
@@ -58,7 +59,6 @@ __all__ = ["ABORT_GRACE", "CheckpointServer"]
 
 logger = logging.getLogger("torchft_lite.checkpointing.http_transport")  # one logger for the transport
 
-ABORT_GRACE = 10.0  # seconds a release waits for aborted streams and encoding to stop
 _SESSION_ID = re.compile(r"[0-9A-Za-z_-]{1,64}")
 # Sessions that asked for (or reported done on) steps not published yet: a bound against a flood of them.
 _MAX_EARLY_DONE = 1024  # sessions per step
@@ -108,8 +108,8 @@ class CheckpointServer:
         self._runner: web.AppRunner | None = None
         self._changed = asyncio.Condition()
 
-    async def start(self, bind_host: str, port: int) -> int:
-        """Listen on ``bind_host:port`` (port 0: a free one); returns the port."""
+    async def start(self, sock: socket.socket) -> None:
+        """Serve on ``sock``, a listening socket (``_http_socket.listen``); it is closed with the server."""
         app = web.Application(client_max_size=4096, middlewares=[self._guard])
         app.router.add_get("/checkpoint/{step}", functools.partial(self._serve, part="all"))
         app.router.add_get("/checkpoint/{step}/header", functools.partial(self._serve, part="header"))
@@ -118,18 +118,13 @@ class CheckpointServer:
         app.router.add_post("/checkpoint/{step}/done", self._done)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
         await self._runner.setup()
-        try:
-            sock = listen(bind_host, port)
-        except OSError as exc:
-            await self._runner.cleanup()
-            raise CheckpointError(f"cannot listen on {bind_host}:{port} for checkpoints: {exc}") from exc
         await web.SockSite(self._runner, sock, ssl_context=self._tls).start()
-        logger.info("checkpoint server listening on %s:%d (advertised as %s; access: %s; %s)", bind_host,
-                    sock.getsockname()[1], self._hostname, self._access.describe(),
+        host, port = sock.getsockname()[:2]
+        logger.info("checkpoint server listening on %s:%d (advertised as %s; access: %s; %s)", host, port,
+                    self._hostname, self._access.describe(),
                     "HTTPS (TLS)" if self._tls is not None else "plain HTTP")
         if self._access.mode == "insecure":
-            logger.warning("checkpoint server on port %d: %s", sock.getsockname()[1], self._access.describe())
-        return sock.getsockname()[1]
+            logger.warning("checkpoint server on port %d: %s", port, self._access.describe())
 
     async def publish(self, expected: int, step: int, flat: FlatStateDict, timeout: float) -> None:
         """Serve ``flat`` as step ``step`` to ``expected`` receivers, for at most ``timeout`` seconds."""

@@ -19,6 +19,7 @@ __all__ = ["QUEUE_BYTES", "SEND_BUFFER_BYTES", "flushed", "listen", "tune"]
 
 logger = logging.getLogger("torchft_lite.checkpointing.http_transport")  # one logger for the transport
 
+ABORT_GRACE = 10.0  # seconds a release waits for aborted streams and encoding to stop
 SEND_BUFFER_BYTES = 8 << 20
 QUEUE_BYTES = 16 << 20  # views of tensor memory the transport may queue before the stream waits
 # Over TLS what is queued is encrypted copies (the TLS layer encrypts a write at once, and hands the whole

@@ -11,6 +11,14 @@ loop, behind a timeout that names its wait (``_control_plane``):
 * receiving: :meth:`HTTPTransport.recv_checkpoint` (one source) and
   :meth:`HTTPTransport.recv_checkpoint_striped` (several, the first as the
   truth) run a ``_http_receive.Receiver``.
+
+The server's port is bound in the constructor. With ``defer_server=True``
+the server itself (aiohttp: about 0.1 s of imports) starts at the first
+publish or at :meth:`HTTPTransport.warm_up`, whichever comes first; a
+request that arrives before waits in the socket's backlog and is answered
+once it is up. The Manager's own transport is made this way and warmed after
+its first step's vote, so a restarted replica does not pay for a server it
+needs only when it is a heal's source.
 """
 
 from __future__ import annotations
@@ -18,9 +26,10 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import socket
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Coroutine, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Coroutine, Sequence, TypeVar
 
 from lighthouse.rpc.access import Access
 from lighthouse.rpc.tls import TlsSettings
@@ -28,9 +37,13 @@ from torchft_lite._control_plane import control_plane
 from torchft_lite.checkpointing._decode import targets_of
 from torchft_lite.checkpointing._encode import FlatStateDict, flatten
 from torchft_lite.checkpointing._http_receive import DONE_TIMEOUT, Receiver
-from torchft_lite.checkpointing._http_server import ABORT_GRACE, CheckpointServer
+from torchft_lite.checkpointing._http_socket import ABORT_GRACE, listen
 from torchft_lite.checkpointing.transport import CheckpointTransport
 from torchft_lite.errors import CheckpointError, CheckpointTimeout, ConfigError
+
+if TYPE_CHECKING:
+    from torchft_lite.checkpointing._http_server import CheckpointServer
+    from torchft_lite.checkpointing._http_snapshot import Snapshot
 
 __all__ = ["HTTPTransport", "HTTPTransportStatistics"]
 
@@ -90,12 +103,15 @@ class HTTPTransport(CheckpointTransport[T]):
             that tensor (which the result then holds) instead of a new one: no
             extra memory, and contiguous CPU targets receive straight from the
             socket. A failed receive may leave such tensors partly overwritten.
+        defer_server: bind the port now, start the server (and import
+            aiohttp) at the first send or :meth:`warm_up`; see the module's
+            docstring. False (the default): it is serving when this returns.
     """
 
     def __init__(self, timeout: timedelta, num_chunks: int | None = None, *, hostname: str | None = None,
                  bind_host: str = "::", port: int = 0, token: str | None = None,
                  state_dict: Callable[[], T] | None = None, access: Access | None = None,
-                 tls: TlsSettings | None = None) -> None:
+                 tls: TlsSettings | None = None, defer_server: bool = False) -> None:
         if token is not None and access is not None:
             raise ConfigError("pass the job token as token= or access=, not both")
         try:
@@ -116,10 +132,16 @@ class HTTPTransport(CheckpointTransport[T]):
         self._stopped = False
         self._tls = tls
         self._receiver = Receiver(num_chunks, access.headers(), tls)
-        self._server = CheckpointServer(self._timeout, access, self._hostname,
-                                        tls.server_context() if tls.serving else None)
-        self._port: int = self._call(self._server.start(bind_host, port), self._timeout,
-                                     "the checkpoint server to start")
+        self._access = access
+        try:
+            self._listener: socket.socket | None = listen(bind_host, port)
+        except OSError as exc:
+            raise CheckpointError(f"cannot listen on {bind_host}:{port} for checkpoints: {exc}") from exc
+        self._port: int = self._listener.getsockname()[1]
+        self._server: CheckpointServer | None = None
+        self._server_lock = threading.Lock()  # one start, and shutdown after it
+        if not defer_server:
+            self._serving()
 
     # ------------------------------------------------------------ public API
 
@@ -141,7 +163,7 @@ class HTTPTransport(CheckpointTransport[T]):
         send replace the published step).
         """
         flat = flatten(state_dict)  # refuse unsupported values here, on the caller's thread
-        if self._server.snapshot is not None:
+        if self._serving().snapshot is not None:
             self.disallow_checkpoint()
         seconds = timeout.total_seconds() if timeout else 0.0
         self._publish(len(dst_ranks), step, flat, seconds if seconds > 0 else self._timeout)
@@ -155,7 +177,7 @@ class HTTPTransport(CheckpointTransport[T]):
         released first, as :meth:`disallow_checkpoint` does. Before any send,
         ``None`` is served. No receiver is expected.
         """
-        snapshot = self._server.snapshot
+        snapshot = self._serving().snapshot
         if snapshot is not None and snapshot.step == step:
             return
         if snapshot is not None:
@@ -165,8 +187,8 @@ class HTTPTransport(CheckpointTransport[T]):
 
     def disallow_checkpoint(self) -> None:
         """Wait for the receivers of the published step (at most the send's timeout), then stop serving it."""
-        snapshot = self._server.snapshot
-        if snapshot is None:
+        snapshot = self._snapshot()
+        if snapshot is None or self._server is None:
             return
         self._call(self._server.release(), snapshot.timeout + 2 * ABORT_GRACE,
                    f"the receivers of step {snapshot.step} to finish")
@@ -213,7 +235,13 @@ class HTTPTransport(CheckpointTransport[T]):
             return
         self._stopped = True
         self._last_sent = None
-        future = self._plane.submit(self._server.stop())
+        with self._server_lock:  # after a start under way: it can't finish into a stopped transport
+            server, listener, self._listener = self._server, self._listener, None
+        if server is None:
+            if listener is not None:
+                listener.close()
+            return
+        future = self._plane.submit(server.stop())
         if wait:
             try:
                 future.result(self._timeout + 2 * ABORT_GRACE)
@@ -225,13 +253,15 @@ class HTTPTransport(CheckpointTransport[T]):
     # torchft's HTTPTransport has these attributes (its tests read them): views of the published snapshot here.
     @property
     def _disallowed(self) -> bool:
-        return self._server.snapshot is None
+        return self._snapshot() is None
 
     @property
     def _step(self) -> int:
         """The step served, or last published (-1 before any)."""
-        snapshot = self._server.snapshot
-        return self._server.last_step if snapshot is None else snapshot.step
+        snapshot = self._snapshot()
+        if snapshot is not None:
+            return snapshot.step
+        return -1 if self._server is None else self._server.last_step
 
     @property
     def _checkpoint_lock(self) -> "_ServingLock":
@@ -239,19 +269,49 @@ class HTTPTransport(CheckpointTransport[T]):
 
     def statistics(self) -> HTTPTransportStatistics:
         server = self._server
-        snapshot = server.snapshot
+        snapshot = None if server is None else server.snapshot
         return HTTPTransportStatistics(
             published_step=None if snapshot is None else snapshot.step,
-            held_requests=server.held,
+            held_requests=0 if server is None else server.held,
             active_streams=0 if snapshot is None else len(snapshot.streams),
             receivers_finished=0 if snapshot is None else snapshot.finished,
-            bytes_served=server.bytes_served,
+            bytes_served=0 if server is None else server.bytes_served,
         )
+
+    def warm_up(self) -> None:
+        """Start a deferred server on a background thread (returns at once; a no-op once started)."""
+        if self._server is None and not self._stopped:
+            threading.Thread(target=self._warm_up, name="checkpoint-server-start", daemon=True).start()
+
+    def _warm_up(self) -> None:
+        try:
+            self._serving()
+        except Exception as exc:  # the next send starts it again, and raises
+            logger.warning("the checkpoint server did not start in the background: %s: %s", type(exc).__name__, exc)
+
+    def _serving(self) -> "CheckpointServer":
+        """The server, started now if it has not been yet (on the loop, bounded by the timeout)."""
+        with self._server_lock:
+            if self._server is not None:
+                return self._server
+            if self._stopped or self._listener is None:
+                raise CheckpointError("the transport is shut down")
+            from torchft_lite.checkpointing._http_server import CheckpointServer  # aiohttp's import is here
+
+            server = CheckpointServer(self._timeout, self._access, self._hostname,
+                                      self._tls.server_context() if self._tls.serving else None)
+            self._call(server.start(self._listener), self._timeout, "the checkpoint server to start")
+            self._server = server
+            return server
+
+    def _snapshot(self) -> "Snapshot | None":
+        server = self._server
+        return None if server is None else server.snapshot
 
     def _publish(self, expected: int, step: int, flat: FlatStateDict, timeout: float, again: bool = False) -> None:
         if self._stopped:
             raise CheckpointError("the transport is shut down")
-        self._call(self._server.publish(expected, step, flat, timeout), self._timeout,
+        self._call(self._serving().publish(expected, step, flat, timeout), self._timeout,
                    f"publishing step {step}{' again' if again else ''}")
 
     def _call(self, coro: Coroutine[Any, Any, Any], timeout: float, what: str) -> Any:
@@ -270,7 +330,7 @@ class _ServingLock:
         self._transport = transport
 
     def w_locked(self) -> bool:
-        return self._transport._server.snapshot is None
+        return self._transport._snapshot() is None
 
 
 def _log_failure(future: concurrent.futures.Future) -> None:
