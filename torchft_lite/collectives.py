@@ -141,9 +141,11 @@ class _QuantizedWork(dist.Work):
         return self._future.done()
 
     def exception(self) -> BaseException | None:
+        if not self._future.done():
+            return None
         try:
-            self._future.value() if self._future.done() else None
-        except Exception as exc:
+            self._future.value()
+        except Exception as exc:  # the failure, handed back rather than raised (c10d's Work.exception)
             return exc
         return None
 

@@ -139,13 +139,17 @@ class BlockLayout:
 
 
 def quantize_blocks(blocks: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> None:
-    """Quantize float32 ``blocks`` (``(..., block_size)``) into int8 ``values`` and float32 ``scales`` (``(...)``)."""
-    low, high = torch.aminmax(blocks, dim=-1)  # one pass; NaN propagates into both
-    amax = torch.maximum(high, low.neg())
+    """Quantize float32 ``blocks`` (``(..., block_size)``; overwritten, used as scratch) into int8 ``values``
+    and float32 ``scales`` (``(...)``)."""
+    # amax and amin, not aminmax (4x slower here) nor abs().amax (a full copy); NaN propagates through both
+    amax = torch.maximum(blocks.amax(dim=-1), blocks.amin(dim=-1).neg_())
     finite = torch.isfinite(amax)
     scale = (amax / QUANTIZED_MAX).clamp_(min=_TINY)  # an all-zero block keeps a usable scale and zero values
-    quantized = blocks * scale.reciprocal().unsqueeze(-1)
-    quantized.masked_fill_(finite.logical_not().unsqueeze(-1), 0.0)  # NaN would not cast to int8
+    quantized = blocks.mul_(scale.reciprocal().unsqueeze(-1))
+    # NaN would not cast to int8: zero the non-finite blocks (on CPU only when there are any: the usual
+    # all-finite case saves a pass; on an accelerator always, rather than wait for the device)
+    if blocks.device.type != "cpu" or not bool(finite.all()):
+        quantized.masked_fill_(finite.logical_not().unsqueeze(-1), 0.0)
     values.copy_(quantized.round_().clamp_(-QUANTIZED_MAX, QUANTIZED_MAX))
     scales.copy_(scale.masked_fill_(finite.logical_not(), math.nan))
 
