@@ -14,6 +14,7 @@ from datetime import timedelta
 import pytest
 import torch
 
+from torchft_lite.checkpointing import HTTPTransport
 from torchft_lite.errors import CheckpointError
 from tests.conftest import WAIT, wait_until_sync
 
@@ -39,8 +40,11 @@ def test_a_deferred_transport_binds_its_port_but_imports_no_http_server():
     assert out.stdout.split() == ["False", "False"]
 
 
-def test_a_request_that_came_before_the_server_started_is_answered_after_the_send(make_transport, threads):
-    server, client = make_transport(defer_server=True), make_transport()
+@pytest.mark.parametrize("bind_host", ["127.0.0.1", "::"])  # "::", the default, is a dual-stack socket
+def test_a_request_that_came_before_the_server_started_is_answered_after_the_send(make_transport, threads,
+                                                                                   bind_host):
+    server = HTTPTransport(LONG, hostname="127.0.0.1", bind_host=bind_host, defer_server=True)
+    client = make_transport()
     early = http.client.HTTPConnection("127.0.0.1", server.port, timeout=WAIT)
     try:
         early.request("GET", f"/checkpoint/3?session=early&timeout={WAIT}")  # sent; nobody reads it yet
@@ -51,10 +55,11 @@ def test_a_request_that_came_before_the_server_started_is_answered_after_the_sen
         answer = early.getresponse()
         assert answer.status == 200 and len(answer.read()) > sent["w"].nbytes  # the whole encoding
         assert torch.equal(received.result(WAIT)["w"], sent["w"])
+        server.disallow_checkpoint()
+        assert server.statistics().bytes_served > 0
     finally:
         early.close()
-    server.disallow_checkpoint()
-    assert server.statistics().bytes_served > 0
+        server.shutdown()
 
 
 def test_warm_up_starts_the_server_in_the_background(make_transport, threads):

@@ -19,6 +19,7 @@ __all__ = ["QUEUE_BYTES", "SEND_BUFFER_BYTES", "flushed", "listen", "tune"]
 
 logger = logging.getLogger("torchft_lite.checkpointing.http_transport")  # one logger for the transport
 
+BACKLOG = 128  # connections the kernel accepts before the server reads them
 ABORT_GRACE = 10.0  # seconds a release waits for aborted streams and encoding to stop
 SEND_BUFFER_BYTES = 8 << 20
 QUEUE_BYTES = 16 << 20  # views of tensor memory the transport may queue before the stream waits
@@ -29,14 +30,18 @@ TLS_QUEUE_BYTES = 2 << 20
 
 
 def listen(host: str, port: int) -> socket.socket:
+    """A socket listening on ``host:port`` now: a connection made before the server runs waits in its backlog
+    (``HTTPTransport(defer_server=True)``) instead of being refused."""
     if host == "::":
         sock = dual_stack_socket(port)
         if sock.family != socket.AF_INET6:
             logger.info("IPv6 unavailable; the checkpoint server listens on 0.0.0.0 instead of ::")
-        return sock
-    if ":" in host:
-        return socket.create_server((host, port), family=socket.AF_INET6)
-    return socket.create_server((host, port))
+    elif ":" in host:
+        sock = socket.create_server((host, port), family=socket.AF_INET6)
+    else:
+        sock = socket.create_server((host, port))
+    sock.listen(BACKLOG)
+    return sock
 
 
 def tune(transport: asyncio.BaseTransport | None) -> None:
