@@ -47,6 +47,7 @@ class ExchangingInMemoryGroup(InMemoryProcessGroup):
     def __init__(self) -> None:
         super().__init__()
         self.sent: dict[str, int] = {}
+        self.fail_alltoall = False
 
     def rank(self) -> int:
         return self._rank
@@ -77,6 +78,11 @@ class ExchangingInMemoryGroup(InMemoryProcessGroup):
 
     def alltoall_base(self, output, input_, output_splits, input_splits, opts=None) -> _Work:
         world = self.size()
+        if self.fail_alltoall:
+            self.fail_alltoall = False
+            fut: torch.futures.Future = torch.futures.Future()
+            fut.set_exception(CollectiveError("injected alltoall failure"))
+            return _Work(fut)
         self.sent["alltoall_base"] = self.sent.get("alltoall_base", 0) + input_.numel() * (world - 1) // world
 
         def finish(payloads: dict[int, Any]) -> None:
@@ -252,3 +258,17 @@ def test_an_unsupported_reduce_op_and_a_group_without_the_collectives_raise_too(
         raised, committed = results[name]
         assert [type(e) for e in raised] == [UnsupportedReduceOpError, UnsupportedProcessGroupError]
         assert "alltoall_base" in str(raised[1]) and committed is True
+
+
+def test_a_failed_exchange_fails_the_step_in_every_group_and_the_next_one_commits(pair):
+    a, b = pair()
+    a.pg.fail_alltoall = b.pg.fail_alltoall = True
+    before = a.weights.clone()
+    results = run({"a": a, "b": b}, lambda name, g: (g.step(gradients(9), should_quantize=True)[0],
+                                                      g.manager.errored()))
+    for name in ("a", "b"):
+        committed, error = results[name]
+        assert committed is False and "injected alltoall failure" in str(error)
+    assert torch.equal(a.weights, before) and torch.equal(b.weights, before)
+    results = run({"a": a, "b": b}, lambda name, g: g.step(gradients(10), should_quantize=True)[0])
+    assert results == {"a": True, "b": True} and torch.equal(a.weights, b.weights)
