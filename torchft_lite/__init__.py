@@ -26,8 +26,11 @@ __all__ = [
     "ProcessGroupBabyNCCL",
     "ProcessGroupGloo",
     "ProcessGroupNCCL",
+    "ShardedState",
     "WatchdogConfig",
     "WorldSizeMode",
+    "average_across_groups",
+    "init_group_mesh",
 ]
 
 _LOCATIONS = {
@@ -42,8 +45,11 @@ _LOCATIONS = {
     "ProcessGroupBabyNCCL": "torchft_lite.process_group",
     "ProcessGroupGloo": "torchft_lite.process_group",
     "ProcessGroupNCCL": "torchft_lite.process_group",
+    "ShardedState": "torchft_lite.hsdp",
     "WatchdogConfig": "torchft_lite.watchdog",
     "WorldSizeMode": "torchft_lite.manager",
+    "average_across_groups": "torchft_lite.hsdp",
+    "init_group_mesh": "torchft_lite.hsdp",
 }
 
 

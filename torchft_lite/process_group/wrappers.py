@@ -312,6 +312,10 @@ class ManagedProcessGroup(ProcessGroupWrapper):
     reported to the Manager, which votes the step down, and never reaches the
     caller. ``size()`` is the number of replicas in this step's quorum. Other
     collectives go to the Manager's process group as they are.
+
+    It is a group torch's own API takes: ``dist.all_reduce(t, group=ManagedProcessGroup(manager),
+    op=ReduceOp.AVG)`` (torchft's FSDP2 all-reduce hook) dispatches here, no registration needed;
+    ``torchft_lite.hsdp.average_across_groups`` sets that hook for you.
     """
 
     def __init__(self, manager: "Manager") -> None:

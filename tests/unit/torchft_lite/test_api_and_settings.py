@@ -13,8 +13,8 @@ def test_public_api_is_pinned_and_importable():
     assert sorted(torchft_lite.__all__) == [
         "DistributedDataParallel", "DistributedSampler", "DurableCheckpointer", "HealthConfig", "Manager", "Optimizer",
         "OptimizerWrapper",
-        "ProcessGroupBabyGloo", "ProcessGroupBabyNCCL", "ProcessGroupGloo", "ProcessGroupNCCL", "WatchdogConfig",
-        "WorldSizeMode",
+        "ProcessGroupBabyGloo", "ProcessGroupBabyNCCL", "ProcessGroupGloo", "ProcessGroupNCCL", "ShardedState",
+        "WatchdogConfig", "WorldSizeMode", "average_across_groups", "init_group_mesh",
     ]
     for name in torchft_lite.__all__:
         assert getattr(torchft_lite, name) is not None
