@@ -211,6 +211,8 @@ class DiLoCo(_InnerStepHooks):
                              f"a fragment must be synced before its next averaging starts")
         if not 0.0 <= fragment_update_alpha <= 1.0:
             raise ValueError(f"fragment_update_alpha={fragment_update_alpha} must be between 0 and 1")
+        if should_quantize:
+            _check_quantizable(model_fragments)
         if os.getenv(USE_BUCKETIZATION_ENV, "False") == "True":
             use_bucketization = True
         super().__init__(manager, inner_optimizer)
@@ -277,3 +279,15 @@ class DiLoCo(_InnerStepHooks):
     def _restore_parameters(self) -> None:
         for fragment in self._fragments:
             fragment.restore_parameters()
+
+
+def _check_quantizable(fragments: list[nn.Module]) -> None:
+    """``should_quantize=True`` with a parameter 8 bits can't carry fails here, not at the first sync H steps in."""
+    from torchft_lite.quantization import check_quantizable
+
+    for i, fragment in enumerate(fragments):
+        for name, param in fragment.named_parameters():
+            try:
+                check_quantizable([param.detach()])
+            except TypeError as exc:  # UnsupportedDtypeError: the same type, naming the parameter
+                raise type(exc)(f"DiLoCo model fragment {i}, parameter {name!r}: {exc}") from exc

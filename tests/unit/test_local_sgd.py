@@ -346,3 +346,17 @@ def test_diloco_rejects_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         DiLoCo(manager, fragments, torch.optim.SGD(model.parameters(), lr=0.1),
                [outer] * n_outer if n_outer else outer, **kwargs)
+
+
+def test_diloco_with_should_quantize_refuses_a_parameter_8_bits_cannot_carry_at_construction():
+    from torchft_lite.quantization import UnsupportedQuantization
+
+    model = two_layers()
+    model[1].double()
+    outer = torch.optim.SGD(model.parameters(), lr=1.0)
+    with pytest.raises(UnsupportedQuantization, match=r"fragment 1, parameter 'weight'.*torch.float64") as caught:
+        DiLoCo(SoloManager(), [model[0], model[1]], torch.optim.SGD(model.parameters(), lr=0.1), outer,
+               sync_every=2, should_quantize=True)
+    assert isinstance(caught.value, TypeError)
+    DiLoCo(SoloManager(), [model[0]], torch.optim.SGD(model.parameters(), lr=0.1), outer, sync_every=2,
+           should_quantize=True)  # float32 only: accepted
