@@ -271,8 +271,10 @@ def describe(sources: Sequence[tuple[int, str]]) -> str:
 
 
 def tensor_bytes(obj: Any) -> int:
+    """The bytes a heal of ``obj`` carries: a DTensor counts its local shard, the part that travels."""
     if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
+        local = obj.to_local() if hasattr(obj, "to_local") and hasattr(obj, "placements") else obj
+        return local.numel() * local.element_size()
     if isinstance(obj, dict):
         return sum(tensor_bytes(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):

@@ -71,3 +71,13 @@ def test_a_group_folds_its_ranks_shard_fingerprints_and_a_flip_in_one_shard_name
     b = parse_fingerprint(json.dumps({"fingerprint": flipped}))
     assert a.digest != b.digest and differing_ranks(a, b) == [1]
     assert fingerprint_of(ranks[0]).runs[first_difference(a.sums, b.sums)][0] == "optim.state.0.exp_avg"
+
+
+def test_the_heal_log_counts_a_ranks_shards_not_the_full_tensors():
+    from torchft_lite._healer import tensor_bytes
+
+    full = full_weights()
+    state = rank_state(1, full)
+    # rank 1 holds 2 of 5 rows of each weight, the whole replicated bias and the integer step
+    assert tensor_bytes(state) == (2 * 2 * COLS + COLS) * 4 + 8
+    assert tensor_bytes(locals_of(state)) == tensor_bytes(state)
