@@ -15,13 +15,14 @@ TORCHFT_SPEC ?= torchft-nightly==2026.10.26
 # Manager): without it the comparisons that run torchft (heal, chaos, recovery) would skip.
 TORCHFT_RUNTIME := "opentelemetry-sdk>=1.39" "opentelemetry-exporter-otlp-proto-http>=1.39"
 
-.PHONY: all venv test test-fast compat demo proto bench bench-ddp bench-recovery bench-heal bench-checkpoint bench-health bench-diloco browser clean help
+.PHONY: all venv test test-fast compat demo demo-hsdp proto bench bench-ddp bench-recovery bench-heal bench-checkpoint bench-health bench-diloco browser clean help
 
 all: test
 
 help:
 	@echo "make test    set up .venv and run the whole test suite"
 	@echo "make demo    set up .venv and run the demo (lighthouse + replica groups)"
+	@echo "make demo-hsdp  the same with FSDP2 inside each group: kill one rank, heal shard by shard"
 	@echo "make compat  run the tests shipped in torchft's wheel on torchft and on torchft_lite; print a table"
 	@echo "make proto   regenerate lighthouse/protocol from proto/torchft.proto"
 	@echo "make bench   run benchmarks/lighthouse_bench.py (ours and torchft's)"
@@ -75,6 +76,9 @@ compat: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
+
+demo-hsdp: $(STAMP)
+	$(BIN)/python examples/demo_hsdp.py
 
 proto: $(STAMP)
 	$(BIN)/python -m lighthouse.protocol.generate
