@@ -491,8 +491,10 @@ def test_checksums_of_a_released_step_are_refused(make_transport):
     server = make_transport()
     server.send_checkpoint([], 5, state_dict(), LONG)
     server.disallow_checkpoint()
-    status, body = request(f"{server.metadata()}/5/checksums?session=s1")
+    status, body = request(f"{server.metadata()}/4/checksums?session=s1")
     assert status == 400 and b"released" in body
+    status, body = request(f"{server.metadata()}/5/checksums?session=s1&timeout=0.2")  # may be retried: held
+    assert status == 504 and b"not published within" in body
 
 
 # ---------------------------------------------------------------- describing a header difference

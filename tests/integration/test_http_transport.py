@@ -150,12 +150,24 @@ def test_disallow_returns_without_receivers(make_transport, threads):
     threads.submit(server.disallow_checkpoint).result(WAIT)  # nobody expected: no hour-long wait
 
 
-def test_after_disallow_requests_fail(make_transport):
+def test_after_disallow_an_older_step_is_refused_and_the_released_one_waits_for_its_retry(make_transport, threads):
     server, client = make_transport(), make_transport()
     server.send_checkpoint([1], 5, state_dict(), LONG)
     client.recv_checkpoint(0, server.metadata(), 5, LONG)
     server.disallow_checkpoint()
     with pytest.raises(CheckpointHTTPError, match="400: .*released its checkpoint after step 5"):
+        client.recv_checkpoint(0, server.metadata(), 4, LONG)
+    # Step 5 did not commit, say: it is retried and published again, and a receiver that asked between the
+    # release and the new publish is held until then instead of refused (its heal would fail, and the
+    # source would wait its whole timeout for it).
+    retried = threads.submit(client.recv_checkpoint, 0, server.metadata(), 5, LONG)
+    wait_until_sync(lambda: server.statistics().held_requests == 1, "the request for the released step to be held")
+    sent = state_dict()
+    server.send_checkpoint([1], 5, sent, LONG)
+    assert digest(5, retried.result(WAIT)) == digest(5, sent)
+    server.disallow_checkpoint()  # the held receiver counted: no wait for the timeout
+    server.send_checkpoint([], 6, sent, LONG)  # the job went on: step 5 is never served again
+    with pytest.raises(CheckpointHTTPError, match="400: .*serving 6 but got step=5"):
         client.recv_checkpoint(0, server.metadata(), 5, LONG)
 
 

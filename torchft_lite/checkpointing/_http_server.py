@@ -12,9 +12,11 @@ session with ``?session=<id>``; held requests also pass ``?timeout=<seconds>``):
 Every request is checked first against the transport's access policy
 (``lighthouse.rpc.access``: the job token, else loopback peers only): 401 or
 403, and nothing served. A request for a step not published yet is held until
-it is (or until its timeout: 504). A request for an older step, or one already
-released, will never be served: 400 ("invalid checkpoint requested, serving N
-but got step=M", torchft's answer). More than ``_MAX_SESSIONS`` receivers of
+it is (or until its timeout: 504). So is one for the step just released: a
+step that did not commit is published again when it is retried (torchft holds
+every request while nothing is published). A request for a step older than the
+one published or the one last released will never be served: 400 ("invalid
+checkpoint requested, serving N but got step=M", torchft's answer). More than ``_MAX_SESSIONS`` receivers of
 one step, or ``_MAX_HELD`` held requests, are answered 503 (logged once).
 
 :meth:`CheckpointServer.release` waits until as many receiver sessions as
@@ -255,7 +257,7 @@ class CheckpointServer:
                     if snapshot is not None and step < snapshot.step:
                         raise web.HTTPBadRequest(text=f"invalid checkpoint requested, serving {snapshot.step} but "
                                                       f"got step={step} (an older step is not served again)")
-                    if snapshot is None and self._released_step is not None and step <= self._released_step:
+                    if snapshot is None and self._released_step is not None and step < self._released_step:
                         raise web.HTTPBadRequest(text=f"invalid checkpoint requested, serving none (released its "
                                                       f"checkpoint after step {self._released_step}) but got "
                                                       f"step={step}")
@@ -405,7 +407,8 @@ class CheckpointServer:
         return web.Response(text="ok")
 
     def _may_publish_later(self, step: int) -> bool:
-        """Whether ``step`` is newer than every step this server has published or released."""
-        newest = max((s for s in (self._released_step, self.snapshot.step if self.snapshot else None)
-                      if s is not None), default=None)
-        return newest is None or step > newest
+        """Whether ``step`` may be published after now: newer than the step published now, and not older than
+        the one last released (a step that did not commit is published again when it is retried)."""
+        if self.snapshot is not None and step <= self.snapshot.step:
+            return False
+        return self._released_step is None or step >= self._released_step
