@@ -13,7 +13,6 @@ at every step both committed. Exit code 0 when all checks pass.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import signal
@@ -26,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from torchft_lite.local_cluster import LighthouseProcess, ReplicaGroup, _descendants  # noqa: E402
+from demo import last_step, reports, wait_for  # noqa: E402  (next to this script)
 
 SCRIPT = Path(__file__).resolve().parent / "train_hsdp.py"
 SERVED = re.compile(r"served step (\d+) to replica\(s\) 1: ([\d.]+) MB")
@@ -42,27 +42,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=120.0, help="give up on any phase after this many seconds")
     parser.add_argument("--workdir", help="keep logs and reports here (default: a temporary directory)")
     return parser.parse_args()
-
-
-def reports(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
-def last_step(rows: list[dict], group: int) -> int:
-    return max((r["step"] for r in rows if r["group"] == group), default=0)
-
-
-def wait_for(what: str, predicate, groups: list[ReplicaGroup], timeout: float) -> float:
-    started = time.monotonic()
-    while not predicate():
-        for group in groups:
-            if not group.alive():
-                raise SystemExit(f"demo failed: group {group.group_id} exited while waiting for {what}")
-        if time.monotonic() - started > timeout:
-            raise SystemExit(f"demo failed: timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.1)
-    print(f"  ... {what} ({time.monotonic() - started:.1f}s)", flush=True)
-    return time.monotonic()
 
 
 def rank_pids(group: ReplicaGroup, report: Path) -> dict[int, int]:
