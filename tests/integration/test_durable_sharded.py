@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing as mp
-import queue
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -26,6 +25,7 @@ import torch.distributed as dist
 
 from lighthouse.thread import BackgroundLighthouse
 from tests.conftest import WAIT, lighthouse_config
+from tests.integration.spawned import run_spawned
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -112,30 +112,8 @@ def run(phase: str, rank: int, port: int, lighthouse: str, directory: Path) -> d
 def run_group(phase: str, lighthouse: str, directory: Path) -> dict[int, dict]:
     """Both ranks of the group through ``phase``, each in a fresh process; their reports by rank."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=LONG)
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    processes = [ctx.Process(target=worker, args=(phase, rank, store.port, lighthouse, str(directory), results),
-                             daemon=True) for rank in (0, 1)]
-    for process in processes:
-        process.start()
-    reports, failed = {}, True
-    try:
-        for _ in processes:
-            try:
-                status, value = results.get(timeout=4 * WAIT)
-            except queue.Empty:
-                pytest.fail(f"timed out after {4 * WAIT:.0f}s waiting for the {phase} run's two processes "
-                            f"(exit codes so far: {[p.exitcode for p in processes]})")
-            assert status == "ok", value
-            reports[value[0]] = value[1]
-        failed = False
-    finally:
-        for process in processes:  # after a failure the other may wait on its peer: stop it at once
-            process.join(0 if failed else WAIT)
-            if process.is_alive():
-                process.kill()
-                process.join()
-    return reports
+    arg_lists = [(phase, rank, store.port, lighthouse, str(directory)) for rank in (0, 1)]
+    return dict(run_spawned(worker, arg_lists, f"the {phase} run's two processes", 4 * WAIT))
 
 
 @pytest.fixture

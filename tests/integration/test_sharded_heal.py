@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import multiprocessing as mp
-import queue
 import traceback
 from datetime import timedelta
 
@@ -28,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from tests.conftest import WAIT
+from tests.integration.spawned import run_spawned
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -156,30 +156,9 @@ def heal(group: int, rank: int, port: int, kind: str) -> dict:
 @pytest.mark.parametrize("kind", ["pg", "http"])
 def test_each_rank_heals_its_own_shards_from_the_same_rank_of_its_source(kind):
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=LONG)
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    processes = [ctx.Process(target=worker, args=(group, rank, store.port, kind, results), daemon=True)
-                 for group in (0, 1) for rank in (0, 1)]
-    for process in processes:
-        process.start()
-    reports, failed = {}, True
-    try:
-        for _ in processes:
-            try:
-                status, value = results.get(timeout=4 * WAIT)
-            except queue.Empty:
-                pytest.fail(f"timed out after {4 * WAIT:.0f}s waiting for the heal's four processes "
-                            f"(exit codes so far: {[p.exitcode for p in processes]})")
-            assert status == "ok", value
-            group, rank, report = value
-            reports[group, rank] = report
-        failed = False
-    finally:
-        for process in processes:  # after a failure the others may wait on their peers: stop them at once
-            process.join(0 if failed else WAIT)
-            if process.is_alive():
-                process.kill()
-                process.join()
+    arg_lists = [(group, rank, store.port, kind) for group in (0, 1) for rank in (0, 1)]
+    values = run_spawned(worker, arg_lists, "the heal's four processes", 4 * WAIT)
+    reports = {(group, rank): report for group, rank, report in values}
 
     for rank in (0, 1):
         source, healed = reports[0, rank], reports[1, rank]
