@@ -28,11 +28,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -43,15 +41,8 @@ from torch.distributed import ReduceOp
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WAIT_S = 900.0
 
-
-def _median_s(fn, repeats: int) -> float:
-    fn()
-    runs = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        runs.append(time.perf_counter() - started)
-    return statistics.median(runs)
+sys.path.insert(0, str(REPO_ROOT))
+from benchmarks.health_bench import timed  # noqa: E402  (median of repeats after a warm-up)
 
 
 def _rank(addr: str, rank: int, world: int, numel: int, repeats: int, out: str) -> None:  # pragma: no cover
@@ -74,11 +65,11 @@ def _rank(addr: str, rank: int, world: int, numel: int, repeats: int, out: str) 
         pg.allreduce([amax], ReduceOp.SUM).wait()
         bound = (amax / 127 / world).repeat_interleave(BLOCK_SIZE)[:numel]
         error = (quantized - exact).abs()
-        plain_s = _median_s(lambda: pg.allreduce([x.clone()], ReduceOp.SUM).wait(), repeats)
-        quantized_s = _median_s(lambda: allreduce_quantized([x.clone()], ReduceOp.AVG, pg).wait(), repeats)
+        plain_s = timed(lambda: pg.allreduce([x.clone()], ReduceOp.SUM).wait(), repeats)
+        quantized_s = timed(lambda: allreduce_quantized([x.clone()], ReduceOp.AVG, pg).wait(), repeats)
         layout = BlockLayout.of([x], world)
         rows, back = quantize_rows([x], layout), [torch.empty_like(x)]
-        local_s = _median_s(lambda: (quantize_rows([x], layout), dequantize_rows(back, rows, layout)), repeats)
+        local_s = timed(lambda: (quantize_rows([x], layout), dequantize_rows(back, rows, layout)), repeats)
         pg.barrier().wait()
     finally:
         pg.shutdown()
