@@ -134,12 +134,12 @@ class NonFiniteGuard:
         if quantize:  # imported on first use: a trainer that never quantizes does not load it
             from torchft_lite.collectives import allreduce_quantized, check_quantized_reduction, \
                 start_quantized_allreduce
-
-            check_quantized_reduction([tensor], reduce_op, pg)
         if not (self.config.nonfinite_guard and reduce_op == ReduceOp.AVG and tensor.is_floating_point()):
-            if quantize:
+            if quantize:  # checks its input before it sends anything
                 return start_quantized_allreduce(pg, tensor, reduce_op, participants)
             return start_allreduce(pg, tensor, reduce_op, participants)
+        if quantize:  # before the guard below may zero the tensor
+            check_quantized_reduction([tensor], reduce_op, pg)
         from torch.distributed.distributed_c10d import AllreduceOptions
 
         finite = torch.isfinite(tensor.sum(dtype=torch.float32))
