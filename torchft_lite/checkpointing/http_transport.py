@@ -187,10 +187,11 @@ class HTTPTransport(CheckpointTransport[T]):
 
     def disallow_checkpoint(self) -> None:
         """Wait for the receivers of the published step (at most the send's timeout), then stop serving it."""
-        snapshot = self._snapshot()
-        if snapshot is None or self._server is None:
+        server = self._server
+        snapshot = None if server is None else server.snapshot
+        if server is None or snapshot is None:
             return
-        self._call(self._server.release(), snapshot.timeout + 2 * ABORT_GRACE,
+        self._call(server.release(), snapshot.timeout + 2 * ABORT_GRACE,
                    f"the receivers of step {snapshot.step} to finish")
 
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta | None = None) -> T:
