@@ -158,10 +158,14 @@ def summarize(rows: list[dict], workdir: Path, stall: float, step_at_kill: int, 
         groups_at[key].add(row["group"])
         participants[key].add(row["participants"])
     diverged = sorted(key[1:] for key, sums in by_step.items() if len(sums) > 1)
-    # A step redone after the resume matches its first run when the same number of groups took part: the
-    # SIGKILLs of the outage land one group at a time, so the last step before it may have had fewer.
-    redone = [(step, rank) for (first, step, rank) in by_step if not first and (True, step, rank) in by_step
-              and participants[(True, step, rank)] == participants[(False, step, rank)]]
+    # A step redone after the resume matches its first run when every step since the resume had as many
+    # groups both times: the SIGKILLs of the outage land one group at a time, so the last steps before it may
+    # have had fewer, and a group that joins the resumed job late leaves its first steps with fewer too. A
+    # step with other groups averages other batches, and every later step inherits that.
+    candidates = [(step, rank) for (first, step, rank) in by_step if not first and (True, step, rank) in by_step]
+    other_groups = [step for step, rank in candidates
+                    if participants[(True, step, rank)] != participants[(False, step, rank)]]
+    redone = [(step, rank) for step, rank in candidates if not other_groups or step < min(other_groups)]
     redone_same = sum(by_step[(True, step, rank)] == by_step[(False, step, rank)] for step, rank in redone)
     heals = [HEALED.search(line) for log in workdir.glob("group2.2.*.log")
              for line in log.read_text(errors="replace").splitlines()]
@@ -182,7 +186,7 @@ def summarize(rows: list[dict], workdir: Path, stall: float, step_at_kill: int, 
           f"resumed from the durable checkpoint of step {outage['resumed_from']} ({lost} steps redone), first "
           f"step committed {outage['first_commit_seconds']:.1f}s after the kill")
     print(f"redone steps identical         {redone_same} of {len(redone)} (step, rank) pairs bit-identical to the "
-          f"first time (pairs whose quorums had as many groups both times)")
+          f"first time (up to the first redone step whose quorum had another number of groups)")
     checked = sum(1 for groups in groups_at.values() if len(groups) > 1)
     print(f"identical parameters           {'yes' if not diverged else 'NO'} "
           f"({checked} (step, rank) pairs held by several groups{'; diverged at ' + str(diverged[:5]) if diverged else ''})")
