@@ -215,8 +215,8 @@ class Chaos:
         group = self.groups[g]
         # Destroying the only live copy of the latest committed state makes the job redo steps: the
         # lighthouse refuses a quorum of older state until its holder timeout, then starts a new epoch
-        # from it (a checkpoint's, or step 0). With checkpoints, a hang or a cut of that copy longer than
-        # the heartbeat timeout does too when the others all just resumed from disk (no wait then).
+        # from it (a checkpoint's, or step 0). With checkpoints, a hang or a cut of that copy is not injected
+        # either, though the lighthouse waits for a holder whose group has not restarted.
         # Only a kill-all may rewind the job: the checker counts any other new epoch as a failure.
         guarded = ("kill", "kill-rank", "term") + (("hang", "partition") if self.args.checkpoint_every else ())
         if kind in guarded and not self.another_holder(g, live):

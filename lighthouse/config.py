@@ -162,7 +162,8 @@ class LighthouseConfig:
             "from forming a quorum while a replica holding that step may come back; after this long without "
             "seeing one (since the lighthouse started, if it restored that step from --state-dir) they start a "
             "new epoch of the job at their own step instead of waiting forever (also at once when they all "
-            "advertise resumed_from their durable checkpoint and no holder is healthy, or on POST /api/epoch); "
+            "advertise resumed_from their durable checkpoint, no holder is healthy and every holder's replica group "
+            "is back under a new id, or on POST /api/epoch); "
             "replicas from before the epoch are then refused. Never sooner than the heartbeat timeout; must be > 0",
         )
         parser.add_argument(

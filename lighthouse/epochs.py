@@ -14,8 +14,14 @@ from "gone", and fences what comes back too late:
   eligible participants), it gives way when (a) no holder was seen for
   ``holder_timeout`` (nor for ``heartbeat_timeout``, if that is longer: never
   while a holder may be healthy); (b) every eligible participant just resumed
-  from a durable checkpoint (its ``resumed_from`` equals its step) and no
-  holder is healthy (none seen within ``heartbeat_timeout``); or (c) an
+  from a durable checkpoint (its ``resumed_from`` equals its step), no
+  holder is healthy (none seen within ``heartbeat_timeout``) and every holder
+  is *superseded*: its replica group (what precedes the last ``:`` of its id;
+  torchft's Managers and ours append a new uuid per process) is among the
+  resumed participants under another id, so it restarted and its state is
+  gone; a holder that is only hung or cut off is not, and the job waits for
+  it up to ``holder_timeout``. A lighthouse that knows no holders (restored
+  ``max_step``) needs no supersession; or (c) an
   operator asked for it (the request counts for the next decision only).
   ``max_step`` drops to the highest step among the eligible participants (0
   at least) and the next quorum gets a new id, as after a restart.
@@ -39,11 +45,11 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from typing import Container, Iterable
+from typing import Collection, Container, Iterable
 
 from lighthouse.quorum_data import Epoch, Member
 
-__all__ = ["MAX_FENCED", "RESUMED_FROM_KEY", "EpochBook", "StaleReplica", "resumed_from_of"]
+__all__ = ["MAX_FENCED", "RESUMED_FROM_KEY", "EpochBook", "StaleReplica", "group_of", "resumed_from_of"]
 
 MAX_FENCED = 1024
 RESUMED_FROM_KEY = "resumed_from"
@@ -67,6 +73,13 @@ def resumed_from_of(data: str) -> int | None:
     if type(value) is not int or not 0 <= value <= _INT64_MAX:  # type(): a bool is not a step
         return None
     return value
+
+
+def group_of(replica_id: str) -> str | None:
+    """The replica group ``replica_id`` belongs to: what precedes its last ``:`` (a Manager names its process
+    ``<replica_id>:<uuid>``), or None for an id without one."""
+    group, sep, _ = replica_id.rpartition(":")
+    return group if sep and group else None
 
 
 class StaleReplica(Exception):
@@ -140,29 +153,44 @@ class EpochBook:
 
     # ------------------------------------------------------------ the guard's way out
 
+    def superseded(self, resumed: Collection[str]) -> bool:
+        """Whether every holder's replica group is among ``resumed`` (the ids of participants that just
+        resumed from a checkpoint) under another id: each holder restarted, so no copy of ``max_step`` is
+        left but a checkpoint's. True when no holder is known; False for a holder whose id names no group."""
+        groups = {group_of(replica_id) for replica_id in resumed}
+        return all(holder not in resumed and group_of(holder) in groups - {None} for holder in self.holders)
+
     def lift_reason(self, now: float, max_step: int, holder_timeout: float, heartbeat_timeout: float,
-                    all_resumed: bool) -> str | None:
+                    resumed: Collection[str] | None) -> str | None:
         """Why the guard, now blocking, should give way to a new epoch (an operator's request aside); None while
-        it should hold."""
+        it should hold. ``resumed``: the eligible participants' ids when every one just resumed from a durable
+        checkpoint, else None."""
         unseen = now - self.holders_seen_at
         if unseen >= max(holder_timeout, heartbeat_timeout):
             return f"{self._unseen(max_step, unseen)} (holder timeout {holder_timeout:.1f}s)"
-        if all_resumed and unseen >= heartbeat_timeout:
-            return (f"every participant resumed from a durable checkpoint and no holder is healthy: "
-                    f"{self._unseen(max_step, unseen)}")
+        if resumed is not None and unseen >= heartbeat_timeout and self.superseded(resumed):
+            return (f"every participant resumed from a durable checkpoint, {self._restarted()} and none is "
+                    f"healthy: {self._unseen(max_step, unseen)}")
         return None
 
     def guard_note(self, now: float, max_step: int, holder_timeout: float, heartbeat_timeout: float,
-                   all_resumed: bool) -> tuple[str, float]:
+                   resumed: Collection[str] | None) -> tuple[str, float]:
         """The blocking guard's countdown, for its reason, and the time it runs out."""
         lifts_at = self.holders_seen_at + max(holder_timeout, heartbeat_timeout)  # never while one may be healthy
         note = (f"{self._unseen(max_step, now - self.holders_seen_at)}; a new epoch starts at the participants' "
                 f"step in {max(0.0, lifts_at - now):.1f}s unless one comes back (holder timeout {holder_timeout:.1f}s)")
-        if all_resumed:
+        if resumed is not None and self.superseded(resumed):
             resumed_at = self.holders_seen_at + heartbeat_timeout
-            note += f", or in {max(0.0, resumed_at - now):.1f}s as every participant resumed from a checkpoint"
+            note += (f", or in {max(0.0, resumed_at - now):.1f}s as every participant resumed from a checkpoint "
+                     f"and {self._restarted()}")
             lifts_at = min(lifts_at, resumed_at)
+        elif resumed is not None:
+            note += ("; every participant resumed from a checkpoint, but not every holder's replica group "
+                     "restarted (a holder may only be hung or cut off)")
         return note, lifts_at
+
+    def _restarted(self) -> str:
+        return "every holder's replica group restarted" if self.holders else "no holder is known"
 
     def _unseen(self, max_step: int, unseen: float) -> str:
         if self.holders:

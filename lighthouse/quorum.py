@@ -39,8 +39,8 @@ steps, and every wait has a bounded way out):
 
 Cost: a join, heartbeat or ``evaluate`` is O(1) amortized (incremental
 counters; heartbeats pruned from the front of a list in last-seen order); only
-issuing a quorum (O(n log n)) and starting an epoch (O(n)) visit every
-participant. torchft recomputes every set per call: O(n^2) a round.
+issuing a quorum (O(n log n)), starting an epoch and a guard blocking resumed
+participants (O(n)) visit every one. torchft recomputes every set: O(n^2).
 """
 
 from __future__ import annotations
@@ -365,11 +365,11 @@ class QuorumState:
     def _shrink_only(self) -> bool:
         return self._prev is not None and self._healthy_shrink_only > 0
 
-    def _all_resumed(self, shrink_only: bool) -> bool:
-        """Whether every eligible participant just resumed from a durable checkpoint."""
-        if shrink_only:
-            return self._healthy_prev_resumed == self._healthy_prev_participants
-        return self._healthy_resumed == self._healthy_participants
+    def _all_resumed(self, shrink_only: bool) -> frozenset[str] | None:
+        """The eligible participants' ids if every one just resumed from a durable checkpoint, else None."""
+        resumed, eligible = ((self._healthy_prev_resumed, self._healthy_prev_participants) if shrink_only
+                             else (self._healthy_resumed, self._healthy_participants))
+        return frozenset(m.replica_id for m in self._eligible()) if resumed == eligible else None
 
     def _count(self, member: Member, sign: int) -> None:
         self._healthy_participants += sign

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from lighthouse.epochs import MAX_FENCED, StaleReplica, resumed_from_of
+from lighthouse.epochs import MAX_FENCED, StaleReplica, group_of, resumed_from_of
 from lighthouse.quorum import Member, QuorumConfig, QuorumState, Status
 
 
@@ -129,37 +129,81 @@ class TestHolderTimeout:
         assert decision.quorum.quorum_id == 2, "a new epoch must never reuse the previous quorum id"
 
 
+def restarted_groups_job(**kw) -> QuorumState:
+    """Replica groups g0 and g1 reached step 300 with quorum 1 at t=0 (ids as Managers name them,
+    ``<group>:<process>``), then went away."""
+    s = state(**kw)
+    s.join(Member("g0:old", step=300), 0.0)
+    s.join(Member("g1:old", step=300), 0.0)
+    assert issue(s, 0.0).quorum.quorum_id == 1
+    return s
+
+
 class TestResumedFromACheckpoint:
-    def test_all_resumed_participants_start_an_epoch_once_no_holder_is_healthy(self):
-        s = finished_job()
-        s.join(Member("r1", step=120, resumed_from=120), 4.0)
-        s.join(Member("r2", step=120, resumed_from=120), 4.0)
+    def test_all_holders_restarted_and_resumed_start_an_epoch_once_no_holder_is_healthy(self):
+        s = restarted_groups_job()
+        s.join(Member("g0:new", step=120, resumed_from=120), 4.0)
+        s.join(Member("g1:new", step=120, resumed_from=120), 4.0)
         decision = blocked(s, 4.9)  # a holder was seen 4.9 s ago: it may still be healthy
         assert decision.wake_at == 5.0 and "as every participant resumed from a checkpoint" in decision.reason
         decision = issue(s, 5.0)
         assert (decision.epoch.from_step, decision.epoch.to_step) == (300, 120)
         assert "every participant resumed from a durable checkpoint" in decision.epoch.reason
-        assert decision.quorum.replica_ids == ("r1", "r2") and s.max_step == 120
+        assert "every holder's replica group restarted" in decision.epoch.reason
+        assert decision.quorum.replica_ids == ("g0:new", "g1:new") and s.max_step == 120
 
     def test_not_while_a_holder_is_healthy(self):
-        s = finished_job()
-        s.heartbeat("old-a", 10.0)
-        s.join(Member("r1", step=120, resumed_from=120), 11.0)
+        s = restarted_groups_job()
+        s.heartbeat("g0:old", 10.0)
+        s.join(Member("g0:new", step=120, resumed_from=120), 11.0)
+        s.join(Member("g1:new", step=120, resumed_from=120), 11.0)
         blocked(s, 11.0)
         blocked(s, 14.9)
-        assert issue(s, 15.0).epoch is not None  # old-a's heartbeat is 5 s old
+        assert issue(s, 15.0).epoch is not None  # g0:old's heartbeat is 5 s old
 
-    @pytest.mark.parametrize("second", [Member("r2", step=120), Member("r2", step=121, resumed_from=120)],
+    def test_not_while_a_holders_group_has_not_restarted(self):
+        """g1's holder stopped heartbeating but its group never came back under a new id: it may be hung
+        (SIGSTOP, a stuck collective) or cut off, still holding step 300, so only the holder timeout lifts
+        the guard. This is how a restarted group and a hung holder once rewound a job by 8 steps."""
+        s = restarted_groups_job()
+        s.join(Member("g0:new", step=120, resumed_from=120), 4.0)
+        s.join(Member("g2:new", step=120, resumed_from=120), 4.0)
+        decision = blocked(s, 5.0)
+        assert decision.wake_at == 30.0 and "not every holder's replica group restarted" in decision.reason
+        beat(s, 29.9, "g0:new", "g2:new")
+        blocked(s, 29.9)
+        beat(s, 30.0, "g0:new", "g2:new")
+        assert "holder timeout" in issue(s, 30.0).epoch.reason
+
+    def test_holders_whose_ids_name_no_group_wait_for_the_holder_timeout(self):
+        s = finished_job()  # holders "old-a" and "old-b": nothing tells whether they restarted
+        s.join(Member("old-a:2", step=120, resumed_from=120), 4.0)
+        s.join(Member("old-b:2", step=120, resumed_from=120), 4.0)
+        assert blocked(s, 5.0).wake_at == 30.0
+
+    def test_a_lighthouse_that_knows_no_holders_needs_no_restarted_group(self):
+        s = state(max_step=300, started_at=0.0)  # restored from its state dir: the step, not who holds it
+        s.join(Member("a", step=120, resumed_from=120), 1.0)
+        blocked(s, 4.9)
+        assert issue(s, 5.0).epoch.to_step == 120
+
+    @pytest.mark.parametrize("second", [Member("g1:new", step=120), Member("g1:new", step=121, resumed_from=120)],
                              ids=["says-nothing", "committed-since"])
     def test_not_when_only_some_participants_resumed(self, second):
-        s = finished_job()
-        s.join(Member("r1", step=120, resumed_from=120), 10.0)
+        s = restarted_groups_job()
+        s.join(Member("g0:new", step=120, resumed_from=120), 10.0)
         s.join(second, 10.0)
         blocked(s, 10.0)
-        beat(s, 29.9, "r1", "r2")
+        beat(s, 29.9, "g0:new", "g1:new")
         blocked(s, 29.9)
-        beat(s, 30.0, "r1", "r2")
+        beat(s, 30.0, "g0:new", "g1:new")
         assert issue(s, 30.0).epoch.to_step == second.step  # the holder timeout still lifts it
+
+
+@pytest.mark.parametrize(("replica_id", "group"), [("train_ddp_1:3f2a", "train_ddp_1"), ("a:b:c", "a:b"),
+                                                   ("3f2a", None), (":3f2a", None), ("", None)])
+def test_the_group_of_a_replica_id_is_what_precedes_its_last_colon(replica_id, group):
+    assert group_of(replica_id) == group
 
 
 class TestOperatorRequest:

@@ -35,7 +35,8 @@ What is checked, because ``lighthouse/quorum.py`` promises it:
   steps, so it relies on that);
 * new epochs (``lighthouse/epochs.py``): the guard gives way exactly when the
   holders of the highest step were not seen for the holder timeout, when every
-  eligible participant resumed from a checkpoint and no holder is healthy, or
+  eligible participant resumed from a checkpoint, every holder's replica group
+  is among them under another id and no holder is healthy, or
   on an operator's request, and then to the eligible participants' highest
   step; the epoch's first quorum has a new id; afterwards a join above the
   highest step from an id in none of the quorums since (kept while heartbeating
@@ -54,7 +55,9 @@ from hypothesis import strategies as st
 
 from lighthouse.quorum import IssuedQuorum, Member, QuorumConfig, QuorumState, StaleReplica, Status
 
-REPLICAS = [f"r{i}" for i in range(7)]
+# Ids as Managers name them, "<replica group>:<process>": three groups, so a holder's group can be back
+# under another id (it restarted) or not.
+REPLICAS = [f"g{i % 3}:{i}" for i in range(7)]
 
 # Times are multiples of 1/8 s, exact in binary, so the model's health
 # arithmetic gives the same answers as the state's at every boundary.
@@ -196,8 +199,11 @@ class Model:
         eligible = self.eligible(now)
         unseen = now - self.holders_seen_at
         all_resumed = all(m.resumed_from == m.step for m in eligible)
+        eligible_ids = {m.replica_id for m in eligible}
+        back = {m.replica_id.split(":")[0] for m in eligible}
+        superseded = all(h not in eligible_ids and h.split(":")[0] in back for h in self.holders)
         if not (requested or unseen >= max(cfg.holder_timeout, cfg.heartbeat_timeout)
-                or (all_resumed and unseen >= cfg.heartbeat_timeout)):
+                or (all_resumed and superseded and unseen >= cfg.heartbeat_timeout)):
             return status, False, set()
         to_step = max([0] + [m.step for m in eligible])
         assert to_step < self.max_step
