@@ -20,6 +20,7 @@ import time
 from typing import AsyncIterator, Callable
 
 import grpc
+import hpack  # noqa: F401  (a lighthouse serves all day: load the HPACK tables at start, not on a first call)
 
 from lighthouse.config import LighthouseConfig
 from lighthouse.decision_log import DecisionLog, log_serving, preview

@@ -19,8 +19,6 @@ import logging
 import struct
 from typing import Protocol
 
-import hpack
-
 from lighthouse.rpc.h2grpc import wire
 from lighthouse.rpc.h2grpc.guard import ConnectionGuard, LimitExceeded, SweepState, flood_meters
 from lighthouse.rpc.h2grpc.sending import ResponseWriter
@@ -47,6 +45,13 @@ class ConnectionOwner(Protocol):
     def reject_oversized(self, connection: H2Connection, stream: Stream, details: str | None = None) -> None: ...
 
 
+def _hpack():
+    """The HPACK decoder's module, imported by the first connection: loading its Huffman table takes 60-80 ms,
+    which a trainer's ManagerServer that no peer ever calls (a one-rank group's) should not wait for."""
+    import hpack
+    return hpack
+
+
 class H2Connection(ResponseWriter, asyncio.Protocol):
     def __init__(self, server: ConnectionOwner) -> None:
         self.server = server
@@ -56,6 +61,7 @@ class H2Connection(ResponseWriter, asyncio.Protocol):
         self._admitted = False  # counted in the guard's connections per host
         self._buffer = bytearray()
         self._preface_seen = False
+        self._hpack = hpack = _hpack()
         self._decoder = hpack.Decoder(limits.max_header_list_bytes)
         self._continuation: tuple[int, int, bytearray] | None = None  # stream id, flags, block
         self._streams: dict[int, Stream] = {}
@@ -147,7 +153,7 @@ class H2Connection(ResponseWriter, asyncio.Protocol):
             self._fail(exc.code, str(exc), exc.limit)
         except ProtocolError as exc:
             self._fail(exc.code, str(exc))
-        except hpack.HPACKError as exc:
+        except self._hpack.HPACKError as exc:
             self._fail(wire.COMPRESSION_ERROR, f"bad header block: {exc}")
         finally:
             self._uncork()
@@ -244,7 +250,7 @@ class H2Connection(ResponseWriter, asyncio.Protocol):
         # Always decode, even for streams we refuse: the HPACK table is per connection.
         try:
             headers = self._decoder.decode(block, raw=True)
-        except hpack.OversizedHeaderListError:  # the table is now unusable: the connection must go
+        except self._hpack.OversizedHeaderListError:  # the table is now unusable: the connection must go
             raise LimitExceeded("header_list_size", f"header list over {self.limits.max_header_list_bytes} "
                                                     "bytes") from None
         stream = self._streams.get(stream_id)
