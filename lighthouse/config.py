@@ -199,8 +199,8 @@ class LighthouseConfig:
         )
         parser.add_argument(
             "--state-dir", "--state_dir", type=Path, default=None,
-            help="directory to keep the last quorum id and the highest committed step in, so ids keep increasing "
-            "across restarts and a restart is told from a first start (startup grace, stale-quorum guard); "
+            help="directory to keep the last quorum id, the highest committed step and who held it in, so ids "
+            "keep increasing across restarts and a restart is told from a first start (startup grace, stale-quorum guard); "
             "without it ids are seeded from wall-clock milliseconds and every start counts as a first one",
         )
         parser.add_argument(

@@ -8,8 +8,8 @@ from "gone", and fences what comes back too late:
 * **Holders**: the members of the last issued quorum at the new ``max_step``.
   ``holders_seen_at`` is the last time one of them was seen: the quorum's issue,
   then every heartbeat or join of a holder id. A lighthouse that restored
-  ``max_step`` from its state directory knows no holders and counts from its
-  start.
+  ``max_step`` from its state directory counts from its start, and knows the
+  holders saved with it (none from an older state directory).
 * **New epoch**: while the guard blocks (with at least ``min_replicas``
   eligible participants), it gives way when (a) no holder was seen for
   ``holder_timeout`` (nor for ``heartbeat_timeout``, if that is longer: never
@@ -20,8 +20,9 @@ from "gone", and fences what comes back too late:
   torchft's Managers and ours append a new uuid per process) is among the
   resumed participants under another id, so it restarted and its state is
   gone; a holder that is only hung or cut off is not, and the job waits for
-  it up to ``holder_timeout``. A lighthouse that knows no holders (restored
-  ``max_step``) needs no supersession; or (c) an
+  it up to ``holder_timeout``. A lighthouse that restored ``max_step`` from
+  its state directory knows the holders saved with it; one that knows none
+  needs no supersession; or (c) an
   operator asked for it (the request counts for the next decision only).
   ``max_step`` drops to the highest step among the eligible participants (0
   at least) and the next quorum gets a new id, as after a restart.
@@ -150,6 +151,11 @@ class EpochBook:
         """``replica_id``'s heartbeat expired or it was forgotten."""
         if not in_last_quorum:
             self._admitted.discard(replica_id)
+
+    def restore(self, holders: Iterable[str]) -> None:
+        """The holders an earlier incarnation of the lighthouse saved with the step it restored (see
+        :mod:`lighthouse.fencing`); not seen since this one started."""
+        self.holders = frozenset(holders)
 
     # ------------------------------------------------------------ the guard's way out
 

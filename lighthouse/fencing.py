@@ -25,6 +25,13 @@ persisted step only in a quorum where it holds more than half of the slots
 (many replica ids of its own), or alone while no replica of the job
 heartbeats (the split-brain guard keeps a minority from forming a quorum).
 
+With the step go its holders' replica ids (the members at or above it in the
+quorum that last named them), so the next incarnation knows whom the guard
+waits for: a holder that re-registers is seen, and a resumed job starts a new
+epoch at once only when every holder's replica group restarted (see
+:mod:`lighthouse.epochs`). A file that can't be read only loses that: the
+guard then counts from the start, as with no holders known.
+
 A write that fails (a full disk) never stops the lighthouse: it logs an ERROR
 once per streak of failures, counts it (``write_failures``), serves on, and
 writes the value again at the next chance. Meanwhile a restart relies on the
@@ -33,17 +40,19 @@ wall-clock seed and an older step.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
 import time
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "last_quorum_id"
 MAX_STEP_FILE = "max_step"  # the highest step quorums agreed on (the stale-quorum guard's memory)
+HOLDERS_FILE = "holders"  # a JSON list of the replica ids that held it
 
 
 def time_seed(wall_clock: Callable[[], float] = time.time) -> int:
@@ -65,6 +74,8 @@ class QuorumIdStore:
         self._last_saved: int | None = None
         self._agreed = 0  # the highest step quorums agreed on (see agreed_step)
         self._kept_step, self._kept_at = 0, -math.inf  # the step on disk and when it was written; see keep_max_step
+        self._holders: frozenset[str] = frozenset()
+        self._kept_holders: frozenset[str] = frozenset()
         self.write_failures = 0
         self._failing = False
         self.earlier_quorum_id: int | None = None
@@ -121,13 +132,36 @@ class QuorumIdStore:
             raise ValueError(f"{path} does not hold a step (got {text[:40]!r}); fix or remove it") from None
         return self._kept_step
 
+    def initial_holders(self) -> frozenset[str]:
+        """The replica ids an earlier incarnation saw holding its step; empty when unknown (no state directory,
+        none saved, or a file that can't be read, which is logged)."""
+        if self._path is None:
+            return frozenset()
+        path = self._path.with_name(HOLDERS_FILE)
+        try:
+            ids = json.loads(path.read_text())
+        except FileNotFoundError:
+            return frozenset()
+        except (OSError, ValueError) as exc:
+            ids = exc
+        if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+            logger.warning("%s does not hold a JSON list of replica ids (%s): the stale-quorum guard counts from "
+                           "the start instead of waiting for known holders", path, str(ids)[:80])
+            return frozenset()
+        self._holders = self._kept_holders = frozenset(ids)
+        return self._holders
+
     def save_max_step(self, step: int) -> bool:
         """Write ``step`` as the job's highest step now; False when the write failed (logged and counted)."""
         return self._path is None or self._write(self._path.with_name(MAX_STEP_FILE), step)
 
-    def quorum_reached(self, steps: Iterable[int], now: float) -> None:
-        """A quorum was issued to members at ``steps``: raise the agreed step (see :func:`agreed_step`) and keep it."""
+    def quorum_reached(self, steps: Sequence[int], now: float, replica_ids: Sequence[str] = ()) -> None:
+        """A quorum was issued to ``replica_ids`` at ``steps``: raise the agreed step (see :func:`agreed_step`)
+        and keep it, with those at or above it as its holders (unless none is: a fast quorum ignores steps)."""
         self._agreed = max(self._agreed, agreed_step(steps))
+        holders = frozenset(r for r, step in zip(replica_ids, steps) if step >= self._agreed)
+        if holders:
+            self._holders = holders
         self.keep_max_step(now)
 
     def keep_max_step(self, now: float, *, force: bool = False) -> None:
@@ -137,24 +171,31 @@ class QuorumIdStore:
         A slightly stale value still stops replicas at step 0 from redoing
         history after a restart, without an fsync per step.
         """
-        if self._agreed != self._kept_step and (force or now - self._kept_at >= 1.0):
+        changed = self._agreed != self._kept_step or self._holders != self._kept_holders
+        if changed and (force or now - self._kept_at >= 1.0):
             self._kept_at = now  # a failing disk is retried once a second, not at every quorum
-            if self.save_max_step(self._agreed):
+            if self._holders != self._kept_holders and self._save_holders(self._holders):
+                self._kept_holders = self._holders
+            if self._agreed != self._kept_step and self.save_max_step(self._agreed):
                 self._kept_step = self._agreed
 
-    def reset_max_step(self, step: int, now: float) -> None:
-        """A new epoch of the job lowered the highest step to ``step``: save it (or the agreed step, if lower)
-        at once, so a restart does not wait for holders of the old step again."""
+    def reset_max_step(self, step: int, now: float, holders: Iterable[str] = ()) -> None:
+        """A new epoch of the job lowered the highest step to ``step``, held by ``holders``: save it (or the
+        agreed step, if lower) at once, so a restart does not wait for holders of the old step again."""
         self._agreed = min(self._agreed, step)
+        self._holders = frozenset(holders)
         self.keep_max_step(now, force=True)
 
-    def _write(self, path: Path, value: int) -> bool:
+    def _save_holders(self, holders: frozenset[str]) -> bool:
+        return self._path is None or self._write(self._path.with_name(HOLDERS_FILE), json.dumps(sorted(holders)))
+
+    def _write(self, path: Path, value: int | str) -> bool:
         try:
             _write_atomically(path, value)
         except OSError as exc:
             self.write_failures += 1
             if not self._failing:
-                logger.error("could not write %d to %s: %s. The lighthouse serves on without it (a restart would "
+                logger.error("could not write %s to %s: %s. The lighthouse serves on without it (a restart would "
                              "start from an older value; free space or fix %s); retrying at the next change",
                              value, path, exc, path.parent)
             self._failing = True
@@ -165,7 +206,7 @@ class QuorumIdStore:
         return True
 
 
-def _write_atomically(path: Path, value: int) -> None:
+def _write_atomically(path: Path, value: int | str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     try:
         with open(tmp, "w") as f:

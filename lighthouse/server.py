@@ -65,6 +65,7 @@ class LighthouseServer:
         self._state = StragglerQuorumState(config.quorum_config(), config.straggler_config(), last_quorum_id=seed,
                                            started_at=clock(), max_step=self._ids.initial_max_step(),
                                            restart_evidence=self._restart_evidence)
+        self._state.epochs.restore(self._ids.initial_holders())
         self._waiters: dict[str, list[asyncio.Future[bytes]]] = {}
         # Last Quorum request of each replica still worth showing (heartbeating,
         # participating or in the last quorum); pruned with them.
@@ -340,10 +341,11 @@ class LighthouseServer:
         self._decisions.issued(quorum, previous, changed, formation)
         for replica_id in previous - ids:
             self._prune_known(replica_id)
-        self._ids.quorum_reached([m.step for m in quorum.members], self._clock())
+        self._ids.quorum_reached([m.step for m in quorum.members], self._clock(), quorum.replica_ids)
 
     def _on_epoch(self, epoch: Epoch, fenced: tuple[Member, ...], now: float) -> None:
-        self._ids.reset_max_step(epoch.to_step, now)  # a restart must not block on the old step again
+        # A restart must not wait for the old step's holders again.
+        self._ids.reset_max_step(epoch.to_step, now, self._state.epochs.holders)
         logger.warning(
             "epoch %d of the job starts: the highest step a quorum reached goes from %d down to %d because %s; "
             "the next quorum gets a new id, and replicas above step %d that were in no quorum since are refused",

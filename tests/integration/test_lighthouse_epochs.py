@@ -190,3 +190,45 @@ def test_an_old_holder_coming_back_after_an_epoch_gets_failed_precondition(tmp_p
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any("epoch 1 of the job starts" in m and "from 300 down to 120" in m for m in warnings), warnings
     assert any("refused replica old-holder at step 300" in m for m in warnings), warnings
+
+
+def test_a_restarted_lighthouse_waits_for_a_saved_holder_whose_group_did_not_restart(tmp_path):
+    """The state dir keeps who held the step: after a lighthouse restart, a job whose every participant resumed
+    from a checkpoint still waits while a holder's group never came back (it may be hung, holding step 300)."""
+    async def scenario():
+        clock = FrozenClock()
+        config = lighthouse_config(state_dir=tmp_path, holder_timeout=3600.0, heartbeat_timeout=10.0, min_replicas=2)
+        first = LighthouseServer(config, clock=clock)
+        await first.start()
+        try:
+            async with client_for(first) as c:
+                await asyncio.gather(c.quorum("g0:a", timeout=WAIT, step=300), c.quorum("g1:b", timeout=WAIT, step=300))
+        finally:
+            await first.stop()
+        assert QuorumIdStore(tmp_path).initial_holders() == {"g0:a", "g1:b"}
+
+        again = LighthouseServer(config, clock=clock)
+        await again.start()
+        try:
+            async with client_for(again) as c:
+                resumed = '{"resumed_from": 120}'
+                waiting = [asyncio.ensure_future(c.quorum(rid, timeout=WAIT, step=120, data=resumed))
+                           for rid in ("g0:new", "g2:new")]
+                await wait_until(lambda: again.statistics().status == "behind_committed", "the guard to hold")
+                clock.now += 10.0  # no holder seen for a heartbeat timeout
+                await asyncio.gather(c.heartbeat("g0:new", timeout=WAIT), c.heartbeat("g2:new", timeout=WAIT))
+                await asyncio.sleep(0.3)  # several quorum ticks
+                assert not any(w.done() for w in waiting), "rewound while g1's holder may be hung"
+                assert "not every holder's replica group restarted" in again.statistics().reason
+
+                waiting.append(asyncio.ensure_future(c.quorum("g1:new", timeout=WAIT, step=120, data=resumed)))
+                quorums = await asyncio.gather(*waiting)
+            assert [m.replica_id for m in quorums[0].participants] == ["g0:new", "g1:new", "g2:new"]
+            epoch = again.snapshot()["epoch"]
+            assert (epoch["from_step"], epoch["to_step"]) == (300, 120)
+            assert "every holder's replica group restarted" in epoch["reason"]
+        finally:
+            await again.stop()
+        assert QuorumIdStore(tmp_path).initial_holders() == {"g0:new", "g1:new", "g2:new"}
+
+    asyncio.run(scenario())

@@ -65,6 +65,25 @@ class TestQuorumIdStore:
         store.quorum_reached([5], now=11.5)  # a new high of the new epoch is kept again
         assert QuorumIdStore(tmp_path).initial_max_step() == 5
 
+    def test_the_holders_of_the_kept_step_are_kept_with_it(self, tmp_path):
+        store = QuorumIdStore(tmp_path)
+        assert store.initial_holders() == frozenset()
+        store.quorum_reached([5, 5, 3], now=10.0, replica_ids=["g0:a", "g1:b", "g2:c"])
+        assert QuorumIdStore(tmp_path).initial_holders() == {"g0:a", "g1:b"}  # g2:c is behind the agreed step
+        store.quorum_reached([2], now=20.0, replica_ids=["g2:c"])  # a fast quorum of a member behind: no holder
+        assert QuorumIdStore(tmp_path).initial_holders() == {"g0:a", "g1:b"}
+        store.quorum_reached([6, 6], now=30.0, replica_ids=["g0:a", "g2:c"])
+        store.reset_max_step(4, now=30.1, holders=["g1:new"])  # an epoch: its participants hold the step
+        restarted = QuorumIdStore(tmp_path)
+        assert (restarted.initial_max_step(), restarted.initial_holders()) == (4, {"g1:new"})
+
+    @pytest.mark.parametrize("text", ["{not json", '{"g0:a": 1}', '["g0:a", 7]', '"g0:a"'])
+    def test_an_unreadable_holders_file_is_logged_and_counts_as_none_known(self, tmp_path, caplog, text):
+        (tmp_path / "holders").write_text(text)
+        with caplog.at_level(logging.WARNING, logger="lighthouse.fencing"):
+            assert QuorumIdStore(tmp_path).initial_holders() == frozenset()
+        assert "does not hold a JSON list of replica ids" in caplog.text
+
     @pytest.mark.parametrize("steps, agreed", [([5], 5), ([5, 2**53 - 1], 5), ([7, 9, 7], 7), ([9, 9, 7], 9),
                                                ([1, 2, 3, 4], 2), ([4, 4, 4, 2**53 - 1], 4), ([], 0)])
     def test_the_agreed_step_is_held_by_more_than_half_of_the_members(self, steps, agreed):
