@@ -15,7 +15,7 @@ Where things live::
     _format.py             the heal format: layout, limits, header validation (Header, Blocks)
     _encode.py             sending: flatten (validate, describe), encode (read to host), body (bytes + sums)
     _decode.py             receiving: TensorWriter (bytes into tensors, checked), decode_bytes, targets_of
-    _prefault.py           fresh destination pages populated in bulk just before the socket writes into them
+    _prefault.py           fresh destination pages populated in bulk, on two threads ahead of the socket's writes
     _header_difference.py  what two replicas' headers for one step declare differently
     _checksum.py           sum64 block checksums
     _dtensor.py            DTensors: the local shard travels, its layout rides in the header

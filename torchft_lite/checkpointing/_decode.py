@@ -88,9 +88,13 @@ class TensorWriter:
         self._expected: list[int | None] = [None] * len(blocks)  # the sender's, from the trailers
         self.received_bytes = 0
         self._abandoned = threading.Event()
-        # blocks of fresh tensors whose pages are populated in bulk just before their first bytes land (_prefault)
-        self._unpopulated = bytearray(tensor in fresh and end - start >= _POPULATE_MIN_BYTES
-                                      for start, end, tensor in blocks.spans) if _prefault.supported() else None
+        # blocks of fresh tensors whose pages are populated in bulk ahead of their first bytes (_prefault)
+        self._populator = None
+        if fresh and _prefault.supported():
+            spans = [(self._tensors[tensor].data_ptr() + start - header.entries[tensor].offset, end - start)
+                     if tensor in fresh and end - start >= _POPULATE_MIN_BYTES else None
+                     for start, end, tensor in blocks.spans]
+            self._populator = _prefault.Populator(spans, self._tensors)
 
     def _buffer_for(self, entry: TensorEntry, target: torch.Tensor | None, fresh: set[int]) -> torch.Tensor:
         dtype = DTYPES[entry.dtype]
@@ -127,10 +131,9 @@ class TensorWriter:
             raise CheckpointTransferError(f"no room for data at byte {offset} (the range ends at {limit})")
         block = self._block_at(offset)
         start, end, tensor = self.header.blocks.spans[block]
-        if self._unpopulated is not None and self._unpopulated[block]:
-            self._unpopulated[block] = 0
-            _prefault.populate(self._tensors[tensor].data_ptr() + start - self.header.entries[tensor].offset,
-                               end - start)
+        unpopulated = self._populator.claim(block) if self._populator is not None else None
+        if unpopulated is not None:  # the writes got here before the populating threads
+            _prefault.populate(*unpopulated)
         return self._view(offset, min(limit, end), tensor)
 
     def data_tensor(self, start: int, end: int) -> torch.Tensor:
@@ -264,6 +267,8 @@ class TensorWriter:
         step's bytes into GPU targets after a later heal has written them.)
         """
         self._abandoned.set()
+        if self._populator is not None:
+            self._populator.stop()
 
     def finish(self, meshes_from: Mapping[Path, torch.Tensor] | None = None) -> Any:
         """Check that every byte arrived intact and return the state dict.

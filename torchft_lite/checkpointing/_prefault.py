@@ -7,9 +7,10 @@ page at a time, inside the receive call on the event loop, where each fault
 is dearer than the copy of its bytes (the socket is locked meanwhile, and in
 this VM a fault also exits to the hypervisor). ``madvise(MADV_POPULATE_WRITE)``
 (Linux 5.14+) makes a whole range present in one call, as a write would,
-without changing a byte of it; the receiver calls :func:`populate` on each
-checksum block of a fresh tensor just before the block's first bytes are
-read into it (``TensorWriter.buffer_at``).
+without changing a byte of it. A :class:`Populator` does it for the checksum
+blocks of a receive's fresh tensors on two threads, in data order, ahead of
+the socket's writes; a block the writes reach before the threads do is
+populated then, inline (``TensorWriter.buffer_at``), and never twice.
 
 Measured with ``benchmarks/heal_bench.py`` (1 GiB into a fresh process, 2
 shared cores): the first transfer went from 0.72-1.06 s to 0.56-0.57 s and
@@ -18,26 +19,35 @@ or two threads running ahead of the writes instead cost more CPU
 (0.66-0.73 s per GiB) and was no faster: on two cores the threads take
 their turn from the two event loops doing the transfer. Elsewhere (another
 OS, a kernel without it) nothing is populated, and pages fault as before.
+
+Later, in the full benchmark (other processes holding a few GiB), one
+thread's populate of 1 GiB took 1.5-2.6 s where two threads took 0.17-0.19 s
+(0.31-0.37 s against 0.17-0.18 s on a quiet machine): the threads ahead came
+back.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import errno
 import logging
 import sys
 import threading
+from typing import Sequence
 
-__all__ = ["PAGE_BYTES", "populate", "supported"]
+__all__ = ["PAGE_BYTES", "POPULATE_THREADS", "Populator", "populate", "supported"]
 
 logger = logging.getLogger(__name__)
 
 MADV_POPULATE_WRITE = 23  # linux/mman.h, since 5.14
 PAGE_BYTES = 4096
+POPULATE_THREADS = 2
 
 _madvise = None
 _unsupported = sys.platform != "linux"
 _lock = threading.Lock()
+_threads: concurrent.futures.ThreadPoolExecutor | None = None
 
 
 def _libc_madvise():
@@ -85,3 +95,78 @@ def populate(address: int, length: int) -> bool:
         logger.debug("populating %d bytes of a receive's destination failed: %s", end - first,
                      errno.errorcode.get(code, code))
     return False
+
+
+class Populator:
+    """Populates ``blocks`` (``(address, length)`` each, in data order) on :data:`POPULATE_THREADS` threads.
+
+    The threads work ahead of the latest write: from the block after the one
+    a writer last asked for (:meth:`claim`; with several streams, ahead of
+    each in turn), else from the first block left. ``keep`` (the tensors
+    holding the blocks) stays referenced until the threads are done, so they
+    never populate memory that was freed. A block is populated once: by a
+    thread, or by the writer that claims it first.
+    """
+
+    def __init__(self, blocks: Sequence[tuple[int, int] | None], keep: object) -> None:
+        self._blocks = blocks  # None: a block left to fault (in place, or too small to be worth a call)
+        self._keep = keep
+        self._lock = threading.Lock()
+        self._next = 0  # no block before this one is left
+        self._hint = 0  # where the threads go on: after the latest write, or after their own latest block
+        self._stopped = False
+        self._pending = sum(block is not None for block in blocks)
+        for _ in range(min(POPULATE_THREADS, self._pending)):
+            _pool().submit(self._run)
+
+    def claim(self, index: int) -> tuple[int, int] | None:
+        """Block ``index``'s ``(address, length)`` if nobody populated it yet (the caller then does), else None."""
+        with self._lock:
+            self._hint = index + 1
+            block = self._blocks[index]
+            if block is not None:
+                self._take(index)
+            return block
+
+    def stop(self) -> None:
+        """Populate nothing more (the receive ended); a call under way finishes."""
+        with self._lock:
+            self._stopped = True
+
+    def _take(self, index: int) -> None:  # with the lock held
+        self._blocks[index] = None
+        self._pending -= 1
+        if self._pending == 0:
+            self._keep = None
+
+    def _pick(self) -> int | None:  # with the lock held
+        blocks, end = self._blocks, len(self._blocks)
+        index = self._hint
+        while index < end and blocks[index] is None:
+            index += 1
+        if index == end:  # nothing left after the latest write: the first block left, if any
+            while self._next < end and blocks[self._next] is None:
+                self._next += 1
+            index = self._next
+        return index if index < end else None
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                index = None if self._stopped else self._pick()
+                if index is None:
+                    self._keep = None
+                    return
+                block, keep = self._blocks[index], self._keep
+                self._take(index)
+                self._hint = index + 1
+            populate(*block)
+            del keep
+
+
+def _pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _threads
+    with _lock:
+        if _threads is None:
+            _threads = concurrent.futures.ThreadPoolExecutor(POPULATE_THREADS, thread_name_prefix="torchft_lite-populate")
+        return _threads

@@ -1,11 +1,21 @@
 """Populating a fresh receive's pages: it never changes a byte, and only fresh tensors are populated."""
 
+import threading
+import time
+
 import pytest
 import torch
 
 from torchft_lite.checkpointing import _decode, _encode, _prefault
 
 MiB = 1 << 20
+
+
+def wait_for(condition, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
 
 
 def state(seed: int) -> dict:
@@ -45,6 +55,7 @@ def test_each_block_of_a_fresh_tensor_is_populated_once(monkeypatch):
     if not _prefault.supported():
         pytest.skip("this kernel (or OS) has no MADV_POPULATE_WRITE: nothing is populated")
     calls, _ = blocks_populated(monkeypatch, None)
+    wait_for(lambda: len(calls) >= 4)  # a populating thread may still be inside the call it claimed a block for
     # "a" is two 512 KiB blocks, "b" one of 512 KiB and one of 256 KiB; "small" (80 bytes) is left to fault
     assert sorted(calls) == [256 << 10] + [512 << 10] * 3
 
@@ -53,3 +64,59 @@ def test_tensors_received_in_place_are_not_populated(monkeypatch):
     mine = state(1)
     calls, got = blocks_populated(monkeypatch, _decode.targets_of(mine))
     assert got["a"] is mine["a"] and calls == []
+
+
+class GatedPopulate:
+    """A stand-in for ``populate`` that records each block and holds the threads until ``release``."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+        self.gate = threading.Event()
+        self.lock = threading.Lock()
+
+    def __call__(self, address: int, length: int) -> bool:
+        with self.lock:
+            self.calls.append(address)
+        self.gate.wait(30)
+        return True
+
+
+def test_the_threads_and_the_writes_populate_every_block_exactly_once(monkeypatch):
+    fake = GatedPopulate()
+    monkeypatch.setattr(_prefault, "populate", fake)
+    blocks = [(i, 1) for i in range(40)]
+    blocks[3] = None  # a block left to fault
+    populator = _prefault.Populator(list(blocks), keep=object())
+    wait_for(lambda: len(fake.calls) == _prefault.POPULATE_THREADS)  # each thread holds one block
+    claimed = [populator.claim(i) for i in range(40)]
+    fake.gate.set()
+    wait_for(lambda: populator._pending == 0)
+    by_threads = set(fake.calls)
+    by_writes = {block[0] for block in claimed if block is not None}
+    assert not by_threads & by_writes and by_threads | by_writes == set(range(40)) - {3}
+    assert populator.claim(5) is None and populator._keep is None  # nothing left, nothing kept alive
+
+
+def test_the_threads_go_on_after_the_latest_write(monkeypatch):
+    fake = GatedPopulate()
+    monkeypatch.setattr(_prefault, "populate", fake)
+    populator = _prefault.Populator([(i, 1) for i in range(100)], keep=object())
+    wait_for(lambda: len(fake.calls) == _prefault.POPULATE_THREADS)
+    assert sorted(fake.calls) == list(range(_prefault.POPULATE_THREADS))  # from the start at first
+    assert populator.claim(50) == (50, 1)  # a second stream writes at block 50: the threads move there
+    fake.gate.set()
+    wait_for(lambda: len(fake.calls) >= 2 * _prefault.POPULATE_THREADS)
+    threads = _prefault.POPULATE_THREADS
+    assert sorted(fake.calls[threads:2 * threads]) == list(range(51, 51 + threads))
+    populator.stop()
+
+
+def test_a_stopped_populator_takes_no_more_blocks(monkeypatch):
+    fake = GatedPopulate()
+    monkeypatch.setattr(_prefault, "populate", fake)
+    populator = _prefault.Populator([(i, 1) for i in range(100)], keep=object())
+    wait_for(lambda: len(fake.calls) == _prefault.POPULATE_THREADS)
+    populator.stop()
+    fake.gate.set()
+    wait_for(lambda: populator._keep is None)  # the threads left, and let go of the tensors
+    assert len(fake.calls) == _prefault.POPULATE_THREADS
