@@ -37,11 +37,11 @@ EVERY, SAVED, STEPS = 2, 4, 5
 def digests(state: dict) -> dict[str, str]:
     """This rank's local tensors (a DTensor's shard) by path, hashed."""
     from torchft_lite.checkpointing._encode import flatten
-    from torchft_lite.checkpointing._format import format_path
+    from torchft_lite.checkpointing._format import byte_view, format_path
 
     flat = flatten(state)
-    return {format_path(path): hashlib.sha256(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy())
-            .hexdigest()[:16] for path, t in zip(flat.paths, flat.tensors)}
+    return {format_path(path): hashlib.sha256(byte_view(t.detach().contiguous())).hexdigest()[:16]
+            for path, t in zip(flat.paths, flat.tensors)}
 
 
 def worker(phase: str, rank: int, port: int, lighthouse: str, directory: str, results: "mp.Queue") -> None:

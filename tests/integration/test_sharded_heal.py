@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from tests.conftest import WAIT
 from tests.integration.spawned import run_spawned
+from torchft_lite.checkpointing._format import byte_view
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -38,7 +39,7 @@ HEADER_ALLOWANCE = 32 << 10  # prefix, JSON header, checksums and PGTransport's 
 
 
 def digest(tensor: torch.Tensor) -> str:
-    return hashlib.sha256(tensor.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+    return hashlib.sha256(byte_view(tensor.detach().contiguous())).hexdigest()[:16]
 
 
 class CountingPairGroup:
