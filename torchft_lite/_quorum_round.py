@@ -17,7 +17,7 @@ from lighthouse.protocol import torchft_pb2 as pb
 from torchft_lite._group_channel import GroupChannel
 from torchft_lite._healer import Healer
 from torchft_lite._step import Step, participation_of
-from torchft_lite.errors import CheckpointError
+from torchft_lite.errors import CheckpointError, QuorumError
 
 __all__ = ["QuorumRounds"]
 
@@ -41,6 +41,12 @@ class QuorumRounds:
         """The quorum, then the heal; ``step.ready`` is always resolved (with the error, if the quorum failed)."""
         try:
             await self._quorum_and_heal(step, allow_heal, shrink_only, timeout, commit_failures)
+        except asyncio.CancelledError:
+            # Abandoned (a preemption signal, or the Manager's backstop): the training thread records a
+            # QuorumError like any other failed quorum; a CancelledError there would escape its handlers.
+            if not step.ready.done():
+                step.ready.set_exception(QuorumError(f"the quorum for step {step.number} was abandoned"))
+            raise
         except BaseException as exc:
             if not step.ready.done():
                 step.ready.set_exception(exc)

@@ -222,6 +222,7 @@ class Manager:
             step.open = False
             self.watchdog.end("quorum")
             self.watchdog.end("step")
+            self._maybe_leave()  # a preemption signal abandoned this quorum: leave (143) rather than raise
             raise
         except Exception:
             pass  # recorded by wait_quorum

@@ -95,7 +95,7 @@ def lighthouse():
 
 
 def make_manager(lighthouse, pg, transport, replica_id, state=None, timeout=20.0, min_replica_size=1,
-                 **kw) -> Manager:
+                 preemption_signals=(), **kw) -> Manager:
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     weights = state if state is not None else {"w": torch.zeros(3)}
     manager = Manager(
@@ -103,7 +103,7 @@ def make_manager(lighthouse, pg, transport, replica_id, state=None, timeout=20.0
         min_replica_size=min_replica_size, rank=0, world_size=1, store_addr="127.0.0.1", store_port=store.port,
         lighthouse_addr=lighthouse.server.address(), replica_id=replica_id, hostname="127.0.0.1",
         checkpoint_transport=transport, timeout=timedelta(seconds=timeout), quorum_timeout=timedelta(seconds=30),
-        preemption_signals=(), **kw,
+        preemption_signals=preemption_signals, **kw,
     )
     manager._test_store = store  # keep the store alive as long as the manager
     return manager
@@ -623,3 +623,30 @@ def test_a_replica_the_lighthouse_declared_gone_does_not_commit_the_step_its_pee
         assert not manager.should_commit() and manager.current_step() == 0
     finally:
         manager.shutdown()
+
+
+@pytest.mark.parametrize("use_async_quorum", [True, False])
+def test_a_preemption_signal_during_the_quorum_leaves_with_143_instead_of_raising_cancelled(use_async_quorum):
+    """The signal handler abandons the quorum in flight; the training thread must take that as a failed
+    step and leave at its safe point (exit code 143), not die of the asyncio.CancelledError (exit code 1)."""
+    import os
+    import signal
+
+    from torchft_lite.exit_codes import EXIT_CODE_PREEMPTED
+
+    # min_replicas=2 and one Manager: its quorum stays in flight until the signal abandons it
+    with BackgroundLighthouse(lighthouse_config(min_replicas=2, join_timeout=1.0)) as lh:
+        manager = make_manager(lh, FakeProcessGroup(), InMemoryTransport({}, "preempted"), "preempted",
+                               use_async_quorum=use_async_quorum, preemption_signals=(signal.SIGUSR1,))
+        timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGUSR1))
+        try:
+            timer.start()
+            with pytest.raises(SystemExit) as left:
+                manager.start_quorum()
+                manager.allreduce(torch.ones(3)).wait()
+                manager.should_commit()
+            assert left.value.code == EXIT_CODE_PREEMPTED
+            assert manager.current_step() == 0
+        finally:
+            timer.cancel()
+            manager.shutdown()
