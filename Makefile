@@ -15,7 +15,7 @@ TORCHFT_SPEC ?= torchft-nightly==2026.10.26
 # Manager): without it the comparisons that run torchft (heal, chaos, recovery) would skip.
 TORCHFT_RUNTIME := "opentelemetry-sdk>=1.39" "opentelemetry-exporter-otlp-proto-http>=1.39"
 
-.PHONY: all venv test test-fast compat demo demo-hsdp proto bench bench-ddp bench-recovery bench-heal bench-checkpoint bench-health bench-diloco browser clean help
+.PHONY: all venv bytecode test test-fast compat demo demo-hsdp proto bench bench-ddp bench-recovery bench-heal bench-checkpoint bench-health bench-diloco browser clean help
 
 all: test
 
@@ -54,10 +54,16 @@ browser:
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) ; } || \
 	  echo "note: chromium not installed; browser tests will be skipped"
 
-test: $(STAMP) browser
+# Bytecode for the packages, as pip writes for an installed package: the suite starts hundreds of
+# processes, and where PYTHONDONTWRITEBYTECODE is set each would compile every module from source.
+# Quick when nothing changed.
+bytecode: $(STAMP)
+	@$(BIN)/python -m compileall -q lighthouse torchft_lite examples benchmarks tests >/dev/null
+
+test: $(STAMP) browser bytecode
 	$(BIN)/python -m pytest -q
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) bytecode
 	$(BIN)/python -m pytest -q -m "not slow and not browser"
 
 # torchft's own test files, read from its installed wheel, run once on torchft and
@@ -74,10 +80,10 @@ compat: $(STAMP)
 	  echo "note: $(TORCHFT_SPEC) unavailable; make compat skipped"; \
 	fi
 
-demo: $(STAMP)
+demo: $(STAMP) bytecode
 	$(BIN)/python examples/demo.py
 
-demo-hsdp: $(STAMP)
+demo-hsdp: $(STAMP) bytecode
 	$(BIN)/python examples/demo_hsdp.py
 
 proto: $(STAMP)
