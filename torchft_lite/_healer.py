@@ -69,7 +69,7 @@ class Healer:
         self._own_state, self._load_own_state = own_state, load_own_state
         self._timeout = timeout
         self._log, self._record, self._watchdog, self._clock = log, record, watchdog, clock
-        self._warmed = False  # the transport's warm_up (a deferred HTTP server) was called
+        self._votes = 0  # the votes seen: the transport's warm_up (a deferred HTTP server) comes at the second
 
     def register(self, key: str, load_state_dict: Callable[[Any], None], state_dict: Callable[[], Any]) -> None:
         if key in self.state_fns:
@@ -226,8 +226,12 @@ class Healer:
         At the step's vote, or earlier when the caller is about to change the
         state (``Manager.disallow_state_dict_read``). Once a step.
         """
-        if not self._warmed:  # the first step's vote is in: start a deferred server now, off the join path
-            self._warmed = True
+        self._votes += 1
+        if self._votes == 2:
+            # Start a deferred server now, off the join path: its import (aiohttp's, ~0.1 s of CPU) holds the
+            # GIL from the training thread for a while, and at the first vote it delayed a restarted
+            # replica's first optimizer step (its first commit) by 20-30 ms. A peer that must heal from us
+            # sooner starts it at its send.
             warm_up = getattr(self.transport, "warm_up", None)
             if callable(warm_up):
                 warm_up()

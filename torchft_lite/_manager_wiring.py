@@ -74,7 +74,7 @@ class DefaultWiring:
         if transport is None:
             from torchft_lite.checkpointing import HTTPTransport
 
-            # defer_server: the healer warms the server after the first step's vote (off a restart's join path)
+            # defer_server: the healer warms the server at the second step's vote (off a restart's join path)
             transport = HTTPTransport(timeout=timedelta(seconds=s.timeout), num_chunks=0, hostname=s.hostname,
                                       state_dict=in_place_targets if heal_in_place else None, defer_server=True)
         # Advertised to the quorum: a source waits for every receiver it is told

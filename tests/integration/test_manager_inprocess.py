@@ -342,16 +342,22 @@ def test_default_transport_receives_in_place_into_data_aliases(lighthouse):
         off.shutdown()
 
 
-def test_the_default_transports_server_starts_after_the_first_steps_vote_not_before(lighthouse):
-    """A restarted replica's join path does not start (or import) the HTTP server it needs only as a source."""
+def test_the_default_transports_server_starts_after_the_second_steps_vote_not_before(lighthouse):
+    """A restarted replica's join path, up to its first committed step, does not start (or import) the HTTP
+    server it needs only as a source."""
     manager = make_manager(lighthouse, FakeProcessGroup(), None, "deferred")
     try:
         transport = manager._healer.transport
         assert transport._server is None and transport.port > 0  # bound, not served yet
-        manager.start_quorum()
-        manager.allreduce(torch.ones(2)).wait()
-        assert transport._server is None  # the first step's collectives ran without it
-        assert manager.should_commit()
+        warm_ups = []
+        real_warm_up = transport.warm_up
+        transport.warm_up = lambda: (warm_ups.append(manager.current_step()), real_warm_up())
+        for _ in range(2):
+            manager.start_quorum()
+            manager.allreduce(torch.ones(2)).wait()
+            assert transport._server is None  # the step's collectives ran without it
+            assert manager.should_commit()
+        assert warm_ups == [1]  # asked once, at the second step's vote (the step then was still 1)
         wait_until_sync(lambda: transport._server is not None, "the checkpoint server to start after the vote")
     finally:
         manager.shutdown()

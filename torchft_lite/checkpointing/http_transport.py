@@ -16,9 +16,9 @@ The server's port is bound in the constructor. With ``defer_server=True``
 the server itself (aiohttp: about 0.1 s of imports) starts at the first
 publish or at :meth:`HTTPTransport.warm_up`, whichever comes first; a
 request that arrives before waits in the socket's backlog and is answered
-once it is up. The Manager's own transport is made this way and warmed after
-its first step's vote, so a restarted replica does not pay for a server it
-needs only when it is a heal's source.
+once it is up. The Manager's own transport is made this way and warmed at
+its second step's vote, so a restarted replica does not pay for a server it
+needs only when it is a heal's source before its first committed step.
 """
 
 from __future__ import annotations
