@@ -389,6 +389,20 @@ class Pair:
             child.kill()
 
 
+def touch_and_free(nbytes: int) -> None:
+    """Write ``nbytes`` of fresh memory once, then free it, before the first case.
+
+    On this VM the first case of a run paid about 0.5 s more on its first
+    transfer than later ones, whichever library it was (ours-0 1.75 s as the
+    first case, 1.0-1.4 s later; torchft-2 1.44 s first, 1.03 s later): the
+    guest's free memory that no process had touched for a while costs more to
+    fault in than memory freed a moment ago. Touching some first gives every
+    case the same start, so the run order does not pick the winner.
+    """
+    buffer = bytearray(nbytes)  # zero-filled, so every page is written
+    del buffer
+
+
 def run_case(case: str, args: argparse.Namespace, ceiling: Pair | None) -> dict:
     """``args.steps`` transfers of ``case``, each followed by one raw TCP transfer on ``ceiling``.
 
@@ -462,6 +476,7 @@ def main(argv: list[str] | None = None) -> int:
         cases = [c for case in cases for c in ([case, case + TLS_SUFFIX] if case.startswith("ours") else [case])]
     ceiling = Pair("tcp", args)  # kept up for the whole run: one step of it after every step of every case
     try:
+        touch_and_free(3 * (args.size_mb << 20))
         results = {case: run_case(case, args, ceiling) for case in cases if case != "tcp"}
         results = {"tcp": dict(ceiling.finish(), vs_tcp=1.0, first_vs_tcp=1.0, repeated_vs_tcp=1.0), **results}
     finally:
