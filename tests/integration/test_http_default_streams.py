@@ -57,6 +57,13 @@ def data_ranges(asked) -> list[tuple[int, int]]:
     return sorted((int(start), int(end)) for part, start, end in asked if part == "data")
 
 
+@pytest.fixture(autouse=True)
+def eight_cpus(monkeypatch):
+    """As on a host with CPUs to spare: the streams then come from the size and the source (on this 2-CPU
+    machine the CPU cap alone would keep every receive to one stream)."""
+    monkeypatch.setattr(_streams, "usable_cpus", lambda: 8)
+
+
 def test_a_large_state_dict_comes_over_several_streams_by_default(make_transport, monkeypatch):
     monkeypatch.setattr(_streams, "BYTES_PER_STREAM", 2 * MiB)  # 8 MiB of data then asks for 4 streams
     sent = big_state()

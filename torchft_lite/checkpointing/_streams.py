@@ -15,9 +15,11 @@ one that serves no header at all is read whole, in one request (``_http_receive`
 
 from __future__ import annotations
 
+import os
 from typing import Mapping
 
-__all__ = ["ADVERTISE_HEADER", "BYTES_PER_STREAM", "MAX_STREAMS", "SERVED_STREAMS", "advertised", "streams_for"]
+__all__ = ["ADVERTISE_HEADER", "BYTES_PER_STREAM", "CPUS_PER_STREAM", "MAX_STREAMS", "SERVED_STREAMS", "advertised",
+           "streams_for", "usable_cpus"]
 
 ADVERTISE_HEADER = "X-Checkpoint-Streams"
 SERVED_STREAMS = 4
@@ -26,6 +28,8 @@ of several MiB on both sides, and past four on loopback they bought nothing meas
 BYTES_PER_STREAM = 256 << 20
 MAX_STREAMS = 16
 """Whatever a source advertises, a receiver opens no more than this many connections to it."""
+CPUS_PER_STREAM = 2
+"""A receive opens at most one stream per this many usable CPUs (one stream below four)."""
 
 
 def advertised(headers: Mapping[str, str]) -> int:
@@ -36,6 +40,16 @@ def advertised(headers: Mapping[str, str]) -> int:
     return max(1, min(int(value), MAX_STREAMS))
 
 
-def streams_for(data_bytes: int, advertised_streams: int) -> int:
-    """How many data ranges to fetch at once for ``data_bytes`` from a source that serves ``advertised_streams``."""
-    return max(1, min(data_bytes // BYTES_PER_STREAM, advertised_streams, MAX_STREAMS))
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the OS tells it, else the machine's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
+def streams_for(data_bytes: int, advertised_streams: int, cpus: int | None = None) -> int:
+    """How many data ranges to fetch at once for ``data_bytes`` from a source that serves ``advertised_streams``,
+    on ``cpus`` usable CPUs (default: :func:`usable_cpus`)."""
+    cpus = usable_cpus() if cpus is None else cpus
+    return max(1, min(data_bytes // BYTES_PER_STREAM, advertised_streams, MAX_STREAMS, cpus // CPUS_PER_STREAM))

@@ -76,7 +76,8 @@ class HTTPTransport(CheckpointTransport[T]):
             requests, split by bytes; 0 or 1 means one stream. None (the
             default): chosen per receive from the data's size and what the
             source advertises (``_streams``: one stream per 256 MiB, at most
-            the source's 4; a small state dict keeps one). Fresh tensors a
+            the source's 4 and one per two usable CPUs; a small state dict
+            keeps one). Fresh tensors a
             receive allocates have their pages populated on two threads
             ahead of the writes, whatever the streams (``_prefault``).
         hostname: advertised in :meth:`metadata`; defaults to ``socket.gethostname()``.

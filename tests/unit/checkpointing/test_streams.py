@@ -1,5 +1,7 @@
 """How many streams a receive with num_chunks unset takes: from the data's size and the source's advertisement."""
 
+import os
+
 import pytest
 
 from torchft_lite.checkpointing import _streams
@@ -18,7 +20,23 @@ MiB = 1 << 20
     (8 << 30, 64, _streams.MAX_STREAMS),
 ])
 def test_streams_come_from_the_size_up_to_what_the_source_serves(data_bytes, advertised, expected):
-    assert _streams.streams_for(data_bytes, advertised) == expected
+    assert _streams.streams_for(data_bytes, advertised, cpus=64) == expected
+
+
+@pytest.mark.parametrize("cpus, expected", [(1, 1), (2, 1), (3, 1), (4, 2), (6, 3), (8, 4), (64, 4)])
+def test_a_receive_opens_at_most_one_stream_per_two_cpus(cpus, expected):
+    assert _streams.streams_for(1024 * MiB, 4, cpus=cpus) == expected  # 1 GiB from our server (4 advertised)
+
+
+def test_the_default_cpu_count_is_this_processs(monkeypatch):
+    monkeypatch.setattr(_streams, "usable_cpus", lambda: 2)
+    assert _streams.streams_for(1024 * MiB, 4) == 1
+    monkeypatch.setattr(_streams, "usable_cpus", lambda: 16)
+    assert _streams.streams_for(1024 * MiB, 4) == 4
+
+
+def test_usable_cpus_counts_at_least_one():
+    assert 1 <= _streams.usable_cpus() <= (os.cpu_count() or 1)
 
 
 @pytest.mark.parametrize("headers, expected", [
