@@ -157,6 +157,11 @@ class ServerChannel(ClientChannel):
         """Call ``watch`` with each issued quorum's members (see ``ManagerServer.add_quorum_watcher``)."""
         self.server.add_quorum_watcher(watch)
 
+    async def should_commit(self, group_rank: int, step: int, vote: bool, timeout: float) -> bool:
+        if self._group_world_size == 1:  # no round to gather, but the server still decides
+            return self.server.decide(step, {group_rank: vote})
+        return await super().should_commit(group_rank, step, vote, timeout)
+
     async def follow_events(self, listener: EventListener) -> None:
         self.server.add_event_listener(listener)
 

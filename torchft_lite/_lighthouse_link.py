@@ -40,6 +40,19 @@ class LighthouseLink:
         """The lighthouse's events, serialized, for the group's ``Events`` streams."""
         self.lease_held = False
         self.heartbeat_failures = 0
+        self.lease_losses = 0
+        self._breaks_at_quorum = 0
+
+    def quorum_answered(self) -> None:
+        """The lighthouse just answered this group's Quorum call: it counted the group then."""
+        self._breaks_at_quorum = self.heartbeat_failures + self.lease_losses
+
+    @property
+    def breaks_since_quorum(self) -> int:
+        """Heartbeats unanswered and leases lost since the latest quorum answer. While 0 the lighthouse surely
+        still counts this group; above 0 it may have declared the group gone meanwhile (its heartbeats unheard
+        past the heartbeat timeout, or its lease ended) without this process hearing of it, cut off as it was."""
+        return self.heartbeat_failures + self.lease_losses - self._breaks_at_quorum
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -111,6 +124,8 @@ class LighthouseLink:
             finally:
                 if call is not None:
                     call.cancel()
+            if self.lease_held:
+                self.lease_losses += 1
             self.lease_held = False
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 2.0)

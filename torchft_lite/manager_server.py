@@ -11,17 +11,17 @@ It serves torchft's ``ManagerService`` to the ranks of its own group (and
   error at once. The group's ``heal_sources`` (how many peers a healing rank
   can stripe over) travels in ``QuorumMember.data`` so every group computes
   the same assignment.
-* ``ShouldCommit``: collects one vote per rank for a step; all get the AND.
+* ``ShouldCommit``: collects one vote per rank for a step; all get the AND,
+  or no if the group was cut off from the lighthouse since the quorum.
 * ``CheckpointMetadata``: what each rank's checkpoint transport advertised.
 * ``Kill``: logs the reason and exits the process (``EXIT_CODE_KILLED``).
 * ``Events`` (torchft_lite): relays the lighthouse's membership events to the
   group's ranks.
 
 It also heartbeats the lighthouse every ``heartbeat_interval`` and holds a
-lease on it (:class:`~torchft_lite._lighthouse_link.LighthouseLink`: a
-``Lease`` stream, closed first on stop, so the lighthouse drops the group at
-once when this process dies or leaves). It runs on the control-plane event
-loop and serves with the RPC kit's h2c gRPC server (``lighthouse.rpc``).
+lease on it (:class:`~torchft_lite._lighthouse_link.LighthouseLink`: closed
+first on stop, so the lighthouse drops the group at once when this process
+dies or leaves). It serves on the control-plane loop (``lighthouse.rpc``).
 
 Only the job's own processes may call it (a ``Kill`` ends the process, a
 forged ``Quorum`` or ``ShouldCommit`` steers the group): every call must carry
@@ -352,6 +352,7 @@ class ManagerServer:
                 logger.info("[%s] quorum %d at step %d: %d member(s)", self.config.replica_id,
                             quorum.quorum_id, step, len(quorum.participants))
             self._last_quorum_id = quorum.quorum_id
+            self._link.quorum_answered()
             members = [(p.replica_id, p.step, p.data) for p in quorum.participants]
             for watch in self._quorum_watchers:  # the Fingerprinter names the groups a corruption hit
                 try:
@@ -387,17 +388,26 @@ class ManagerServer:
         round_.votes[rank] = request.should_commit
         if len(round_.votes) == self.config.world_size:
             self._vote_round = None
-            decision = all(round_.votes.values())
-            if not decision:
-                against = [r for r, v in sorted(round_.votes.items()) if not v]
-                logger.info("[%s] step %d not committed: rank(s) %s voted no",
-                            self.config.replica_id, round_.step, against)
-            round_.result.set_result(decision)
+            round_.result.set_result(self.decide(round_.step, round_.votes))
         try:
             decision = await asyncio.shield(round_.result)
         except _RoundFailed as exc:
             raise RpcAbort(exc.code, str(exc)) from None
         return pb.ShouldCommitResponse(should_commit=decision).SerializeToString()
+
+    def decide(self, step: int, votes: dict[int, bool]) -> bool:
+        """The group's decision on ``step`` (a one-rank group's Manager asks in-process): no when a rank voted
+        no, or when the group was cut off from the lighthouse since the quorum, so that its peers may have
+        aborted the step while its collectives completed: committing could set it a step apart; behind, it heals."""
+        against = [r for r, v in sorted(votes.items()) if not v]
+        if against and len(votes) > 1:
+            logger.info("[%s] step %d not committed: rank(s) %s voted no", self.config.replica_id, step, against)
+        elif not against and self._link.breaks_since_quorum:
+            logger.warning("[%s] step %d not committed: the lighthouse may have declared this group gone (%d "
+                           "heartbeat(s) unanswered or lease(s) lost since the step's quorum)",
+                           self.config.replica_id, step, self._link.breaks_since_quorum)
+            return False
+        return not against
 
     # ------------------------------------------------------------ metadata, kill
 

@@ -7,6 +7,7 @@ import contextlib
 
 import pytest
 
+from lighthouse.client import LighthouseClient, LighthouseTimeout
 from tests.conftest import running_lighthouse, wait_until
 from torchft_lite._manager_client import ManagerClient
 from torchft_lite.errors import ManagerError, QuorumError
@@ -16,13 +17,13 @@ pytestmark = pytest.mark.integration
 
 
 @contextlib.asynccontextmanager
-async def manager_server(lighthouse_addr: str, replica_id: str, world_size: int = 1, **overrides):
+async def manager_server(lighthouse_addr: str, replica_id: str, world_size: int = 1, lighthouse=None, **overrides):
     settings = dict(replica_id=replica_id, lighthouse_addr=lighthouse_addr, hostname="127.0.0.1",
                     store_address=f"store-{replica_id}:1234", world_size=world_size, bind="127.0.0.1:0",
                     heartbeat_interval=0.1, quorum_timeout=30.0)
     settings.update(overrides)
     kills: list[str] = []
-    server = ManagerServer(ManagerServerConfig(**settings), on_kill=kills.append)
+    server = ManagerServer(ManagerServerConfig(**settings), on_kill=kills.append, lighthouse=lighthouse)
     server.kills = kills
     await server.start()
     client = ManagerClient(server.address())
@@ -146,6 +147,44 @@ def test_heartbeats_reach_the_lighthouse_and_kill_calls_the_hook():
             await wait_until(lambda: any(r["replica_id"] == "a" for r in lh.snapshot()["replicas"]), "the heartbeat")
             await client.kill("operator asked", timeout=5)
             await wait_until(lambda: server.kills == ["operator asked"], "the kill hook")
+
+    asyncio.run(scenario())
+
+
+class DeafLighthouseClient(LighthouseClient):
+    """Its heartbeats go unanswered while ``deaf`` (as when the group is cut off from the lighthouse)."""
+
+    deaf = False
+
+    async def heartbeat(self, replica_id: str, *, timeout: float) -> None:
+        if self.deaf:
+            raise LighthouseTimeout(f"injected: Heartbeat for {replica_id} got no answer")
+        await super().heartbeat(replica_id, timeout=timeout)
+
+
+def test_a_group_cut_off_from_the_lighthouse_since_its_quorum_votes_the_step_down():
+    """Heartbeats unanswered between a step's quorum and its vote: the lighthouse may have declared the group
+    gone, its peers then aborted the step, yet the group's collectives may still complete with their data.
+    Every rank's vote for that step is no (behind, the group heals); the next step, in contact, commits."""
+    async def scenario():
+        async with running_lighthouse() as lh:
+            deaf = DeafLighthouseClient(lh.address(), connect_timeout=10)
+            async with manager_server(lh.address(), "a", world_size=2, lighthouse=deaf) as (server, client):
+                async def step(number: int, cut_off: bool) -> list[bool]:
+                    await asyncio.gather(quorum(client, 0, number), quorum(client, 1, number))
+                    if cut_off:
+                        failures = server.statistics().heartbeat_failures
+                        deaf.deaf = True
+                        await wait_until(lambda: server.statistics().heartbeat_failures > failures,
+                                         "a heartbeat to go unanswered")
+                        deaf.deaf = False
+                    return list(await asyncio.gather(
+                        *(client.should_commit(group_rank=r, step=number, should_commit=True, timeout=10)
+                          for r in (0, 1))))
+
+                assert await step(1, cut_off=False) == [True, True]
+                assert await step(2, cut_off=True) == [False, False]
+                assert await step(2, cut_off=False) == [True, True]
 
     asyncio.run(scenario())
 
