@@ -69,7 +69,7 @@ class Healer:
         self._own_state, self._load_own_state = own_state, load_own_state
         self._timeout = timeout
         self._log, self._record, self._watchdog, self._clock = log, record, watchdog, clock
-        self._votes = 0  # the votes seen: the transport's warm_up (a deferred HTTP server) comes at the second
+        self._votes = 0  # steps released: the transport's warm_up (a deferred HTTP server) comes at the second
 
     def register(self, key: str, load_state_dict: Callable[[Any], None], state_dict: Callable[[], Any]) -> None:
         if key in self.state_fns:
@@ -226,6 +226,9 @@ class Healer:
         At the step's vote, or earlier when the caller is about to change the
         state (``Manager.disallow_state_dict_read``). Once a step.
         """
+        if step.released:
+            return
+        step.released = True
         self._votes += 1
         if self._votes == 2:
             # Start a deferred server now, off the join path: its import (aiohttp's, ~0.1 s of CPU) holds the
@@ -235,9 +238,6 @@ class Healer:
             warm_up = getattr(self.transport, "warm_up", None)
             if callable(warm_up):
                 warm_up()
-        if step.released:
-            return
-        step.released = True
         self.transport.disallow_checkpoint()
         if step.published and step.send_step is not None:
             served = bytes_served(self.transport)
