@@ -31,6 +31,7 @@ allocate nothing. A failed save (a full disk) is logged at ERROR, counted in
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 import time
 from dataclasses import dataclass
@@ -87,6 +88,8 @@ class _Save:
     copied: threading.Event | None = None
     abandoned: bool = False
     thread: threading.Thread | None = None
+    # A save before leaving: another group may save the same step at the same time (first complete one wins).
+    leaving: bool = False
 
 
 class DurableCheckpointer:
@@ -101,8 +104,8 @@ class DurableCheckpointer:
             group rank 0 alone writes it and every rank loads it. Default False: each rank writes and
             loads its own state file, as torchft's scripts need (group rank r of every group forms one
             data-parallel ring, so ranks of one group differ) and FSDP's shards do.
-        save_on_preemption: on a preemption signal, the group that writes checkpoints saves the
-            current step before it leaves (see README, "Durable checkpoints").
+        save_on_preemption: on a preemption signal, every group saves its current step before it
+            leaves (see README, "Durable checkpoints").
         timeout: bound on every wait (a snapshot copy, the writing group's ranks); default the Manager's.
     """
 
@@ -186,9 +189,13 @@ class DurableCheckpointer:
 
     def save_now(self) -> int:
         """Save the current step synchronously (every rank of the group must call it); returns the step."""
+        return self._save_now(leaving=False)
+
+    def _save_now(self, *, leaving: bool) -> int:
         self.wait()
         step = self._manager.current_step()
-        save = _Save(step, writes_state=self.per_rank or self._rank == 0, local=self._capture_local(step))
+        save = _Save(step, writes_state=self.per_rank or self._rank == 0, local=self._capture_local(step),
+                     leaving=leaving)
         if save.writes_state:
             save.flat = self._take_buffers(flatten(self._manager._manager_state_dict()))
             self._copy(save)
@@ -274,15 +281,19 @@ class DurableCheckpointer:
         if not self.save_on_preemption:
             return
         step = self._manager.current_step()
-        if self._last_commit_rank != 0:
-            logger.info("leaving without a durable checkpoint: group %s did not write the last committed step",
-                        self._group)
-            return
         if self._last["last_saved_step"] == step or step == 0:
             return
-        logger.warning("saving a durable checkpoint of step %d before leaving", step)
+        healer = getattr(self._manager, "_healer", None)
+        if healer is not None and healer.torn:
+            logger.error("leaving without a durable checkpoint of step %d: a failed heal left the state mixing two "
+                         "steps", step)
+            return
+        # Every group saves, not only the one that wrote the last committed step: a SIGKILL or a hang can take
+        # that group in the same seconds (a chaos run lost 8 steps so), and then this one holds the only copy.
+        logger.warning("saving a durable checkpoint of step %d before leaving (group %s%s)", step, self._group,
+                       "" if self._last_commit_rank == 0 else ", in case the group that writes is gone too")
         try:
-            self.save_now()
+            self._save_now(leaving=True)
         except CheckpointError as exc:
             logger.error("the durable checkpoint before leaving failed: %s", exc)
 
@@ -372,16 +383,29 @@ class DurableCheckpointer:
         self.layout.write_manifest(staging, save.step, manager.replica_id, self._group, self._world, self.per_rank,
                                    records)
         final = self.layout.step_dir(save.step)
+        if final.exists() and save.leaving:
+            return self._saved_by_another(staging, final, save.step)
         if final.exists():
             raise DurableCheckpointError(
                 f"a checkpoint of step {save.step} already exists at {final}; not replacing it (two writers for "
                 f"one step, or a job resumed from an older step that reached this one again)")
-        staging.rename(final)
+        try:
+            staging.rename(final)
+        except OSError:
+            if not (save.leaving and final.exists()):
+                raise
+            return self._saved_by_another(staging, final, save.step)  # it renamed its copy first
         fsync_directory(self.layout.root)
         removed = self.layout.prune(self.keep_last, busy_steps={save.step})
         if removed:
             logger.info("removed durable checkpoints of steps %s (keep_last=%d)", removed, self.keep_last)
         return sum(r.bytes for r in records)
+
+    @staticmethod
+    def _saved_by_another(staging: Path, final: Path, step: int) -> None:
+        """Two groups saved one step before leaving: the same committed state, so the first complete copy stands."""
+        shutil.rmtree(staging, ignore_errors=True)
+        logger.info("durable checkpoint of step %d: another group saved it first (%s); dropped this copy", step, final)
 
     def _wait_for_parts(self, staging: Path, step: int) -> list[FileRecord]:
         import json

@@ -309,6 +309,48 @@ def test_preemption_saves_the_current_step_before_leaving(tmp_path, made):
     assert torch.equal(state["user"]["default"]["model"]["w"], group.weights)
 
 
+def test_a_group_that_does_not_write_checkpoints_still_saves_before_leaving(tmp_path, made):
+    """The writer may be gone in the same seconds (killed, hung): the group leaving may hold the only copy."""
+    lighthouse = InMemoryLighthouse(min_replicas=2)
+    made += [Group(lighthouse, "g0", tmp_path, every=100), Group(lighthouse, "g1", tmp_path, every=100)]
+    run(made, 3)
+    [other] = [g for g in made if g.checkpointer._last_commit_rank != 0]  # not the quorum's writer
+    other.checkpointer.leaving()
+    [info] = Layout(tmp_path).complete()
+    assert info.step == 3 and info.writer == other.manager.replica_id
+    _, state = read_state_file(info.path / "state-r0.tft", info.files["state-r0.tft"])
+    assert torch.equal(state["user"]["default"]["model"]["w"], other.weights)
+
+
+def test_a_state_torn_by_a_failed_heal_is_not_saved_before_leaving(tmp_path, made, caplog):
+    group = Group(InMemoryLighthouse(), "g", tmp_path, every=100)
+    made.append(group)
+    run([group], 3)
+    group.manager._healer.torn = True  # a heal failed part-way: the tensors mix two steps
+    with caplog.at_level(logging.ERROR):
+        group.checkpointer.leaving()
+    assert Layout(tmp_path).complete() == []
+    assert "a failed heal left the state mixing two steps" in caplog.text
+
+
+def test_two_groups_saving_one_step_before_leaving_keep_the_first_copy_without_an_error(tmp_path, made, caplog):
+    lighthouse = InMemoryLighthouse(min_replicas=2)
+    made += [Group(lighthouse, "g0", tmp_path, every=100), Group(lighthouse, "g1", tmp_path, every=100)]
+    run(made, 3)
+    with caplog.at_level(logging.INFO, logger="torchft_lite.durable.checkpointer"):
+        threads = [threading.Thread(target=g.checkpointer.leaving) for g in made]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+    [info] = Layout(tmp_path).complete()
+    assert info.step == 3
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    assert "another group saved it first" in caplog.text
+    assert not list(tmp_path.glob(".staging-*")), "the second copy was left behind"
+    assert all(g.checkpointer.statistics().saves_failed == 0 for g in made)
+
+
 @pytest.mark.parametrize("bad", [dict(every=0), dict(keep_last=0), dict(every=True), dict(every=1.5)])
 def test_bad_settings_are_refused(tmp_path, made, bad):
     from torchft_lite.errors import ConfigError
