@@ -60,11 +60,17 @@ browser:
 bytecode: $(STAMP)
 	@$(BIN)/python -m compileall -q lighthouse torchft_lite examples benchmarks tests >/dev/null
 
+# Two pytest workers: most integration tests wait (heartbeats, timeouts, process start-up), so two
+# halve the suite's wall time on two cores. A worker takes a whole file at a time (module fixtures,
+# the chaos run's fixed network namespaces). TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
+PYTEST_PARALLEL := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+
 test: $(STAMP) browser bytecode
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL)
 
 test-fast: $(STAMP) bytecode
-	$(BIN)/python -m pytest -q -m "not slow and not browser"
+	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) -m "not slow and not browser"
 
 # torchft's own test files, read from its installed wheel, run once on torchft and
 # once on torchft_lite (tests/compat/run.py --help). torchft imports OpenTelemetry
