@@ -383,18 +383,18 @@ class DurableCheckpointer:
         self.layout.write_manifest(staging, save.step, manager.replica_id, self._group, self._world, self.per_rank,
                                    records)
         final = self.layout.step_dir(save.step)
-        if final.exists() and save.leaving:
-            return self._saved_by_another(staging, final, save.step)
-        if final.exists():
+        try:
+            if final.exists():
+                raise FileExistsError(final)
+            staging.rename(final)  # fails if another writer renamed its copy since the check
+        except OSError:
+            if not final.exists():
+                raise
+            if save.leaving:
+                return self._saved_by_another(staging, final, save.step)
             raise DurableCheckpointError(
                 f"a checkpoint of step {save.step} already exists at {final}; not replacing it (two writers for "
-                f"one step, or a job resumed from an older step that reached this one again)")
-        try:
-            staging.rename(final)
-        except OSError:
-            if not (save.leaving and final.exists()):
-                raise
-            return self._saved_by_another(staging, final, save.step)  # it renamed its copy first
+                f"one step, or a job resumed from an older step that reached this one again)") from None
         fsync_directory(self.layout.root)
         removed = self.layout.prune(self.keep_last, busy_steps={save.step})
         if removed:

@@ -9,6 +9,7 @@ import errno
 import json
 import logging
 import random
+import shutil
 import threading
 from datetime import timedelta
 from pathlib import Path
@@ -349,6 +350,31 @@ def test_two_groups_saving_one_step_before_leaving_keep_the_first_copy_without_a
     assert "another group saved it first" in caplog.text
     assert not list(tmp_path.glob(".staging-*")), "the second copy was left behind"
     assert all(g.checkpointer.statistics().saves_failed == 0 for g in made)
+
+
+def test_another_group_renaming_its_copy_right_after_this_one_looked_is_not_an_error(tmp_path, made, caplog,
+                                                                                     monkeypatch):
+    """The race a CI run hit: the other group's copy lands just after this one looked for it."""
+    group = Group(InMemoryLighthouse(), "g", tmp_path, every=100)
+    made.append(group)
+    run([group], 3)
+    final = Layout(tmp_path).step_dir(3)
+    exists, looked = Path.exists, []
+
+    def the_other_group_wins_after_the_first_look(self: Path, *args: Any, **kwargs: Any) -> bool:
+        answer = exists(self, *args, **kwargs)
+        if self == final and not looked:
+            looked.append(True)
+            [staging] = tmp_path.glob(".staging-*")
+            shutil.copytree(staging, final)  # the other group's complete copy, renamed into place
+        return answer
+
+    monkeypatch.setattr(Path, "exists", the_other_group_wins_after_the_first_look)
+    with caplog.at_level(logging.INFO, logger="torchft_lite.durable.checkpointer"):
+        group.checkpointer.leaving()
+    assert looked and [info.step for info in Layout(tmp_path).complete()] == [3]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    assert "another group saved it first" in caplog.text and not list(tmp_path.glob(".staging-*"))
 
 
 @pytest.mark.parametrize("bad", [dict(every=0), dict(keep_last=0), dict(every=True), dict(every=1.5)])
