@@ -101,6 +101,9 @@ class Chaos:
         self.down: dict[int, float] = {}  # group -> when to restart it
         self.hung: dict[int, float] = {}  # group -> when to SIGCONT it
         self.leaving: dict[int, tuple[float, float]] = {}  # SIGTERMed group -> (restart delay, kill deadline)
+        # Groups with a SIGKILLed rank, until the supervisor replaces them: their state is lost already, so they
+        # are no holder of the latest step (a fault in the same tick could otherwise take the last live one).
+        self.rank_lost: set[int] = set()
         self.faults: Counter[str] = Counter()
         self.restarts = 0
         self.starts: list[dict] = []  # every group start: its pids by rank, for the checker to find a row's log
@@ -192,6 +195,7 @@ class Chaos:
                 group.kill(signal.SIGKILL)
                 delay = self.leaving.pop(g, (self.supervisor_rng.uniform(0.5, 2.0), 0.0))[0]
                 self.down[g] = now + delay
+                self.rank_lost.discard(g)
                 self.say(f"group {g}: ranks exited {codes}; replacing it")
 
     def inject(self, now: float, fault: Fault) -> bool:
@@ -200,7 +204,8 @@ class Chaos:
         if kind == "kill-all":
             return self.kill_all(now, rng)
         live = [g for g in range(len(self.groups))
-                if g not in self.down and g not in self.hung and g not in self.partitioned and g not in self.leaving]
+                if g not in self.down and g not in self.hung and g not in self.partitioned and g not in self.leaving
+                and g not in self.rank_lost]
         if kind != "lighthouse" and len(live) < 2:
             return False  # keep at least one group training, or there is nothing to verify
         if kind == "lighthouse":
@@ -227,6 +232,7 @@ class Chaos:
             self.down[g] = now + rng.uniform(0.5, 3.0)
         elif kind == "kill-rank":
             rng.choice(group.procs).kill()
+            self.rank_lost.add(g)
         elif kind == "term":
             group.kill(signal.SIGTERM)
             self.leaving[g] = (rng.uniform(0.5, 2.0), now + 30.0)  # (restart delay, SIGKILL if not gone by)
@@ -256,6 +262,7 @@ class Chaos:
                                "lighthouse": with_lighthouse})
         self.hung.clear()
         self.leaving.clear()
+        self.rank_lost.clear()
         for g in range(len(self.groups)):  # down ones too: a scheduler restarts the whole job
             self.down[g] = now + rng.uniform(0.5, 3.0)
         kind = "kill-all+lighthouse" if with_lighthouse else "kill-all"
@@ -289,7 +296,7 @@ class Chaos:
             time.sleep(0.05)
         chaos_end = time.time()
         # Let everything come back, then demand progress from every group.
-        while self.down or self.hung or self.partitioned or self.leaving:
+        while self.down or self.hung or self.partitioned or self.leaving or self.rank_lost:
             self.supervise(time.monotonic())
             time.sleep(0.05)
         marks = {g: self.last_step_of(g) for g in range(len(self.groups))}
