@@ -19,8 +19,8 @@ code   name                        for the scheduler
                                    a ``ConfigError``, or a durable checkpoint of another model):
                                    don't retry, a person must look
 143    EXIT_CODE_PREEMPTED         left gracefully on SIGTERM (128 + 15), after saving a durable
-                                   checkpoint when it held the only copy: restart it when
-                                   capacity returns
+                                   checkpoint of its step (with a DurableCheckpointer): restart
+                                   it when capacity returns
 =====  ==========================  ==============================================================
 
 :func:`exit_code_for` maps an exception escaping the training loop to its
