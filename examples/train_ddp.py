@@ -31,6 +31,7 @@ import json
 import logging
 import math
 import os
+import signal
 import time
 from datetime import timedelta
 
@@ -82,11 +83,24 @@ def parse_args() -> argparse.Namespace:
     faults.add_argument("--inject-rank", type=int, default=0, metavar="R",
                         help="the group rank --inject-bitflip-at flips a bit on (default 0)")
     faults.add_argument("--slow-ms", type=float, default=0.0, help="sleep this many ms every step (a straggler)")
+    faults.add_argument("--inject-stop-at", type=int, metavar="STEP",
+                        help="once the gradients of the step attempted at STEP were exchanged (after backward, "
+                             "before the optimizer step and its commit vote), every rank of the group stops itself "
+                             "with SIGSTOP: a hang that SIGCONT ends")
+    faults.add_argument("--inject-hold-at", type=int, metavar="STEP",
+                        help="like --inject-stop-at, but each rank only holds its training thread (the control "
+                             "plane keeps running) until --inject-hold-file exists, after writing that path plus "
+                             "'.rank<R>' (for a test to cut the network meanwhile); at most 300 s")
+    faults.add_argument("--inject-hold-file", metavar="PATH", help="see --inject-hold-at")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args()
-    injects = args.inject_nan_at is not None or args.inject_bitflip_at is not None or args.slow_ms
+    injects = (args.inject_nan_at is not None or args.inject_bitflip_at is not None or args.slow_ms
+               or args.inject_stop_at is not None or args.inject_hold_at is not None)
     if injects and args.inject_group is None:
-        parser.error("--inject-nan-at, --inject-bitflip-at and --slow-ms need --inject-group G")
+        parser.error("--inject-nan-at, --inject-bitflip-at, --inject-stop-at, --inject-hold-at and --slow-ms need "
+                     "--inject-group G")
+    if (args.inject_hold_at is None) != (args.inject_hold_file is None):
+        parser.error("--inject-hold-at and --inject-hold-file go together")
     if args.inject_nan_times < 1 or args.slow_ms < 0:
         parser.error("--inject-nan-times must be >= 1 and --slow-ms >= 0")
     if args.checkpoint_dir and args.impl != "torchft_lite":
@@ -134,6 +148,10 @@ class Faults:
         self.nan_left = args.inject_nan_times
         self.flip_at = args.inject_bitflip_at if mine and rank == args.inject_rank else None
         self.slow = args.slow_ms / 1000 if mine else 0.0
+        self.stop_at = args.inject_stop_at if mine else None
+        self.hold_at = args.inject_hold_at if mine else None
+        self.hold_file = args.inject_hold_file
+        self.rank = rank
         self.label = f"[group {replica_group} rank {rank}]"
 
     def before_step(self, step: int, model: nn.Module) -> None:
@@ -144,6 +162,23 @@ class Faults:
                 bits = first.view(-1)[:1].view(torch.int32)
                 bits ^= 1 << 22
             print(f"{self.label} injected a bit flip at step {step}", flush=True)
+
+    def after_exchange(self, step: int) -> None:
+        """Between backward (the gradients are averaged across groups) and the optimizer step (the vote)."""
+        if self.stop_at is not None and step >= self.stop_at:
+            self.stop_at = None
+            print(f"{self.label} stopping itself (SIGSTOP) after the exchange of step {step}", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
+            print(f"{self.label} resumed after the exchange of step {step}", flush=True)
+        if self.hold_at is not None and step >= self.hold_at:
+            self.hold_at = None
+            print(f"{self.label} holding after the exchange of step {step} until {self.hold_file} exists", flush=True)
+            with open(f"{self.hold_file}.rank{self.rank}", "w") as marker:
+                marker.write(f"{step}\n")
+            deadline = time.monotonic() + 300.0
+            while not os.path.exists(self.hold_file) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            print(f"{self.label} released after the exchange of step {step}", flush=True)
 
     def loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
         if self.slow:  # here, between start_quorum and the first allreduce: the group's compute time
@@ -229,6 +264,7 @@ def main() -> None:
             optimizer.zero_grad()
             loss = faults.loss(manager.current_step(), criterion(ddp_model(batch), target))
             loss.backward()
+            faults.after_exchange(manager.current_step())
             before = manager.current_step()
             optimizer.step()
             # Committed: the step moved on with enough replicas. (A heal also moves the step, and is

@@ -93,11 +93,14 @@ class LighthouseClient(UnaryChannel):
         )
         return response.quorum
 
-    async def heartbeat(self, replica_id: str, *, timeout: float) -> None:
-        await self._invoke(
+    async def heartbeat(self, replica_id: str, *, timeout: float) -> float | None:
+        """Keep ``replica_id`` healthy; returns the lighthouse's heartbeat timeout in seconds when it states
+        one (ours does; torchft's does not)."""
+        response = await self._invoke(
             "Heartbeat", pb.LighthouseHeartbeatRequest(replica_id=replica_id), pb.LighthouseHeartbeatResponse,
             timeout, f"Heartbeat for {replica_id}",
         )
+        return response.heartbeat_timeout_ms / 1000 if response.heartbeat_timeout_ms > 0 else None
 
     def lease(self, replica_id: str) -> grpc.aio.UnaryStreamCall:
         """Open the lease stream (torchft_lite lighthouses only): iterate it for ``LeaseEvent``s.

@@ -72,6 +72,9 @@ class LighthouseServer:
         self._known: dict[str, pb.QuorumMember] = {}
         self._failure_subscribers = Broadcast(MAX_FAILURE_BACKLOG)
         self._leases = LeaseTable(config.heartbeat_timeout)
+        # Every answered heartbeat states the lease length, for the Manager's commit fence.
+        self._heartbeat_answer = pb.LighthouseHeartbeatResponse(
+            heartbeat_timeout_ms=round(config.heartbeat_timeout * 1000)).SerializeToString()
         self._checks = RequestChecks()
         self._stopping = False
         self._decisions = DecisionLog(clock())
@@ -250,7 +253,7 @@ class LighthouseServer:
         self._leases.saw(request.replica_id, context.peer(), self._clock())
         self._counts["heartbeats"] += 1
         self._state.heartbeat(request.replica_id, self._clock())
-        return b""
+        return self._heartbeat_answer
 
     async def _rpc_get_config(self, data: bytes, context: grpc.aio.ServicerContext) -> bytes:
         await self._checks.parse(pb.LighthouseConfigRequest, data, context)

@@ -7,6 +7,10 @@ drop the group the moment this process dies or leaves, and carries its
 member-gone events, which are relayed to listeners in this process and to the
 group's ``Events`` streams. A torchft lighthouse has no leases; heartbeats
 alone then tell it the group is alive.
+
+It also keeps the group's :class:`~torchft_lite._lease_fence.LeaseFence`: the
+proof, from the answers it got, that the lighthouse still counts the group,
+which the group's commit vote needs (:meth:`LighthouseLink.commit_refusal`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import grpc
 from lighthouse.client import LighthouseClient
 from lighthouse.protocol import torchft_pb2 as pb
 from lighthouse.rpc.broadcast import Broadcast
+from torchft_lite._lease_fence import LeaseFence, lease_clock
 
 __all__ = ["LighthouseLink"]
 
@@ -29,8 +34,13 @@ logger = logging.getLogger(__name__)
 class LighthouseLink:
     """``start()`` ... ``await stop()``, on the loop of ``lighthouse``; never raises from its loops."""
 
-    def __init__(self, lighthouse: LighthouseClient, replica_id: str, heartbeat_interval: float) -> None:
+    def __init__(self, lighthouse: LighthouseClient, replica_id: str, heartbeat_interval: float, *,
+                 fence: LeaseFence | None = None, clock: Callable[[], float] = lease_clock) -> None:
+        """``fence``: where the lease's proofs go (default: one assuming torchft's lease length until the
+        lighthouse states its own); ``clock``: seconds, never going back, counting while suspended."""
         self._lighthouse = lighthouse
+        self.fence = fence or LeaseFence()
+        self._clock = clock
         self._replica_id = replica_id
         self._heartbeat_interval = heartbeat_interval
         self._heartbeat_task: asyncio.Task | None = None
@@ -43,9 +53,24 @@ class LighthouseLink:
         self.lease_losses = 0
         self._breaks_at_quorum = 0
 
-    def quorum_answered(self) -> None:
-        """The lighthouse just answered this group's Quorum call: it counted the group then."""
+    def quorum_answered(self, sent_at: float) -> None:
+        """The lighthouse just answered this group's Quorum call, sent at ``sent_at`` (:attr:`clock`): it counted
+        the group then."""
         self._breaks_at_quorum = self.heartbeat_failures + self.lease_losses
+        self.fence.quorum_answered(sent_at, self._clock())
+
+    def clock(self) -> float:
+        """The time on the clock the lease is judged by."""
+        return self._clock()
+
+    def commit_refusal(self) -> str | None:
+        """Why the group must not commit the step of its latest quorum now, or None: it may commit only while
+        the lighthouse surely still counts it (see :mod:`torchft_lite._lease_fence`), and when no heartbeat went
+        unanswered and no lease was lost since that quorum."""
+        if self.breaks_since_quorum:
+            return (f"the lighthouse may have declared this group gone ({self.breaks_since_quorum} heartbeat(s) "
+                    f"unanswered or lease(s) lost since the step's quorum)")
+        return self.fence.refusal(self._clock())
 
     @property
     def breaks_since_quorum(self) -> int:
@@ -76,7 +101,9 @@ class LighthouseLink:
         failing = False
         while True:
             try:
-                await self._lighthouse.heartbeat(self._replica_id, timeout=max(interval * 10, 1.0))
+                sent_at = self._clock()
+                stated = await self._lighthouse.heartbeat(self._replica_id, timeout=max(interval * 10, 1.0))
+                self.fence.answered(sent_at, self._clock(), stated)
                 if failing:
                     logger.info("[%s] lighthouse heartbeats succeed again", self._replica_id)
                 failing = False
@@ -126,6 +153,7 @@ class LighthouseLink:
                     call.cancel()
             if self.lease_held:
                 self.lease_losses += 1
+                self.fence.lost(self._clock(), "the lease stream ended, so the lighthouse dropped this group")
             self.lease_held = False
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 2.0)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Mapping
 
+from torchft_lite._lease_fence import DEFAULT_LEASE_TIMEOUT
 from torchft_lite.errors import ConfigError
 
 __all__ = ["ManagerSettings"]
@@ -32,6 +33,7 @@ LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 HOSTNAME_ENV = "TORCHFT_LITE_HOSTNAME"  # ours: the address this group advertises
 HEAL_SOURCES_ENV = "TORCHFT_LITE_HEAL_SOURCES"  # ours: peers a heal may stripe over
 HEAL_IN_PLACE_ENV = "TORCHFT_LITE_HEAL_IN_PLACE"  # ours: receive a heal into the live tensors
+LEASE_TIMEOUT_ENV = "TORCHFT_LITE_LEASE_TIMEOUT_SEC"  # ours: the lease assumed when the lighthouse states none
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
@@ -70,6 +72,10 @@ class ManagerSettings:
     used only when every quorum member advertises as many, else torchft's single source."""
     heal_in_place: bool = True
     """Receive a heal straight into the matching live tensors (``TORCHFT_LITE_HEAL_IN_PLACE``)."""
+    lease_timeout: float = DEFAULT_LEASE_TIMEOUT
+    """Seconds of lease the commit fence assumes when the lighthouse does not state its heartbeat timeout
+    (torchft's does not; ours does, and then that wins): ``TORCHFT_LITE_LEASE_TIMEOUT_SEC``, default 5 s,
+    torchft's default. Set it to that lighthouse's ``--heartbeat_timeout_ms`` when it is lower."""
 
     @classmethod
     def resolve(
@@ -123,6 +129,7 @@ class ManagerSettings:
             heal_sources=heal_sources if heal_sources is not None else (
                 _env_int(env, HEAL_SOURCES_ENV, "heal_sources") if env.get(HEAL_SOURCES_ENV) else 1),
             heal_in_place=heal_in_place if heal_in_place is not None else _env_bool(env, HEAL_IN_PLACE_ENV, True),
+            lease_timeout=_env_seconds(env, LEASE_TIMEOUT_ENV, timedelta(seconds=DEFAULT_LEASE_TIMEOUT)),
         )
         settings.validate()
         return settings
@@ -138,7 +145,7 @@ class ManagerSettings:
             raise ConfigError(f"port ({MANAGER_PORT_ENV}) must be in 0..65535, got {self.port}")
         if self.min_replica_size < 1:
             raise ConfigError(f"min_replica_size must be >= 1, got {self.min_replica_size}")
-        for name in ("timeout", "quorum_timeout", "connect_timeout", "heartbeat_interval"):
+        for name in ("timeout", "quorum_timeout", "connect_timeout", "heartbeat_interval", "lease_timeout"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}s")
         if self.quorum_retries < 0:

@@ -95,6 +95,7 @@ class DefaultWiring:
                 store_address=s.store_address, world_size=s.group_world_size, bind=f"[::]:{s.port}",
                 heartbeat_interval=s.heartbeat_interval, connect_timeout=s.connect_timeout,
                 quorum_timeout=s.quorum_timeout, quorum_retries=s.quorum_retries, heal_sources=heal_sources,
+                lease_timeout=s.lease_timeout,
             ))
             control.run(server.start(), s.connect_timeout, "the ManagerServer to start")
             store.set(prefix + MANAGER_ADDR_KEY, server.address())

@@ -51,6 +51,7 @@ from lighthouse.rpc.addresses import split_host_port
 from lighthouse.rpc.h2grpc import GrpcServer, RpcAbort
 from lighthouse.rpc.refusals import RefusalLog
 from lighthouse.rpc.tls import ALPN_GRPC, TlsSettings
+from torchft_lite._lease_fence import DEFAULT_LEASE_TIMEOUT, FenceStatistics, LeaseFence
 from torchft_lite._lighthouse_link import LighthouseLink
 from torchft_lite._server_rounds import QuorumRound, VoteRound
 from torchft_lite._quorum_compute import QuorumMember, compute_quorum_result, heal_sources_of, member_data, response_of
@@ -89,6 +90,9 @@ class ManagerServerConfig:
     heal_sources: int = 1
     """Sources this group's ranks can heal from at once, advertised in ``QuorumMember.data``
     (see :mod:`torchft_lite._quorum_compute`); 1 advertises nothing, as torchft."""
+    lease_timeout: float = DEFAULT_LEASE_TIMEOUT
+    """Seconds of lease the commit fence assumes until the lighthouse states its heartbeat timeout (a
+    torchft lighthouse never does); see :mod:`torchft_lite._lease_fence`."""
 
     def __post_init__(self) -> None:
         if not self.replica_id:
@@ -101,6 +105,8 @@ class ManagerServerConfig:
             raise ValueError(f"quorum_retries must be >= 0, got {self.quorum_retries}")
         if self.heal_sources < 1:
             raise ValueError(f"heal_sources must be >= 1, got {self.heal_sources}")
+        if not self.lease_timeout > 0:
+            raise ValueError(f"lease_timeout must be > 0, got {self.lease_timeout}")
 
 
 @dataclass(frozen=True)
@@ -111,6 +117,8 @@ class ManagerServerStatistics:
     last_quorum_id: int | None
     refused: dict[str, int] = field(default_factory=dict)
     """Calls refused by the access check, by kind ('unauthenticated', 'forbidden')."""
+    fence: FenceStatistics | None = None
+    """The commit fence: votes it turned down, lapses it saw possible, the lease length stated."""
 
 
 class ManagerServer:
@@ -149,7 +157,8 @@ class ManagerServer:
         self._vote_round: VoteRound | None = None
         self._checkpoint_metadata: dict[int, str] = {}
         self._tasks: set[asyncio.Task] = set()
-        self._link = LighthouseLink(self._lighthouse, config.replica_id, config.heartbeat_interval)
+        self._link = LighthouseLink(self._lighthouse, config.replica_id, config.heartbeat_interval,
+                                    fence=LeaseFence(config.lease_timeout))
         self._quorums = 0
         self._advertised: dict[str, object] = {}
         self._quorum_watchers: list[Callable[[list[tuple[str, int, str]]], None]] = []
@@ -213,7 +222,7 @@ class ManagerServer:
     def statistics(self) -> ManagerServerStatistics:
         return ManagerServerStatistics(
             self._quorums, self._quorum_failures, self._link.heartbeat_failures, self._last_quorum_id,
-            dict(self._grpc.refusals.counts),
+            dict(self._grpc.refusals.counts), self._link.fence.statistics(),
         )
 
     # ------------------------------------------------------------ lighthouse events
@@ -326,6 +335,7 @@ class ManagerServer:
             if remaining <= 0:
                 break
             try:
+                sent_at = self._link.clock()
                 quorum = await self._lighthouse.quorum(
                     self.config.replica_id,
                     timeout=remaining / (attempts - attempt),  # leave time for the retries
@@ -352,7 +362,7 @@ class ManagerServer:
                 logger.info("[%s] quorum %d at step %d: %d member(s)", self.config.replica_id,
                             quorum.quorum_id, step, len(quorum.participants))
             self._last_quorum_id = quorum.quorum_id
-            self._link.quorum_answered()
+            self._link.quorum_answered(sent_at)
             members = [(p.replica_id, p.step, p.data) for p in quorum.participants]
             for watch in self._quorum_watchers:  # the Fingerprinter names the groups a corruption hit
                 try:
@@ -397,17 +407,21 @@ class ManagerServer:
 
     def decide(self, step: int, votes: dict[int, bool]) -> bool:
         """The group's decision on ``step`` (a one-rank group's Manager asks in-process): no when a rank voted
-        no, or when the group was cut off from the lighthouse since the quorum, so that its peers may have
-        aborted the step while its collectives completed: committing could set it a step apart; behind, it heals."""
+        no, or when the group's lease at the lighthouse can't be shown to have held since the step's quorum and
+        to hold now (:meth:`LighthouseLink.commit_refusal`). Then the lighthouse may have declared the group gone
+        and its peers redone the step while this group's collectives completed: committing would fork the job's
+        history. Not committing is always safe: behind, the group heals at the next quorum."""
         against = [r for r, v in sorted(votes.items()) if not v]
-        if against and len(votes) > 1:
-            logger.info("[%s] step %d not committed: rank(s) %s voted no", self.config.replica_id, step, against)
-        elif not against and self._link.breaks_since_quorum:
-            logger.warning("[%s] step %d not committed: the lighthouse may have declared this group gone (%d "
-                           "heartbeat(s) unanswered or lease(s) lost since the step's quorum)",
-                           self.config.replica_id, step, self._link.breaks_since_quorum)
+        if against:
+            if len(votes) > 1:
+                logger.info("[%s] step %d not committed: rank(s) %s voted no", self.config.replica_id, step,
+                            against)
             return False
-        return not against
+        refusal = self._link.commit_refusal()
+        if refusal is not None:
+            logger.warning("[%s] step %d not committed: %s", self.config.replica_id, step, refusal)
+            return False
+        return True
 
     # ------------------------------------------------------------ metadata, kill
 

@@ -61,8 +61,10 @@ class LighthouseHeartbeatRequest(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ...) -> None: ...
 
 class LighthouseHeartbeatResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("heartbeat_timeout_ms",)
+    HEARTBEAT_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    heartbeat_timeout_ms: int
+    def __init__(self, heartbeat_timeout_ms: _Optional[int] = ...) -> None: ...
 
 class SubscribeFailuresRequest(_message.Message):
     __slots__ = ()

@@ -78,6 +78,7 @@ def test_ranks_reporting_different_steps_get_an_error_naming_them():
 def test_should_commit_is_the_and_of_the_group_votes():
     async def scenario():
         async with running_lighthouse() as lh, manager_server(lh.address(), "a", world_size=2) as (_, client):
+            await asyncio.gather(quorum(client, 0, 1), quorum(client, 1, 1))
             votes = await asyncio.gather(client.should_commit(group_rank=0, step=1, should_commit=True, timeout=10),
                                          client.should_commit(group_rank=1, step=1, should_commit=True, timeout=10))
             assert votes == [True, True]
@@ -156,10 +157,10 @@ class DeafLighthouseClient(LighthouseClient):
 
     deaf = False
 
-    async def heartbeat(self, replica_id: str, *, timeout: float) -> None:
+    async def heartbeat(self, replica_id: str, *, timeout: float) -> float | None:
         if self.deaf:
             raise LighthouseTimeout(f"injected: Heartbeat for {replica_id} got no answer")
-        await super().heartbeat(replica_id, timeout=timeout)
+        return await super().heartbeat(replica_id, timeout=timeout)
 
 
 def test_a_group_cut_off_from_the_lighthouse_since_its_quorum_votes_the_step_down():
@@ -185,6 +186,45 @@ def test_a_group_cut_off_from_the_lighthouse_since_its_quorum_votes_the_step_dow
                 assert await step(1, cut_off=False) == [True, True]
                 assert await step(2, cut_off=True) == [False, False]
                 assert await step(2, cut_off=False) == [True, True]
+
+    asyncio.run(scenario())
+
+
+class StallingLighthouseClient(LighthouseClient):
+    """While ``stall`` > 0, the next heartbeat reaches the lighthouse only after ``stall`` seconds, and succeeds:
+    what a group sees after it was hung (SIGSTOP) or silently cut off. No heartbeat fails."""
+
+    stall = 0.0
+
+    async def heartbeat(self, replica_id: str, *, timeout: float) -> float | None:
+        stall, self.stall = self.stall, 0.0
+        await asyncio.sleep(stall)
+        return await super().heartbeat(replica_id, timeout=timeout)
+
+
+def test_a_group_silent_past_the_heartbeat_timeout_votes_the_step_down_though_no_heartbeat_failed():
+    """The fork the lease fence closes: the lighthouse heard nothing from the group for longer than its heartbeat
+    timeout after the step's quorum (so it declared the group gone and its peers redid the step), yet every
+    heartbeat the group sent succeeded. The step's vote is no; the next quorum has the group again and commits."""
+    async def scenario():
+        async with running_lighthouse(heartbeat_timeout=1.0) as lh:
+            stalling = StallingLighthouseClient(lh.address(), connect_timeout=10)
+            async with manager_server(lh.address(), "a", world_size=2, lighthouse=stalling) as (server, client):
+                async def step(number: int, stall: float) -> list[bool]:
+                    await asyncio.gather(quorum(client, 0, number), quorum(client, 1, number))
+                    if stall:
+                        stalling.stall = stall
+                        await wait_until(lambda: lh.statistics().expired_replicas > 0,
+                                         "the lighthouse to declare the silent group gone")
+                        await wait_until(lambda: stalling.stall == 0.0, "the stalled heartbeat to go out")
+                    return list(await asyncio.gather(
+                        *(client.should_commit(group_rank=r, step=number, should_commit=True, timeout=10)
+                          for r in (0, 1))))
+
+                assert await step(1, stall=0.0) == [True, True]
+                assert await step(2, stall=2.5) == [False, False]
+                assert server.statistics().heartbeat_failures == 0
+                assert await step(2, stall=0.0) == [True, True]
 
     asyncio.run(scenario())
 

@@ -72,10 +72,17 @@ def test_explicit_arguments_win_except_torchfts_timeout_variables():
     (dict(TORCHRUN, MASTER_PORT="0"), "store_port"),
     (dict(TORCHRUN, TORCHFT_TIMEOUT_SEC="soon"), "TORCHFT_TIMEOUT_SEC"),
     (dict(TORCHRUN, TORCHFT_QUORUM_TIMEOUT_SEC="-1"), "quorum_timeout must be positive"),
+    (dict(TORCHRUN, TORCHFT_LITE_LEASE_TIMEOUT_SEC="0"), "lease_timeout must be positive"),
+    (dict(TORCHRUN, TORCHFT_LITE_LEASE_TIMEOUT_SEC="long"), "TORCHFT_LITE_LEASE_TIMEOUT_SEC must be a number"),
 ])
 def test_invalid_settings_are_clear_errors(env, message):
     with pytest.raises(ConfigError, match=message):
         resolve(env)
+
+
+def test_the_assumed_lease_is_torchfts_heartbeat_timeout_unless_set():
+    assert resolve(TORCHRUN).lease_timeout == 5.0
+    assert resolve(dict(TORCHRUN, TORCHFT_LITE_LEASE_TIMEOUT_SEC="1.5")).lease_timeout == 1.5
 
 
 def test_ipv6_store_host_is_bracketed():
