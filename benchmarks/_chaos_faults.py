@@ -21,7 +21,7 @@ from pathlib import Path
 
 __all__ = ["KINDS", "Fault", "Network", "make_schedule"]
 
-KINDS = ("kill", "kill-rank", "term", "hang", "partition", "lighthouse", "kill-all")
+KINDS = ("kill", "kill-rank", "term", "hang", "hang-before-vote", "partition", "lighthouse", "kill-all")
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,9 @@ set the baseline speed, injects faults from a schedule drawn from ``--seed``:
   kill-rank   SIGKILL one rank of a group (the supervisor then replaces the group, as torchrun would)
   term        SIGTERM a group: it leaves gracefully (exit 143) and is restarted
   hang        SIGSTOP a group for a few seconds, then SIGCONT
+  hang-before-vote  the same, aimed: each rank of the group stops itself once its next step's
+              gradients were exchanged, before the commit vote (SIGUSR1 arms it; see
+              train_ddp.py --inject-stop-on-usr1); SIGCONT a few seconds after every rank stopped
   partition   cut a group off the network for a few seconds (each group runs in its own
               network namespace behind a veth pair; the host side is set down, then up)
   lighthouse  SIGKILL the lighthouse and restart it on the same port
@@ -100,6 +103,7 @@ class Chaos:
         self.groups: list[ReplicaGroup] = []
         self.down: dict[int, float] = {}  # group -> when to restart it
         self.hung: dict[int, float] = {}  # group -> when to SIGCONT it
+        self.arming: dict[int, tuple[float, float]] = {}  # hang-before-vote: group -> (give up at, stop for)
         self.leaving: dict[int, tuple[float, float]] = {}  # SIGTERMed group -> (restart delay, kill deadline)
         # Groups with a SIGKILLed rank, until the supervisor replaces them: their state is lost already, so they
         # are no holder of the latest step (a fault in the same tick could otherwise take the last live one).
@@ -118,6 +122,8 @@ class Chaos:
         self.lighthouse.start()
         train = ["--impl", self.impl, "--steps", "100000000", "--step-sleep", "0.02", "--report", str(self.report),
                  "--timeout", "10", "--pg", self.args.pg]
+        if "hang-before-vote" in self.args.kinds:
+            train.append("--inject-stop-on-usr1")
         if self.args.checkpoint_every:
             train += ["--checkpoint-dir", str(self.checkpoints), "--checkpoint-every", str(self.args.checkpoint_every)]
         for g in range(self.args.groups):
@@ -137,7 +143,9 @@ class Chaos:
             self.start_group(g)
 
     def stop(self) -> None:
-        for g in list(self.hung):
+        for g in list(self.arming):
+            self.groups[g].signal_ranks(signal.SIGUSR2)
+        for g in [*self.hung, *self.arming]:
             self.groups[g].kill(signal.SIGCONT)
         for group in self.groups:
             # Every rank at once, as a scheduler stops a job: signalled one by one (stop() alone), a
@@ -166,6 +174,17 @@ class Chaos:
 
     def supervise(self, now: float) -> None:
         """Restart groups that are due, resume hung ones, replace groups that lost a rank."""
+        for g, (give_up, duration) in list(self.arming.items()):
+            group = self.groups[g]
+            if group.stopped():  # every rank stopped itself after its exchange: hold it, as a hang
+                del self.arming[g]
+                self.hung[g] = now + duration
+                self.say(f"group {g}: every rank stopped itself after its exchange; SIGCONT in {duration:.1f}s")
+            elif now >= give_up or not group.alive():
+                group.signal_ranks(signal.SIGUSR2)  # disarm, and wake the ranks that did stop
+                group.kill(signal.SIGCONT)
+                del self.arming[g]
+                self.say(f"group {g}: not every rank reached its exchange; hang-before-vote called off")
         for g, when in list(self.hung.items()):
             if now >= when:
                 self.groups[g].kill(signal.SIGCONT)
@@ -177,7 +196,7 @@ class Chaos:
                 del self.partitioned[g]
                 self.say(f"group {g}: reconnected")
         for g, group in enumerate(self.groups):
-            if g in self.down or g in self.hung:
+            if g in self.down or g in self.hung or g in self.arming:
                 if g in self.down and now >= self.down[g]:
                     group.stop()
                     self.start_group(g)
@@ -205,7 +224,7 @@ class Chaos:
             return self.kill_all(now, rng)
         live = [g for g in range(len(self.groups))
                 if g not in self.down and g not in self.hung and g not in self.partitioned and g not in self.leaving
-                and g not in self.rank_lost]
+                and g not in self.rank_lost and g not in self.arming]
         if kind != "lighthouse" and len(live) < 2:
             return False  # keep at least one group training, or there is nothing to verify
         if kind == "lighthouse":
@@ -223,7 +242,8 @@ class Chaos:
         # from it (a checkpoint's, or step 0). With checkpoints, a hang or a cut of that copy is not injected
         # either, though the lighthouse waits for a holder whose group has not restarted.
         # Only a kill-all may rewind the job: the checker counts any other new epoch as a failure.
-        guarded = ("kill", "kill-rank", "term") + (("hang", "partition") if self.args.checkpoint_every else ())
+        guarded = ("kill", "kill-rank", "term") + (("hang", "hang-before-vote", "partition")
+                                                   if self.args.checkpoint_every else ())
         if kind in guarded and not self.another_holder(g, live):
             return False
         self.faults[kind] += 1
@@ -239,6 +259,9 @@ class Chaos:
         elif kind == "hang":
             group.kill(signal.SIGSTOP)
             self.hung[g] = now + rng.uniform(1.0, 5.0)
+        elif kind == "hang-before-vote":
+            group.signal_ranks(signal.SIGUSR1)
+            self.arming[g] = (now + 15.0, rng.uniform(1.0, 5.0))
         elif kind == "partition":
             self.network.cut(g, connected=False)
             self.partitioned[g] = now + rng.uniform(1.0, 5.0)
@@ -261,6 +284,7 @@ class Chaos:
         self.kill_alls.append({"at": at, "killed_step": killed_step, "checkpoint": on_disk[0],
                                "lighthouse": with_lighthouse})
         self.hung.clear()
+        self.arming.clear()
         self.leaving.clear()
         self.rank_lost.clear()
         for g in range(len(self.groups)):  # down ones too: a scheduler restarts the whole job
@@ -296,7 +320,7 @@ class Chaos:
             time.sleep(0.05)
         chaos_end = time.time()
         # Let everything come back, then demand progress from every group.
-        while self.down or self.hung or self.partitioned or self.leaving or self.rank_lost:
+        while self.down or self.hung or self.arming or self.partitioned or self.leaving or self.rank_lost:
             self.supervise(time.monotonic())
             time.sleep(0.05)
         marks = {g: self.last_step_of(g) for g in range(len(self.groups))}

@@ -92,6 +92,10 @@ def parse_args() -> argparse.Namespace:
                              "plane keeps running) until --inject-hold-file exists, after writing that path plus "
                              "'.rank<R>' (for a test to cut the network meanwhile); at most 300 s")
     faults.add_argument("--inject-hold-file", metavar="PATH", help="see --inject-hold-at")
+    faults.add_argument("--inject-stop-on-usr1", action="store_true",
+                        help="in every group: SIGUSR1 arms a stop, and the rank stops itself with SIGSTOP once its "
+                             "next step's gradients were exchanged, before the vote (the chaos run's "
+                             "hang-before-vote fault); SIGUSR2 disarms it")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args()
     injects = (args.inject_nan_at is not None or args.inject_bitflip_at is not None or args.slow_ms
@@ -153,6 +157,10 @@ class Faults:
         self.hold_file = args.inject_hold_file
         self.rank = rank
         self.label = f"[group {replica_group} rank {rank}]"
+        self.armed = False
+        if args.inject_stop_on_usr1:
+            signal.signal(signal.SIGUSR1, lambda *_: setattr(self, "armed", True))
+            signal.signal(signal.SIGUSR2, lambda *_: setattr(self, "armed", False))
 
     def before_step(self, step: int, model: nn.Module) -> None:
         if self.flip_at is not None and step >= self.flip_at:
@@ -165,8 +173,10 @@ class Faults:
 
     def after_exchange(self, step: int) -> None:
         """Between backward (the gradients are averaged across groups) and the optimizer step (the vote)."""
-        if self.stop_at is not None and step >= self.stop_at:
-            self.stop_at = None
+        due = self.stop_at is not None and step >= self.stop_at
+        if self.armed or due:
+            self.armed = False
+            self.stop_at = None if due else self.stop_at
             print(f"{self.label} stopping itself (SIGSTOP) after the exchange of step {step}", flush=True)
             os.kill(os.getpid(), signal.SIGSTOP)
             print(f"{self.label} resumed after the exchange of step {step}", flush=True)

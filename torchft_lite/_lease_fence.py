@@ -98,9 +98,8 @@ class LeaseFence:
         if stated_timeout is not None and stated_timeout > 0:
             self._stated_timeout = stated_timeout
         if answered_at > self._valid_until:
-            self._hole(answered_at, "no answered call proved the lease between "
-                       + ("the start" if self._valid_until == -math.inf else f"{self._valid_until:.3f}")
-                       + f" and {answered_at:.3f}")
+            self._hole(answered_at, "no call answered before" if self._valid_until == -math.inf else
+                       f"an answer came {answered_at - self._valid_until:.2f}s after the lease was last proven")
         timeout = self.lease_timeout
         bound = sent_at + timeout - margin(timeout)
         if bound > self._valid_until:

@@ -79,6 +79,15 @@ def _stop(proc: subprocess.Popen, timeout: float) -> int | None:
     return proc.returncode
 
 
+def _state(pid: int) -> str:
+    """The one-letter state of ``pid`` (Linux /proc: 'T' stopped, 'R' running, ...), '' when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
 def _descendants(pid: int) -> list[int]:
     """Every live descendant of ``pid`` (Linux /proc), deepest first."""
     children: dict[int, list[int]] = {}
@@ -299,6 +308,16 @@ class ReplicaGroup:
 
     def alive(self) -> bool:
         return any(p.poll() is None for p in self.procs)
+
+    def stopped(self) -> bool:
+        """Whether every rank process is stopped (SIGSTOP; /proc state T) and none has exited."""
+        return bool(self.procs) and all(p.poll() is None and _state(p.pid) in ("T", "t") for p in self.procs)
+
+    def signal_ranks(self, sig: int) -> None:
+        """Send ``sig`` to the rank processes only (not their children, such as a child-process group's)."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(sig)
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Send ``sig`` to every process of the group, torchrun's workers included.

@@ -29,15 +29,6 @@ HEARTBEAT_TIMEOUT = 2.0
 HOLD_AT = 8  # the step attempt the group is stopped in, once its gradients were exchanged
 
 
-def process_state(pid: int) -> str:
-    """The one-letter state of ``pid`` in /proc ('T' when stopped), or '' when it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return ""
-    return stat.rsplit(")", 1)[1].split()[0]
-
-
 def held_step(log_dir: Path, group: int, marker: str) -> int:
     """The step a rank of ``group`` logged ``marker ... of step N`` for."""
     for path in sorted(log_dir.glob(f"group{group}.*.log")):
@@ -69,7 +60,7 @@ def test_a_group_stopped_after_its_exchange_does_not_commit_that_step_and_heals(
         hung = add(1, 2, steps=100000, sleep=0.05, world_size=ranks, pg=pg,
                    extra=("--inject-group", "1", "--inject-stop-at", str(HOLD_AT)))
         try:
-            wait_for(lambda: all(process_state(p.pid) == "T" for p in hung.procs),
+            wait_for(hung.stopped,
                      "every rank of group 1 to stop itself after its exchange", groups=[survivor, hung])
             step = held_step(tmp_path, 1, "stopping itself (SIGSTOP) after the exchange of step")
             wait_for(lambda: expired(lighthouse.log_path), "the lighthouse to declare group 1 gone",
