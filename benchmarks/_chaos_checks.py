@@ -13,7 +13,7 @@ written after it to the next one. Within an epoch:
 and across a kill-all, the new epoch's first committed step is C+1, where C is
 the newest complete checkpoint on disk at the kill, and every process that
 committed step C+1 logged ``resumed from step C``. Any other new epoch the
-lighthouse starts (its ``epoch N of the job starts`` line) is an unplanned
+lighthouse starts (its ``a new epoch of the job starts`` line) is an unplanned
 rewind: committed steps redone after faults of single groups.
 
 torchft's lighthouse keeps no record of the job's step, so a restarted one (or
@@ -39,7 +39,8 @@ __all__ = ["complete_checkpoints", "find_rewinds", "heal_and_stall_figures", "jo
 
 _STEP_DIR = re.compile(r"^step-(\d{12})$")
 _RESUME_LINE = re.compile(r"\] (?:resumed from step (\d+)|no checkpoint: starting fresh)")
-_EPOCH_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) .*epoch \d+ of the job starts: the highest step "
+_EPOCH_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) .*a new epoch of the job starts \(number \d+ since this "
+                         r"lighthouse started\): the highest step "
                          r"a quorum reached goes from (\d+) down to (\d+) because (.*?)(?:; the next quorum|$)")
 
 

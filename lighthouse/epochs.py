@@ -88,7 +88,8 @@ class StaleReplica(Exception):
 
     def __init__(self, replica_id: str, step: int, max_step: int, epoch: Epoch) -> None:
         super().__init__(
-            f"replica {replica_id!r} is from before epoch {epoch.number} of this job (which started at step "
+            f"replica {replica_id!r} is from before the job's current epoch (number {epoch.number} since this "
+            f"lighthouse started, which started at step "
             f"{epoch.to_step}, down from {epoch.from_step}): it reports step {step}, above step {max_step} that "
             "quorums reached since, and was in none of them; it must restart, then it resumes from a checkpoint "
             "or heals from the current replicas"

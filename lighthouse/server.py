@@ -350,7 +350,8 @@ class LighthouseServer:
         # A restart must not wait for the old step's holders again.
         self._ids.reset_max_step(epoch.to_step, now, self._state.epochs.holders)
         logger.warning(
-            "epoch %d of the job starts: the highest step a quorum reached goes from %d down to %d because %s; "
+            "a new epoch of the job starts (number %d since this lighthouse started): the highest step a quorum "
+            "reached goes from %d down to %d because %s; "
             "the next quorum gets a new id, and replicas above step %d that were in no quorum since are refused",
             epoch.number, epoch.from_step, epoch.to_step, epoch.reason, epoch.to_step,
         )

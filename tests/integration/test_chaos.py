@@ -127,7 +127,7 @@ def made_up_run(tmp_path: Path, spans: list[tuple[int, int]], checkpoints: list[
         if k:
             when = T + 100 * k + 0.5  # after the kill, before the new epoch's first commit
             stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(when)) + ",500"
-            lighthouse.append(f"{stamp} WARNING lighthouse.server: epoch {k} of the job starts: the highest step a "
+            lighthouse.append(f"{stamp} WARNING lighthouse.server: a new epoch of the job starts (number {k} since this lighthouse started): the highest step a "
                               f"quorum reached goes from {spans[k - 1][1]} down to {resumed} because ...")
         running = batches[first - 1]
         for s in range(first, last + 1):
@@ -181,7 +181,7 @@ def test_checker_catches_divergence_and_an_unplanned_rewind(tmp_path):
     rows[-1]["checksum"] = "forked"
     with (tmp_path / "lighthouse.log").open("a") as log:  # a rewind in the middle of the first epoch
         stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(T + 50))
-        log.write(f"{stamp},000 WARNING lighthouse.server: epoch 1 of the job starts: the highest step a quorum "
+        log.write(f"{stamp},000 WARNING lighthouse.server: a new epoch of the job starts (number 1 since this lighthouse started): the highest step a quorum "
                   "reached goes from 30 down to 20 because ...\n")
     checks = verify(rows, kill_alls, starts, tmp_path)
     assert checks["divergent_steps"] == [[2, 40]]

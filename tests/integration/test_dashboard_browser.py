@@ -148,7 +148,7 @@ def test_a_blocked_job_gets_a_new_epoch_from_the_dashboard_button(browser, tmp_p
         assert page.locator("#epoch").is_hidden()
         page.fill("#token", "tok")
         page.locator("#epoch-button").click()
-        page.wait_for_function("document.getElementById('flash').textContent.includes('epoch 1 started')",
+        page.wait_for_function("document.getElementById('flash').textContent.includes('a new epoch started (number 1 since this lighthouse started)')",
                                timeout=30_000)
         page.wait_for_selector("#epoch", state="visible", timeout=30_000)
         assert "300" in page.locator("#epoch").inner_text()

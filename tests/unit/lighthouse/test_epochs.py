@@ -234,7 +234,7 @@ class TestFence:
 
     def test_a_holder_from_before_the_epoch_is_refused_and_its_heartbeats_ignored(self):
         s = self.after_epoch()
-        refused = r"'old-a' is from before epoch 1 .*: it reports step 300, above step 0"
+        refused = r"'old-a' is from before the job's current epoch \(number 1 since this lighthouse started.*: it reports step 300, above step 0"
         with pytest.raises(StaleReplica, match=refused) as info:
             s.join(Member("old-a", step=300), 41.0)
         assert "must restart" in str(info.value) and info.value.epoch is s.epoch
