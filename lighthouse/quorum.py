@@ -36,6 +36,16 @@ steps, and every wait has a bounded way out):
 * **New epoch** and **fence** (rules in :mod:`lighthouse.epochs`): ``decide``
   lets the guard give way at the participants' step; a replica from before
   the epoch is refused (``join`` raises :class:`StaleReplica`).
+* **Lineage fence**: a member of the last issued quorum that is dropped
+  (heartbeat expired, lease ended) is remembered with the step it had there,
+  S. If a later quorum without it is issued at highest step S (the others
+  redo step S without it) and it comes back reporting a step above S while
+  another member of its new quorum reports as much, it committed step S on
+  its own lineage (a group's lease fence makes that rare: it needs a
+  partition within moments of its last send). The quorum gives it step S
+  instead, so every manager, ours and torchft's, heals it from the others:
+  two lineages never both go on. A quorum is what resolves a remembered
+  member; the newest ``MAX_DROPPED`` are kept.
 
 Cost: a join, heartbeat or ``evaluate`` is O(1) amortized (incremental
 counters; heartbeats pruned from the front of a list in last-seen order); only
@@ -54,6 +64,8 @@ from lighthouse.epochs import EpochBook, StaleReplica
 from lighthouse.quorum_data import Decision, Epoch, IssuedQuorum, Member, QuorumConfig, Status, plural
 
 __all__ = ["Decision", "Epoch", "IssuedQuorum", "Member", "QuorumConfig", "QuorumState", "StaleReplica", "Status"]
+
+MAX_DROPPED = 1024  # members dropped from the last quorum that the lineage fence remembers
 
 
 @dataclass
@@ -85,6 +97,10 @@ class QuorumState:
         self._participants: dict[str, _Participant] = {}
         self._prev: IssuedQuorum | None = None
         self._prev_ids: frozenset[str] = frozenset()
+        # Lineage fence: members dropped from the last quorum -> their step in it; and which of them the
+        # others since redid that step without.
+        self._dropped: OrderedDict[str, int] = OrderedDict()
+        self._redone: set[str] = set()
         self._now = -math.inf
         # Counters over healthy participants (participants with a live heartbeat entry).
         self._healthy_participants = 0
@@ -164,6 +180,7 @@ class QuorumState:
         if participant is not None and was_heartbeating:
             self._count(participant.member, -1)
         self._epochs.dropped(replica_id, replica_id in self._prev_ids)
+        self._remember_dropped(replica_id)
         return was_heartbeating or participant is not None
 
     def fence(self, replica_id: str) -> None:
@@ -187,6 +204,7 @@ class QuorumState:
             if participant is not None:
                 self._count(participant.member, -1)
             self._epochs.dropped(replica_id, replica_id in self._prev_ids)
+            self._remember_dropped(replica_id)
         return expired
 
     def request_epoch(self, reason: str) -> None:
@@ -426,6 +444,38 @@ class QuorumState:
         self._recount()
         return epoch, fenced
 
+    def _remember_dropped(self, replica_id: str) -> None:
+        """A member of the last issued quorum was dropped: keep its step there for the lineage fence."""
+        if self._prev is None or replica_id not in self._prev_ids:
+            return
+        self._dropped[replica_id] = next(m.step for m in self._prev.members if m.replica_id == replica_id)
+        self._dropped.move_to_end(replica_id)
+        self._redone.discard(replica_id)
+        while len(self._dropped) > MAX_DROPPED:
+            oldest, _ = self._dropped.popitem(last=False)
+            self._redone.discard(oldest)
+
+    def _fence_lineages(self, chosen: list[Member]) -> tuple[tuple[str, int, int], ...]:
+        """The lineage fence (module docstring): note the dropped members whose step the chosen redo, and lower
+        the step of each chosen member that committed a step the others redid. Returns what it lowered."""
+        top = max((m.step for m in chosen), default=0)
+        ids = {m.replica_id for m in chosen}
+        for replica_id, step in self._dropped.items():
+            if replica_id not in ids and step == top:
+                self._redone.add(replica_id)
+        lowered = []
+        for i, member in enumerate(chosen):
+            step = self._dropped.pop(member.replica_id, None)
+            if step is None:
+                continue
+            redone = member.replica_id in self._redone
+            self._redone.discard(member.replica_id)
+            others_top = max((m.step for m in chosen if m is not member), default=-1)
+            if redone and member.step > step and others_top >= member.step:
+                chosen[i] = replace(member, step=step)
+                lowered.append((member.replica_id, member.step, step))
+        return tuple(lowered)
+
     def _issue(self, now: float) -> IssuedQuorum:
         chosen = self._eligible()
         chosen.sort(key=lambda m: m.replica_id)
@@ -434,7 +484,8 @@ class QuorumState:
                 or any(m.commit_failures > 0 for m in chosen)):
             self._quorum_id += 1
         self._new_id_due = False
-        quorum = IssuedQuorum(self._quorum_id, tuple(chosen), now)
+        lowered = self._fence_lineages(chosen)
+        quorum = IssuedQuorum(self._quorum_id, tuple(chosen), now, lowered)
         self._max_step = max([self._max_step, *(m.step for m in chosen)])
         left = self._prev_ids - ids
         self._prev = quorum

@@ -78,6 +78,11 @@ class IssuedQuorum:
     members: tuple[Member, ...]
     issued_at: float
     """Monotonic time the quorum was issued (the caller's clock)."""
+    redone_by_others: tuple[tuple[str, int, int], ...] = ()
+    """Members whose step the quorum lowers so they heal: ``(replica id, step it reported, step it is given)``.
+    Each was declared gone from an earlier quorum at the step it is given, the others redid that step
+    without it, and it came back one step further: a commit of a step its peers redid (see
+    :mod:`lighthouse.quorum`, "lineage fence")."""
 
     @property
     def replica_ids(self) -> tuple[str, ...]:

@@ -333,7 +333,15 @@ class LighthouseServer:
         for observe in self._formation_observers:
             observe(formation)
         message = pb.Quorum(quorum_id=quorum.quorum_id)
-        message.participants.extend(m.payload for m in quorum.members)
+        for member in quorum.members:
+            participant = message.participants.add()
+            participant.CopyFrom(member.payload)
+            participant.step = member.step  # the lineage fence may give a member a lower step, so it heals
+        for replica_id, reported, given in quorum.redone_by_others:
+            logger.warning("quorum %d: %s reports step %d, but it was declared gone at step %d and the others redid "
+                           "that step without it: it is given step %d and heals from them (its step %d is from a "
+                           "lineage the job did not keep)", quorum.quorum_id, replica_id, reported, given, given,
+                           reported)
         message.created.FromNanoseconds(int(created * 1e9))
         response = pb.LighthouseQuorumResponse(quorum=message).SerializeToString()
         for replica_id in quorum.replica_ids:

@@ -63,6 +63,35 @@ def test_member_dropping_out_gets_a_new_quorum_id_after_heartbeat_expiry():
     asyncio.run(scenario())
 
 
+def test_heartbeats_state_the_lease_and_a_member_that_committed_a_redone_step_is_given_the_step_to_heal():
+    """g is declared gone at step 7 (its heartbeats lapsed), p redoes step 7 alone, then both come back at
+    step 8: the quorum gives g step 7, so every manager heals it from p (the lineage fence)."""
+    async def scenario():
+        async with running_lighthouse(heartbeat_timeout=0.5, join_timeout=60.0) as server, \
+                client_for(server) as c:
+            assert await c.heartbeat("p", timeout=WAIT) == 0.5
+            first = await asyncio.gather(c.quorum("g", timeout=WAIT, step=7), c.quorum("p", timeout=WAIT, step=7))
+            assert [m.step for m in first[0].participants] == [7, 7]
+
+            async def keep_p_alive():
+                while True:
+                    await c.heartbeat("p", timeout=WAIT)
+                    await asyncio.sleep(0.1)
+
+            beats = asyncio.create_task(keep_p_alive())
+            try:
+                await wait_until(lambda: server.statistics().expired_replicas >= 1, "g's heartbeat to expire")
+                redo = await c.quorum("p", timeout=WAIT, step=7)
+                assert [m.replica_id for m in redo.participants] == ["p"]
+                back = await asyncio.gather(c.quorum("g", timeout=WAIT, step=8),
+                                            c.quorum("p", timeout=WAIT, step=8))
+            finally:
+                beats.cancel()
+            assert {m.replica_id: m.step for m in back[0].participants} == {"g": 7, "p": 8}
+
+    asyncio.run(scenario())
+
+
 def test_heartbeat_expiry_is_visible_in_status():
     async def scenario():
         async with running_lighthouse(heartbeat_timeout=0.3) as server, client_for(server) as c:

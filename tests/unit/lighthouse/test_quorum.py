@@ -341,3 +341,63 @@ class TestStaleQuorumGuard:
         s.join(Member("a", step=11), 0.5)
         s.join(Member("new", step=0), 0.5)
         assert issue(s, 0.5).replica_ids == ("a", "new")
+
+
+# ---------------------------------------------------------------- lineage fence
+
+
+def _lineage_state() -> QuorumState:
+    return QuorumState(QuorumConfig(min_replicas=1, join_timeout=1.0, heartbeat_timeout=2.0))
+
+
+def _issue(state: QuorumState, now: float, *members: Member):
+    for member in members:
+        state.join(member, now)
+    decision, _ = state.decide(now)
+    assert decision.quorum is not None, decision.reason
+    return decision.quorum
+
+
+def test_a_member_that_committed_a_step_the_others_redid_without_it_is_given_that_step_to_heal():
+    state = _lineage_state()
+    _issue(state, 0.0, Member("g", step=7), Member("p", step=7))
+    state.heartbeat("p", 2.5)
+    state.expire(2.5)  # g hung past the heartbeat timeout: dropped at step 7
+    _issue(state, 2.6, Member("p", step=7))  # p redoes step 7 without g
+    state.heartbeat("p", 3.0)
+    quorum = _issue(state, 3.0, Member("g", step=8), Member("p", step=8))  # g committed 7 on its own
+    assert {m.replica_id: m.step for m in quorum.members} == {"g": 7, "p": 8}
+    assert quorum.redone_by_others == (("g", 8, 7),)
+    # Resolved: the next quorum takes g's step as it is.
+    assert _issue(state, 3.5, Member("g", step=8), Member("p", step=8)).redone_by_others == ()
+
+
+def test_a_member_dropped_after_the_others_went_on_keeps_its_step():
+    state = _lineage_state()
+    _issue(state, 0.0, Member("g", step=7), Member("p", step=7))
+    state.heartbeat("p", 2.5)
+    state.expire(2.5)
+    _issue(state, 2.6, Member("p", step=8))  # p committed step 7 with g: nobody redid it
+    quorum = _issue(state, 3.0, Member("g", step=8), Member("p", step=9))
+    assert {m.replica_id: m.step for m in quorum.members} == {"g": 8, "p": 9}
+    assert quorum.redone_by_others == ()
+
+
+def test_a_member_whose_redoing_peers_did_not_get_as_far_keeps_its_step_and_is_the_source():
+    state = _lineage_state()
+    _issue(state, 0.0, Member("g", step=7), Member("p", step=7))
+    state.heartbeat("p", 2.5)
+    state.expire(2.5)
+    _issue(state, 2.6, Member("p", step=7))  # p tries step 7 again, and that fails too
+    quorum = _issue(state, 3.0, Member("g", step=8), Member("p", step=7))
+    assert {m.replica_id: m.step for m in quorum.members} == {"g": 8, "p": 7}  # one lineage: p heals from g
+
+
+def test_a_member_that_did_not_commit_while_gone_is_left_as_it_is():
+    state = _lineage_state()
+    _issue(state, 0.0, Member("g", step=7), Member("p", step=7))
+    state.forget("g")  # its lease ended
+    _issue(state, 0.1, Member("p", step=7))
+    quorum = _issue(state, 0.5, Member("g", step=7), Member("p", step=8))
+    assert {m.replica_id: m.step for m in quorum.members} == {"g": 7, "p": 8}
+    assert quorum.redone_by_others == ()
