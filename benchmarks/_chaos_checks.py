@@ -34,8 +34,10 @@ from bisect import bisect_left
 from collections import defaultdict
 from pathlib import Path
 
-__all__ = ["complete_checkpoints", "find_rewinds", "heal_and_stall_figures", "job_step_at", "read_reports", "split_epochs",
-           "verify"]
+from benchmarks._rejoin_breakdown import breakdown, median_breakdown
+
+__all__ = ["complete_checkpoints", "find_rewinds", "heal_and_stall_figures", "job_step_at", "kill_all_phases",
+           "read_reports", "split_epochs", "verify"]
 
 _STEP_DIR = re.compile(r"^step-(\d{12})$")
 _RESUME_LINE = re.compile(r"\] (?:resumed from step (\d+)|no checkpoint: starting fresh)")
@@ -318,6 +320,34 @@ def heal_and_stall_figures(workdir: Path, rows: list[dict], restarts: list[dict]
     return {"heals": heals, "heal_mb": round(heal_mb, 1) if impl == "torchft_lite" else None,
             "stalls_over_1s": len(stalls), "longest_stall_s": round(max(gaps, default=0.0), 2),
             "stalled_s": round(sum(stalls), 1)}
+
+
+def kill_all_phases(timelines: list[dict], kill_alls: list[dict], starts: list[dict], rows: list[dict]) -> dict | None:
+    """Where a kill-all's time to the first step after it goes: for each process that was restarted after a
+    kill-all and took part in the job's first commit after it (its first commit within 0.5 s of that one),
+    the scheduler's restart delay and its rejoin phases (``benchmarks._rejoin_breakdown``, from the timeline
+    line it wrote: ``train_ddp.py --timeline``); the median of each over all kill-alls. None without samples.
+    ``starts``: the supervisor's group starts (``at``, ``pids`` by rank)."""
+    by_pid = {line["pid"]: line for line in timelines if line.get("rank") == 0}
+    samples, delays = [], []
+    for k, kill in enumerate(kill_alls):
+        until = kill_alls[k + 1]["at"] if k + 1 < len(kill_alls) else float("inf")
+        first = min((r["time"] for r in rows if kill["at"] < r["time"] < until), default=None)
+        if first is None:
+            continue
+        for start in starts:
+            line = by_pid.get(start["pids"][0]) if start["pids"] else None
+            if not kill["at"] < start["at"] < first or line is None:
+                continue
+            if line["events"].get("first_commit", float("inf")) > first + 0.5:
+                continue  # restarted in time, but it joined the job later
+            samples.append(breakdown(line, launched=start["at"]))
+            delays.append(start["at"] - kill["at"])
+    if not samples:
+        return None
+    result = median_breakdown(samples)
+    result["restart_delay_s"] = statistics.median(delays)
+    return result
 
 
 def job_step_at(rows: list[dict], restarts: list[dict], when: float, key: str = "step") -> int:

@@ -64,6 +64,13 @@ def print_summary(args, impl: str, result: dict) -> None:
         if checks["kill_all_recovery_max_s"] is not None:
             print(f"kill to first step after       median {checks['kill_all_recovery_median_s']:.1f} s, "
                   f"max {checks['kill_all_recovery_max_s']:.1f} s")
+        phases = figures.get("kill_all_phases")
+        if phases:
+            print(f"  where it goes (median over the {phases['samples']} restarted processes that made the first step):")
+            print(f"    {'restart delay':<16} {phases['restart_delay_s']:6.2f} s  the scheduler's (this harness: 0.5-3 s)")
+            for name, seconds in phases["phases"].items():
+                if seconds is not None:
+                    print(f"    {name:<16} {seconds:6.2f} s")
         print(f"kill-all resume errors         {len(checks['kill_all_errors'])}")
     rewinds = ", ".join(f"{r['from_step']}->{r['to_step']}" for r in checks["rewinds"][:6])
     print(f"rewinds (from reports)         {len(checks['rewinds'])}" + (f" ({rewinds})" if rewinds else ""))

@@ -22,6 +22,7 @@ PHASES: list[tuple[str, str, str]] = [
     ("import library", "library_imported", "import the library and the names a trainer uses"),
     ("model and data", "manager_begin", "the script's own set-up (model, optimizer, dataset)"),
     ("Manager()", "manager_constructed", "process group object, Manager: store, ManagerServer, lighthouse connect"),
+    ("checkpoint read", "checkpoint_resumed", "the newest durable checkpoint found, read and loaded (--checkpoint-dir)"),
     ("first quorum", "quorum_answered", "-> the lighthouse's first quorum answered"),
     ("configure", "configured", "process group configured for that quorum"),
     ("heal", "heal_applied", "checkpoint metadata, state dict received and applied"),
@@ -30,7 +31,7 @@ PHASES: list[tuple[str, str, str]] = [
 OURS_FROM = "torch_imported"
 """Issue 19's "part that is ours" starts when the interpreter has imported torch (it includes the script's own
 set-up, whose first ``torch.optim`` optimizer imports ``torch._dynamo``: the same for either library)."""
-LIBRARY_PHASES = ("import library", "Manager()", "first quorum", "configure", "heal", "first commit")
+LIBRARY_PHASES = ("import library", "Manager()", "checkpoint read", "first quorum", "configure", "heal", "first commit")
 """The phases only the library decides (``library_s``): the rest is the same script on the same torch."""
 
 

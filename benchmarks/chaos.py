@@ -74,7 +74,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks._chaos_checks import (complete_checkpoints, heal_and_stall_figures, job_step_at,  # noqa: E402
-                                      read_reports, verify)
+                                      kill_all_phases, read_reports, verify)
 from benchmarks._chaos_cli import parse_args  # noqa: E402
 from benchmarks._chaos_faults import Fault, Network, make_schedule  # noqa: E402
 from benchmarks._chaos_impls import make_lighthouse, torchft_missing  # noqa: E402
@@ -91,6 +91,7 @@ class Chaos:
         self.args, self.impl, self.workdir = args, impl, workdir
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.report = self.workdir / "report.jsonl"
+        self.timelines = self.workdir / "timelines.jsonl"  # one line per process at its first commit
         if self.report.exists():  # its rows, logs and checkpoints would mix with this run's
             raise SystemExit(f"{self.workdir} holds a previous run's report.jsonl; use an empty --workdir")
         self.checkpoints = self.workdir / "checkpoints"
@@ -121,7 +122,7 @@ class Chaos:
             self.network.setup()
         self.lighthouse.start()
         train = ["--impl", self.impl, "--steps", "100000000", "--step-sleep", "0.02", "--report", str(self.report),
-                 "--timeout", "10", "--pg", self.args.pg]
+                 "--timeout", "10", "--pg", self.args.pg, "--timeline", str(self.timelines)]
         if "hang-before-vote" in self.args.kinds:
             train.append("--inject-stop-on-usr1")
         if self.args.checkpoint_every:
@@ -368,6 +369,7 @@ def run_impl(args: argparse.Namespace, impl: str, workdir: Path, schedule: list[
     checks = verify(rows, chaos.kill_alls, chaos.starts, workdir, rewinds_allowed=rewinds_allowed)
     restarts = checks["restarts"]
     figures = heal_and_stall_figures(workdir, rows, restarts, impl)
+    figures["kill_all_phases"] = kill_all_phases(read_reports(chaos.timelines), chaos.kill_alls, chaos.starts, rows)
 
     def rate(*windows: tuple[float, float], key: str = "step") -> float:
         done = sum(job_step_at(rows, restarts, end, key) - job_step_at(rows, restarts, start, key)

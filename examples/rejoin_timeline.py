@@ -8,7 +8,7 @@ alike, so the events are only what both libraries let a training script see:
 
 * marks the script sets itself (``script_start`` before ``import torch``,
   ``torch_imported``, ``library_imported``, ``manager_begin``,
-  ``manager_constructed``, ``first_commit``) and ``process_start``, read
+  ``manager_constructed``, ``checkpoint_resumed`` with durable checkpoints, ``first_commit``) and ``process_start``, read
   from ``/proc`` (the interpreter's own start-up is before any line runs);
 * the library's INFO log lines that say the first quorum was answered, the
   process group configured, the heal begun and applied (:data:`LOG_EVENTS`;

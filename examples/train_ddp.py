@@ -258,6 +258,7 @@ def main() -> None:
                                                    keep_last=args.keep_last)
         checkpointer.register_local("batches", batches.state_dict, batches.load_state_dict)
         resumed = checkpointer.resume()
+        timeline.mark("checkpoint_resumed")
         print(f"[group {replica_group} rank {rank}] "
               + (f"resumed from step {resumed}" if resumed is not None else "no checkpoint: starting fresh"),
               flush=True)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks._chaos_checks import verify
+from benchmarks._chaos_checks import kill_all_phases, verify
 from benchmarks._chaos_impls import torchft_missing
 from tests.conftest import needs_torchft
 
@@ -61,6 +61,7 @@ def test_twenty_faults_of_every_kind_lose_nothing(chaos_run):
     # The kill-all: the new job epoch went on from the step after the newest checkpoint.
     assert summary["kill_alls"] == 1 and summary["kill_all_errors"] == 0, table
     assert summary["kill_alls_first"][0]["recovery_s"] is not None
+    assert summary["kill_all_phases"] is not None and summary["kill_all_phases"]["samples"] >= 1, table
     assert summary["returncode"] == 0 and summary["ok"], table
 
 
@@ -187,3 +188,25 @@ def test_checker_catches_divergence_and_an_unplanned_rewind(tmp_path):
     assert checks["divergent_steps"] == [[2, 40]]
     assert len(checks["unplanned_rewinds"]) == 1 and "from step 30 down to 20 because" in checks["unplanned_rewinds"][0]
     assert checks["kill_all_errors"] == []
+
+
+def test_a_kill_alls_time_is_split_over_the_processes_that_made_the_first_step_after_it():
+    def timeline(pid: int, launched: float, first_commit: float) -> dict:
+        events = {"process_start": launched + 0.01, "script_start": launched + 0.1, "torch_imported": launched + 2.0,
+                  "library_imported": launched + 2.1, "manager_begin": launched + 2.2,
+                  "manager_constructed": launched + 2.3, "checkpoint_resumed": launched + 2.35,
+                  "quorum_answered": first_commit - 0.1, "first_commit": first_commit}
+        return {"group": pid % 10, "rank": 0, "pid": pid, "events": events}
+
+    kill_alls = [{"at": 100.0}]
+    starts = [{"at": 101.0, "group": 1, "pids": [11, 21]}, {"at": 102.0, "group": 2, "pids": [12, 22]},
+              {"at": 105.0, "group": 3, "pids": [13, 23]}]
+    rows = [{"time": 90.0}, {"time": 106.0}, {"time": 106.1}, {"time": 109.0}]
+    timelines = [timeline(11, 101.0, 106.0), timeline(12, 102.0, 106.1), timeline(13, 105.0, 109.0),
+                 {**timeline(21, 101.0, 106.0), "rank": 1}]
+    phases = kill_all_phases(timelines, kill_alls, starts, rows)
+    assert phases["samples"] == 2  # group 3 joined the job later; rank 1 is not counted
+    assert phases["restart_delay_s"] == pytest.approx(1.5)
+    assert phases["phases"]["import torch"] == pytest.approx(1.9)
+    assert phases["phases"]["checkpoint read"] == pytest.approx(0.05)
+    assert kill_all_phases([], kill_alls, starts, rows) is None

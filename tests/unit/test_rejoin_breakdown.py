@@ -37,9 +37,10 @@ def test_every_phase_ends_at_its_event_and_they_add_up_to_the_rejoin():
     assert phases["model and data"] == pytest.approx(1.0)
     assert phases["Manager()"] == pytest.approx(0.1)
     assert phases["heal"] == pytest.approx(0.02)
-    assert sum(phases.values()) == pytest.approx(result["total_s"]) == pytest.approx(2.87)
+    assert phases["checkpoint read"] is None  # no durable checkpoints: its time is in the next phase
+    assert sum(v for v in phases.values() if v is not None) == pytest.approx(result["total_s"]) == pytest.approx(2.87)
     assert result["from_torch_s"] == pytest.approx(102.87 - 101.55)
-    assert result["library_s"] == pytest.approx(sum(phases[name] for name in LIBRARY_PHASES))
+    assert result["library_s"] == pytest.approx(sum(phases[name] or 0.0 for name in LIBRARY_PHASES))
     assert result["library_s"] == pytest.approx(0.15 + 0.1 + 0.03 + 0.01 + 0.02 + 0.01)
 
 
@@ -66,7 +67,7 @@ def test_a_standby_started_before_the_restart_shows_no_launch_and_a_short_interp
     assert result["phases"]["launch"] == 0.0
     assert result["phases"]["interpreter"] == pytest.approx(0.01)
     assert result["total_s"] == pytest.approx(2.87)
-    assert sum(result["phases"].values()) == pytest.approx(result["total_s"])
+    assert sum(v for v in result["phases"].values() if v is not None) == pytest.approx(result["total_s"])
 
 
 def test_the_first_step_report_is_kept_and_medians_skip_missing_phases():
