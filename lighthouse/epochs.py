@@ -31,7 +31,14 @@ from "gone", and fences what comes back too late:
   began is from before it (say, a partitioned holder coming back): its join
   raises :class:`StaleReplica` instead of making it everyone's heal source, and
   its heartbeats are ignored until it joins at a step the rules accept, so it
-  does not count as a healthy replica either.
+  does not count as a healthy replica either. The one replica above
+  ``max_step`` it admits without a quorum since: one that just resumed from a
+  durable checkpoint whose state was committed under a quorum of this epoch
+  (``resumed_quorum``, from the checkpoint's manifest, at least the epoch's
+  first quorum id). A group that commits the step of the epoch's last quorum
+  and saves it as it leaves holds ``max_step + 1``; without this, a whole job
+  restarted from that checkpoint was refused at every Quorum call, for good
+  (seen in a chaos run: a kill-all right after a new epoch).
 
 Bounded memory: the ids admitted since the epoch are kept only while
 heartbeating or in the last quorum (one that is neither and later comes back
@@ -50,10 +57,12 @@ from typing import Collection, Container, Iterable
 
 from lighthouse.quorum_data import Epoch, Member
 
-__all__ = ["MAX_FENCED", "RESUMED_FROM_KEY", "EpochBook", "StaleReplica", "group_of", "resumed_from_of"]
+__all__ = ["MAX_FENCED", "RESUMED_FROM_KEY", "RESUMED_QUORUM_KEY", "EpochBook", "StaleReplica", "group_of",
+           "resumed_from_of", "resumed_quorum_of"]
 
 MAX_FENCED = 1024
 RESUMED_FROM_KEY = "resumed_from"
+RESUMED_QUORUM_KEY = "resumed_quorum"
 _INT64_MAX = 2**63 - 1
 
 
@@ -64,13 +73,23 @@ def resumed_from_of(data: str) -> int | None:
     other things there): anything but a JSON object holding an integer from 0 to
     2**63-1 under ``resumed_from`` means None, never an error.
     """
+    return _advertised_int(data, RESUMED_FROM_KEY)
+
+
+def resumed_quorum_of(data: str) -> int | None:
+    """The ``resumed_quorum`` a member advertises: the id of the quorum under which the state of the durable
+    checkpoint it resumed from was committed (its manifest's ``quorum_id``); None as for :func:`resumed_from_of`."""
+    return _advertised_int(data, RESUMED_QUORUM_KEY)
+
+
+def _advertised_int(data: str, key: str) -> int | None:
     if not data:
         return None
     try:
         parsed = json.loads(data)
     except (ValueError, RecursionError):  # not JSON, an integer of too many digits, or nested absurdly deep
         return None
-    value = parsed.get(RESUMED_FROM_KEY) if isinstance(parsed, dict) else None
+    value = parsed.get(key) if isinstance(parsed, dict) else None
     if type(value) is not int or not 0 <= value <= _INT64_MAX:  # type(): a bool is not a step
         return None
     return value
@@ -81,6 +100,15 @@ def group_of(replica_id: str) -> str | None:
     ``<replica_id>:<uuid>``), or None for an id without one."""
     group, sep, _ = replica_id.rpartition(":")
     return group if sep and group else None
+
+
+def _resumed_within(member: Member, epoch: Epoch) -> bool:
+    """Whether ``member`` just resumed from a durable checkpoint of a step committed during ``epoch`` (under one
+    of its quorums): a new process of this epoch's lineage, though above the step its last quorum reached
+    (the step that quorum committed, saved by a group that then left). A checkpoint of the lineage from
+    before the epoch names an older quorum; one that names none (an older manifest) is not admitted."""
+    return (member.resumed_from is not None and member.resumed_from == member.step
+            and member.resumed_quorum is not None and member.resumed_quorum >= epoch.first_quorum_id)
 
 
 class StaleReplica(Exception):
@@ -205,9 +233,11 @@ class EpochBook:
         return (f"no holder of step {max_step} seen in the {unseen:.1f}s since the lighthouse started "
                 "(its state dir holds the step, not who holds it)")
 
-    def start(self, now: float, from_step: int, to_step: int, reason: str, holders: Iterable[str]) -> Epoch:
-        """A new epoch begins: ``holders`` (the participants at ``to_step``) hold the new highest step."""
-        self.current = Epoch(self.number + 1, now, from_step, to_step, reason)
+    def start(self, now: float, from_step: int, to_step: int, reason: str, holders: Iterable[str],
+              first_quorum_id: int) -> Epoch:
+        """A new epoch begins: ``holders`` (the participants at ``to_step``) hold the new highest step;
+        ``first_quorum_id``: the id its first quorum gets (ids only grow)."""
+        self.current = Epoch(self.number + 1, now, from_step, to_step, reason, first_quorum_id)
         self.holders, self.holders_seen_at = frozenset(holders), now
         self._admitted.clear()
         return self.current
@@ -217,7 +247,8 @@ class EpochBook:
     def check(self, member: Member, max_step: int) -> None:
         """Raise :class:`StaleReplica` if ``member`` is from before the current epoch; else it is no longer fenced."""
         epoch = self.current
-        if epoch is not None and member.step > max_step and member.replica_id not in self._admitted:
+        if (epoch is not None and member.step > max_step and member.replica_id not in self._admitted
+                and not _resumed_within(member, epoch)):
             raise StaleReplica(member.replica_id, member.step, max_step, epoch)
         if self._fenced:
             self._fenced.pop(member.replica_id, None)

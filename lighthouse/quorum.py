@@ -433,7 +433,7 @@ class QuorumState:
         eligible = self._eligible()
         to_step = max([0, *(m.step for m in eligible)])  # the guard blocked: below max_step
         holders = (m.replica_id for m in eligible if m.step >= to_step)
-        epoch = self._epochs.start(now, self._max_step, to_step, reason, holders)
+        epoch = self._epochs.start(now, self._max_step, to_step, reason, holders, self._quorum_id + 1)
         self._max_step = to_step
         self._new_id_due = True
         # Waiting above the new step but not eligible (no live heartbeat, or kept

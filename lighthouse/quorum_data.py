@@ -67,6 +67,9 @@ class Member:
     """The step of the durable checkpoint the replica resumed from, as it
     advertises (``"resumed_from"`` in ``QuorumMember.data``); equal to ``step``
     while it has not committed since. None when it says nothing."""
+    resumed_quorum: int | None = None
+    """The id of the quorum under which that checkpoint's state was committed, as it advertises
+    (``"resumed_quorum"``); None when it says nothing (see :mod:`lighthouse.epochs`, the fence)."""
     compute: ComputeSample | None = field(default=None, compare=False)
     """Its compute time of its last finished step, as it advertises (``"compute_ms"``/``"compute_step"``
     in ``QuorumMember.data``, see :mod:`lighthouse.stragglers`); None when it says nothing valid."""
@@ -103,6 +106,8 @@ class Epoch:
     """The highest step among the participants that started it (the new highest step)."""
     reason: str
     """Why, in one human sentence."""
+    first_quorum_id: int = 0
+    """The id of its first quorum: a state committed under this id or a later one is of this epoch."""
 
 
 class Status(enum.Enum):

@@ -24,7 +24,7 @@ import hpack  # noqa: F401  (a lighthouse serves all day: load the HPACK tables 
 
 from lighthouse.config import LighthouseConfig
 from lighthouse.decision_log import DecisionLog, log_serving, preview
-from lighthouse.epochs import StaleReplica, resumed_from_of
+from lighthouse.epochs import StaleReplica, resumed_from_of, resumed_quorum_of
 from lighthouse.fencing import QuorumIdStore
 from lighthouse.leases import LeaseHeld, LeaseTable
 from lighthouse.protocol import torchft_pb2 as pb
@@ -207,6 +207,7 @@ class LighthouseServer:
         self._counts["quorum_requests"] += 1
         member = Member(replica_id, requester.shrink_only, requester.commit_failures, payload=requester,
                         step=requester.step, resumed_from=resumed_from_of(requester.data),
+                        resumed_quorum=resumed_quorum_of(requester.data),
                         compute=self._state.sample_of(replica_id, requester.data))
         try:
             self._state.join(member, self._clock())

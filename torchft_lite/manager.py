@@ -119,6 +119,7 @@ class Manager:
         self._step = 0
         self._batches_committed = 0
         self._commit_failures = 0
+        self._state_quorum: int | None = None  # see state_quorum_id()
         self._closed = False
         self._current = Step(number=0)  # the step under way, or the last one
         self._on_preemption = on_preemption
@@ -347,6 +348,7 @@ class Manager:
         self._await(step, step.quorum, "the quorum and heal")
         self.watchdog.end("quorum")
         self._listeners.notify("state_changing")
+        healed = step.healing
         if step.healing:
             self._healer.apply(step)
         self._healer.publish(step, self._step)
@@ -378,6 +380,8 @@ class Manager:
                         f"this rank can't know whether its group committed") from exc
         self._healer.stop_serving(step)
         decision = enough and group_clean
+        if decision or (group_clean and healed):
+            self._state_quorum = self._rounds.quorum_id
         if decision:
             self._step += 1
             self._batches_committed += step.participation.world_size
@@ -413,6 +417,12 @@ class Manager:
 
     def current_step(self) -> int:
         return self._step
+
+    def state_quorum_id(self) -> int | None:
+        """The id of the quorum under which this rank's state was last committed or healed (ours); None before
+        the first. A durable checkpoint records it, so a lighthouse can tell a checkpoint of the job's current
+        lineage from one of before a new epoch (see ``lighthouse.epochs``)."""
+        return self._state_quorum
 
     def batches_committed(self) -> int:
         return self._batches_committed

@@ -64,6 +64,8 @@ class CheckpointInfo:
     files: dict[str, FileRecord]
     created: float
     """Wall-clock seconds."""
+    quorum_id: int | None = None
+    """The id of the quorum its state was committed (or healed) under; None in manifests from before it was kept."""
 
 
 def read_manifest(directory: Path) -> CheckpointInfo:
@@ -81,8 +83,11 @@ def read_manifest(directory: Path) -> CheckpointInfo:
         if type(step) is not int or step < 0 or type(size) is not int or size < 1:
             raise TypeError("step or group_world_size")
         files = {name: FileRecord.from_json(name, entry) for name, entry in raw["files"].items()}
+        quorum_id = raw.get("quorum_id")
+        if quorum_id is not None and (type(quorum_id) is not int or quorum_id < 0):
+            raise TypeError("quorum_id")
         info = CheckpointInfo(step, directory, str(raw["writer"]), str(raw["writer_group"]), size,
-                              bool(raw["per_rank"]), files, float(raw["created"]))
+                              bool(raw["per_rank"]), files, float(raw["created"]), quorum_id)
     except (KeyError, TypeError, AttributeError, ValueError) as exc:
         raise DurableCheckpointError(f"{path} is malformed ({exc})") from exc
     if directory.name != Layout.step_dir_name(step):
@@ -135,12 +140,14 @@ class Layout:
         return found
 
     def write_manifest(self, directory: Path, step: int, writer: str, writer_group: str, group_world_size: int,
-                       per_rank: bool, files: list[FileRecord]) -> None:
+                       per_rank: bool, files: list[FileRecord], *, quorum_id: int | None = None) -> None:
         manifest: dict[str, Any] = {
             "format": MANIFEST_FORMAT, "step": step, "writer": writer, "writer_group": writer_group,
             "group_world_size": group_world_size, "per_rank": per_rank, "created": time.time(),
             "files": {record.name: record.to_json() for record in files},
         }
+        if quorum_id is not None:  # the quorum the state was committed under (lighthouse.epochs' fence)
+            manifest["quorum_id"] = quorum_id
         write_bytes_atomically(directory / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
 
     def prune(self, keep_last: int, *, busy_steps: set[int] = frozenset()) -> list[int]:

@@ -42,6 +42,8 @@ class Resumer:
         self._rank, self._world, self._group = rank, world, group
         self._local_loaders = local_loaders
         self._agreement = agreement or GroupAgreement(None, "", rank, world)
+        self.resumed_quorum: int | None = None
+        """After a resume: the quorum id the loaded checkpoint's manifest recorded (None if it recorded none)."""
 
     def resume(self) -> int | None:
         found = {info.step: info for info in self._layout.complete()}
@@ -79,6 +81,7 @@ class Resumer:
                                    "read its part", step)
                 continue
             self._apply(info, state, local)
+            self.resumed_quorum = info.quorum_id
             logger.info("resumed from the durable checkpoint of step %d (%s, written by %s) in %.2fs", step,
                         info.path, info.writer, time.monotonic() - started)
             return step

@@ -90,6 +90,7 @@ class _Save:
     thread: threading.Thread | None = None
     # A save before leaving: another group may save the same step at the same time (first complete one wins).
     leaving: bool = False
+    quorum_id: int | None = None  # the quorum its state was committed (or healed) under, for the manifest
 
 
 class DurableCheckpointer:
@@ -143,6 +144,7 @@ class DurableCheckpointer:
                                           last_error=None)
         self._waited = 0.0
         self._resumed_from: int | None = None
+        self._resumed_quorum: int | None = None
         self._closed = False
         manager.add_step_listener(self)
 
@@ -179,13 +181,20 @@ class DurableCheckpointer:
                           agreement=agreement)
         step = resumer.resume()
         if step is not None:
-            self._resumed_from = step
+            self._resumed_from, self._resumed_quorum = step, resumer.resumed_quorum
             # Tell the lighthouse (group rank 0 speaks for the group): a job whose every group resumed from
-            # disk may start a new epoch at this step.
+            # disk may start a new epoch at this step; the quorum its state was committed under tells it the
+            # state is of the job's current epoch (lighthouse.epochs).
             channel = self._manager._channel
             if isinstance(channel, Advertises):
                 channel.advertise("resumed_from", step)
+                channel.advertise("resumed_quorum", self._resumed_quorum)
         return step
+
+    def _state_quorum(self) -> int | None:
+        """The quorum the current state was committed or healed under; after a resume with no commit since,
+        the one the checkpoint recorded."""
+        return self._manager.state_quorum_id() or self._resumed_quorum
 
     def save_now(self) -> int:
         """Save the current step synchronously (every rank of the group must call it); returns the step."""
@@ -195,7 +204,7 @@ class DurableCheckpointer:
         self.wait()
         step = self._manager.current_step()
         save = _Save(step, writes_state=self.per_rank or self._rank == 0, local=self._capture_local(step),
-                     leaving=leaving)
+                     leaving=leaving, quorum_id=self._state_quorum())
         if save.writes_state:
             save.flat = self._take_buffers(flatten(self._manager._manager_state_dict()))
             self._copy(save)
@@ -251,7 +260,8 @@ class DurableCheckpointer:
             return
         # The quorum's first participant writes; in it, every rank (default), else group rank 0 alone.
         writes_state = replica_rank == 0 and (self.per_rank or self._rank == 0)
-        self._due = _Save(step, writes_state=writes_state, local=self._capture_local(step))
+        self._due = _Save(step, writes_state=writes_state, local=self._capture_local(step),
+                          quorum_id=self._state_quorum())
 
     def step_starting(self, step: int) -> None:
         save, self._due = self._due, None
@@ -381,7 +391,7 @@ class DurableCheckpointer:
             return None
         records = [record] + (self._wait_for_parts(staging, save.step) if self.per_rank else [])
         self.layout.write_manifest(staging, save.step, manager.replica_id, self._group, self._world, self.per_rank,
-                                   records)
+                                   records, quorum_id=save.quorum_id)
         final = self.layout.step_dir(save.step)
         try:
             if final.exists():

@@ -245,6 +245,23 @@ class TestFence:
         s.join(Member("old-a", step=0), 42.0)
         assert not s.epochs.is_fenced("old-a") and s.is_heartbeating("old-a")
 
+    def test_a_new_process_resumed_from_a_checkpoint_committed_in_this_epoch_is_admitted_above_max_step(self):
+        s = self.after_epoch()  # its first quorum is id 2, at step 0
+        first = s.epoch.first_quorum_id
+        assert first == s.quorum_id == 2
+        # the job committed step 0 -> 1 under quorum 2, a group saved step 1 as it left, and the whole job was
+        # killed: every new process resumes from step 1, above max_step 0, and was in no quorum since
+        s.join(Member("next-a", step=1, resumed_from=1, resumed_quorum=first), 41.0)
+        s.join(Member("next-b", step=1, resumed_from=1, resumed_quorum=first + 5), 41.0)
+        assert s.num_participants == 2
+        # a checkpoint of the lineage from before the epoch, or one whose manifest names no quorum: refused
+        with pytest.raises(StaleReplica):
+            s.join(Member("next-c", step=1, resumed_from=1, resumed_quorum=first - 1), 41.0)
+        with pytest.raises(StaleReplica):
+            s.join(Member("next-d", step=1, resumed_from=1), 41.0)
+        with pytest.raises(StaleReplica):  # it committed since it resumed: its claim is no longer the checkpoint's
+            s.join(Member("next-e", step=2, resumed_from=1, resumed_quorum=first), 41.0)
+
     def test_members_of_the_new_epoch_that_committed_are_not_refused(self):
         s = self.after_epoch()
         s.join(Member("new-a", step=1), 41.0)  # committed step 0 -> 1, above max_step 0

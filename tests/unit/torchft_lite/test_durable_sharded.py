@@ -74,6 +74,9 @@ class RankManager:
     def current_step(self) -> int:
         return self.step
 
+    def state_quorum_id(self) -> int | None:
+        return 17
+
     def _manager_state_dict(self) -> dict:
         return {"user": {"state": self.state}, "torchft": {"step": self.step}}
 
