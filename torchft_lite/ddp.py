@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.nn import parallel
 
-from torchft_lite.work import ManagedWork
+from torchft_lite.work import ManagedWork, completed_future
 
 if TYPE_CHECKING:
     from torchft_lite.manager import Manager
@@ -63,12 +63,6 @@ def _comm_hook(manager, bucket):  # unannotated: DDP rejects string annotations 
     return _bucket_future(manager.allreduce(bucket.buffer()), bucket.buffer())
 
 
-def _completed(value: Any) -> torch.futures.Future:
-    future: torch.futures.Future = torch.futures.Future()
-    future.set_result(value)
-    return future
-
-
 def _bucket_future(work: Any, bucket: torch.Tensor) -> torch.futures.Future:
     """The future DDP waits on for one bucket, from whatever ``Manager.allreduce`` returned.
 
@@ -83,7 +77,7 @@ def _bucket_future(work: Any, bucket: torch.Tensor) -> torch.futures.Future:
     if isinstance(work, ManagedWork):
         return work.get_future()
     if not work.wait():
-        return _completed(bucket)
+        return completed_future(bucket)  # CUDA-aware for a GPU bucket (the stream rule)
     future = work.get_future()
     inner = getattr(future, "_fut", None)
     return inner if isinstance(inner, torch.futures.Future) else future
