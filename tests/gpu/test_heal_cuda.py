@@ -63,3 +63,31 @@ def test_encode_reads_gpu_tensors_through_the_recovery_stream():
     state = {"w": torch.arange(10, dtype=torch.float32, device="cuda")}
     step, decoded = _decode.decode_bytes(_encode.encode_to_bytes(1, state))
     assert step == 1 and torch.equal(decoded["w"], torch.arange(10, dtype=torch.float32))
+
+
+def test_a_heal_into_gpu_targets_pins_only_the_staging_ring_whatever_the_states_size():
+    # 256 MiB of GPU state through the ring of pinned slots (torchft_lite.checkpointing._staging): the
+    # receiver pins the ring once, not a host copy of every tensor, and the targets hold the sender's bytes.
+    from torchft_lite.checkpointing import _staging
+
+    source = {f"w{i}": torch.randn(16 << 20, device="cuda") for i in range(4)}
+    source["step"] = 5
+    local = {f"w{i}": torch.zeros(16 << 20, device="cuda") for i in range(4)}
+    local["step"] = 0
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    pinned_before = stats()["allocated_bytes.current"] if stats else None
+    server = HTTPTransport(LONG, hostname="127.0.0.1", bind_host="127.0.0.1")
+    client = HTTPTransport(LONG, num_chunks=4, hostname="127.0.0.1", bind_host="127.0.0.1", state_dict=lambda: local)
+    try:
+        server.send_checkpoint([1], 5, source, LONG)
+        received = client.recv_checkpoint(0, server.metadata(), 5, LONG)
+        server.disallow_checkpoint()
+    finally:
+        server.shutdown()
+        client.shutdown()
+    for i in range(4):
+        assert received[f"w{i}"] is local[f"w{i}"] and torch.equal(local[f"w{i}"], source[f"w{i}"])
+    ring = _staging.pinned_ring()
+    assert ring.free() == ring.slots  # every slot came back
+    if stats is not None:  # the sender's host copies are freed (cached) after its release; the ring stays
+        assert stats()["allocated_bytes.current"] - pinned_before <= _staging.SLOTS * _staging.SLOT_BYTES

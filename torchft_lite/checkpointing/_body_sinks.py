@@ -6,7 +6,8 @@ aborts its connection.
 
 * :class:`EncodedSink`: a whole encoding (or, for a striped heal, the
   primary's prefix and header alone): it validates the header as soon as it
-  is in, then hands the data to a ``TensorWriter`` (``_decode``);
+  is in, then hands the data to a ``TensorWriter`` (``_decode``), which lands
+  bytes meant for GPU tensors through a ring of pinned slots (``_staging``);
 * :class:`DataSink`: a block-aligned data range and its blocks' sums, into
   the ``TensorWriter`` a striped heal shares between its streams;
 * :class:`BytesSink`: a small answer (another replica's header, the
@@ -18,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from torchft_lite.checkpointing._decode import TensorWriter
+from torchft_lite.checkpointing._staging import stager_for
 from torchft_lite.checkpointing._format import PREFIX_SIZE, Path, parse_header, unpack_prefix
 from torchft_lite.errors import CheckpointTransferError
 
@@ -126,7 +128,7 @@ class EncodedSink:
         if header.step != self._step:
             raise CheckpointTransferError(f"{self._url} sent step {header.step}, expected step {self._step}")
         self.header_bytes = self._prefix + header_json
-        self.writer = TensorWriter(header, self._targets)
+        self.writer = TensorWriter(header, self._targets, stager_for(self._targets))  # GPU targets: _staging
         if header.data_bytes and not self._header_only:
             self._data = DataSink(self.writer, 0, header.data_bytes)
 
