@@ -111,57 +111,52 @@ def check(results: list[int]) -> None:
     assert results == [0] * len(results), f"elements read before their result landed, per tensor: {results}"
 
 
-def test_a_gloo_works_wait_leaves_the_readers_stream_waiting(ranks):
+def exercise(ranks, mirrored, start: Callable[[ProcessGroupGloo, torch.Tensor], object], expected: float,
+             tolerance: float = 0.0) -> None:
+    """Rank 1 runs ``mirrored`` on CPU tensors; rank 0 starts ``start(group, tensor)`` on each of its busy-written
+    CUDA tensors, then reads each result on a fresh stream straight after that handle's ``wait()``."""
     rank0, rank1 = ranks
-    helper = mirror(rank1, sum_and_wait)
+    helper = mirror(rank1, mirrored)
     tensors = busy_then_fill(1.0)
-    works = [rank0.allreduce([t], ReduceOp.SUM) for t in tensors]
-    check([wrong_on_a_fresh_stream(work.wait, t, 3.0) for work, t in zip(works, tensors)])
+    handles = [start(rank0, t) for t in tensors]
+    check([wrong_on_a_fresh_stream(handle.wait, t, expected, tolerance) for handle, t in zip(handles, tensors)])
     helper.join(TIMEOUT.total_seconds())
+
+
+class Errors(list):
+    """The errors a guarded future reported (the Manager records them; here none may come)."""
+
+    def managed(self, future: torch.futures.Future, tensor: torch.Tensor) -> ManagedWork:
+        """What Manager.allreduce returns for ``future``."""
+        return ManagedWork(guard_future(future, tensor, self.append, TIMEOUT.total_seconds(), "an allreduce"))
+
+
+def test_a_gloo_works_wait_leaves_the_readers_stream_waiting(ranks):
+    exercise(ranks, sum_and_wait, lambda pg, t: pg.allreduce([t], ReduceOp.SUM), 3.0)
 
 
 def test_a_gloo_future_and_the_division_after_it_are_ordered_on_the_readers_stream(ranks):
-    rank0, rank1 = ranks
-    helper = mirror(rank1, sum_and_wait)
-    tensors = busy_then_fill(1.0)
-    futures = [start_allreduce(rank0, t, ReduceOp.AVG, 2) for t in tensors]  # the Manager's unguarded path
-    check([wrong_on_a_fresh_stream(f.wait, t, 1.5) for f, t in zip(futures, tensors)])
-    helper.join(TIMEOUT.total_seconds())
+    exercise(ranks, sum_and_wait, lambda pg, t: start_allreduce(pg, t, ReduceOp.AVG, 2), 1.5)  # unguarded path
 
 
 def test_the_managers_guarded_allreduce_hands_back_a_finished_average(ranks):
-    rank0, rank1 = ranks
-    helper = mirror(rank1, guarded_sum_and_wait)
-    errors: list[BaseException] = []
+    # The non-finite guard is on by default: two collectives per tensor, averaged in a callback of both.
+    errors = Errors()
     guard = NonFiniteGuard(HealthConfig(), lambda *args, **kwargs: None, lambda step, exc: errors.append(exc))
-    tensors = busy_then_fill(1.0)
-    works = [ManagedWork(guard_future(guard.start(rank0, t, ReduceOp.AVG, 2, Step(number=0), True), t,
-                                      errors.append, TIMEOUT.total_seconds(), "an allreduce"))
-             for t in tensors]  # what Manager.allreduce returns with the non-finite guard on (the default)
-    check([wrong_on_a_fresh_stream(work.wait, t, 1.5) for work, t in zip(works, tensors)])
+    exercise(ranks, guarded_sum_and_wait,
+             lambda pg, t: errors.managed(guard.start(pg, t, ReduceOp.AVG, 2, Step(number=0), True), t), 1.5)
     assert errors == []
-    helper.join(TIMEOUT.total_seconds())
 
 
 def test_a_managed_works_future_is_ordered_for_a_reader_that_only_holds_the_future(ranks):
     # DDP's reducer waits on the comm hook's future, not on the work.
-    rank0, rank1 = ranks
-    helper = mirror(rank1, sum_and_wait)
-    errors: list[BaseException] = []
-    tensors = busy_then_fill(1.0)
-    futures = [ManagedWork(guard_future(start_allreduce(rank0, t, ReduceOp.AVG, 2), t, errors.append,
-                                        TIMEOUT.total_seconds(), "an allreduce")).get_future()
-               for t in tensors]
-    check([wrong_on_a_fresh_stream(f.wait, t, 1.5) for f, t in zip(futures, tensors)])
+    errors = Errors()
+    exercise(ranks, sum_and_wait,
+             lambda pg, t: errors.managed(start_allreduce(pg, t, ReduceOp.AVG, 2), t).get_future(), 1.5)
     assert errors == []
-    helper.join(TIMEOUT.total_seconds())
 
 
 def test_a_quantized_allreduce_and_its_division_are_ordered_on_the_readers_stream(ranks):
-    rank0, rank1 = ranks
-    helper = mirror(rank1, quantized_and_wait)
-    tensors = busy_then_fill(1.0)
-    futures = [start_quantized_allreduce(rank0, t, ReduceOp.AVG, 2) for t in tensors]
     # 1.0 and 2.0 are exact in 8 bits (each block's scale is its max / 127); 1e-2 leaves room for rounding
-    check([wrong_on_a_fresh_stream(f.wait, t, 1.5, tolerance=1e-2) for f, t in zip(futures, tensors)])
-    helper.join(TIMEOUT.total_seconds())
+    exercise(ranks, quantized_and_wait, lambda pg, t: start_quantized_allreduce(pg, t, ReduceOp.AVG, 2), 1.5,
+             tolerance=1e-2)

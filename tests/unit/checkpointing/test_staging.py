@@ -57,46 +57,56 @@ class Staging:
         self._executor.submit(lambda: None).result(30)
         return self.ring.free()
 
+    def writer(self, data_of: dict = STATE) -> tuple[_decode.TensorWriter, bytes, bytes]:
+        """A writer of ``data_of``'s encoding into zeroed targets, staged here; and that encoding's data and sums."""
+        header, data, trailer = encoded(data_of)
+        self.targets = targets_like(data_of)
+        return _decode.TensorWriter(header, self.targets, self.stager), data, trailer
 
-def receive(state: dict, slots: int, slot_bytes: int, piece: int) -> tuple[dict, dict, RecordingCopier, Staging]:
-    header, data, trailer = encoded(state)
-    targets = targets_like(state)
+
+def begun(writer: _decode.TensorWriter, data: bytes, start: int, count: int) -> None:
+    """A stream that wrote ``count`` bytes of its range at ``start`` and stopped there (it holds a slot)."""
+    view = writer.buffer_at(start, start + 4096)
+    view[:count] = data[start:start + count]
+    writer.filled(start, count)
+
+
+def receive(state: dict, slots: int, slot_bytes: int, piece: int) -> tuple[dict, RecordingCopier, Staging]:
     copier = RecordingCopier()
     staging = Staging(slots, slot_bytes, copier)
-    writer = _decode.TensorWriter(header, targets, staging.stager)
+    writer, data, trailer = staging.writer(state)
     copier.writer = writer
     fill_in_place(writer, data, 0, len(data), piece)
     writer.expect(0, len(data), trailer)
-    return writer.finish(), targets, copier, staging
+    return writer.finish(), copier, staging
 
 
 def test_bytes_land_in_the_targets_through_slots_that_all_come_back():
-    result, targets, copier, staging = receive(STATE, slots=3, slot_bytes=1024, piece=700)
+    result, copier, staging = receive(STATE, slots=3, slot_bytes=1024, piece=700)
     for name, tensor in STATE.items():
-        assert result[name] is targets[(name,)] and torch.equal(result[name], tensor)
+        assert result[name] is staging.targets[(name,)] and torch.equal(result[name], tensor)
     assert sum(copier.copies) == sum(t.numel() * t.element_size() for t in STATE.values())
     assert staging.settle() == 3
 
 
 def test_a_block_longer_than_a_slot_is_summed_from_its_chunks():
     # blocks of 4096 bytes (test_decode's), slots of 1024: each full block is four chunks, its sum theirs added
-    result, _, copier, _ = receive(STATE, slots=2, slot_bytes=1024, piece=4096)
+    result, copier, _ = receive(STATE, slots=2, slot_bytes=1024, piece=4096)
     assert torch.equal(result["a"], STATE["a"])
     assert max(copier.copies) == 1024
 
 
 def test_copies_start_while_later_bytes_are_still_arriving():
-    _, _, copier, _ = receive(STATE, slots=4, slot_bytes=1024, piece=512)
+    _, copier, _ = receive(STATE, slots=4, slot_bytes=1024, piece=512)
     total = sum(t.numel() * t.element_size() for t in STATE.values())
     assert copier.arrived_at_copy[0] < total // 2  # the first chunk went to the device early on
 
 
 def test_damaged_bytes_fail_the_checksum_of_their_block():
-    header, data, trailer = encoded(STATE)
+    staging = Staging(2, 1024, RecordingCopier())
+    writer, data, trailer = staging.writer()
     damaged = bytearray(data)
     damaged[5000] ^= 0xFF
-    staging = Staging(2, 1024, RecordingCopier())
-    writer = _decode.TensorWriter(header, targets_like(STATE), staging.stager)
     fill_in_place(writer, bytes(damaged), 0, len(data), 1000)
     writer.expect(0, len(data), trailer)
     with pytest.raises(CheckpointTransferError, match="checksum mismatch"):
@@ -105,13 +115,9 @@ def test_damaged_bytes_fail_the_checksum_of_their_block():
 
 
 def test_more_streams_than_slots_take_an_overflow_slot_instead_of_waiting_forever():
-    header, data, trailer = encoded(STATE)
-    targets = targets_like(STATE)
     staging = Staging(1, 1024, RecordingCopier())
-    writer = _decode.TensorWriter(header, targets, staging.stager)
-    first = writer.buffer_at(0, 4096)  # stream 1 holds the only slot, half filled
-    first[:512] = data[:512]
-    writer.filled(0, 512)
+    writer, data, trailer = staging.writer()
+    begun(writer, data, 0, 512)  # stream 1 holds the only slot, half filled
     fill_in_place(writer, data, 4096, len(data), 300)  # stream 2: no slot of the ring can come back
     fill_in_place(writer, data, 512, 4096, 300)
     writer.expect(0, len(data), trailer)
@@ -120,15 +126,11 @@ def test_more_streams_than_slots_take_an_overflow_slot_instead_of_waiting_foreve
 
 
 def test_blocks_received_again_give_their_slots_back_and_take_the_new_bytes():
-    header, data, trailer = encoded(STATE)
-    targets = targets_like(STATE)
     staging = Staging(2, 1024, RecordingCopier())
-    writer = _decode.TensorWriter(header, targets, staging.stager)
+    writer, data, trailer = staging.writer()
     garbage = bytes(len(data))
     fill_in_place(writer, garbage, 0, 4096, 1024)  # block 0 complete, with wrong bytes
-    view = writer.buffer_at(4096, 8192)  # block 1 half read when its stream broke
-    view[:100] = garbage[:100]
-    writer.filled(4096, 100)
+    begun(writer, garbage, 4096, 100)  # block 1 half read when its stream broke
     writer.receive_again([0, 1])
     fill_in_place(writer, data, 0, len(data), 1000)
     writer.expect(0, len(data), trailer)
@@ -137,14 +139,11 @@ def test_blocks_received_again_give_their_slots_back_and_take_the_new_bytes():
 
 
 def test_an_abandoned_receive_copies_nothing_more_and_gives_its_slots_back():
-    header, data, _ = encoded(STATE)
     copier = RecordingCopier()
     staging = Staging(2, 1024, copier)
-    writer = _decode.TensorWriter(header, targets_like(STATE), staging.stager)
+    writer, data, _ = staging.writer()
     fill_in_place(writer, data, 4096, 8192, 1024)  # block 1 full: its four chunks are queued or copied
-    view = writer.buffer_at(0, 4096)
-    view[:10] = data[:10]
-    writer.filled(0, 10)
+    begun(writer, data, 0, 10)
     writer.abandon()
     fill_in_place(writer, data, 8192, 12288, 1024)  # a stream that had not stopped yet: its chunks are not copied
     assert staging.settle() == 2
