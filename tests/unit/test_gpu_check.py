@@ -50,6 +50,8 @@ def test_a_divergent_step_a_failed_test_or_a_broken_phase_fails_the_check():
     assert failed(diverged)
     assert failed(results(tests={"passed": 1, "failed": 1, "skipped": 0}))
     assert failed(results(heal={"error": "heal_bench printed no result"}))
+    out_of_time = results(training={"error": "skipped: 500 s of the 540 s budget were spent before it"})
+    assert failed(out_of_time) and line(rows(out_of_time), "3 groups")[1].startswith("skipped")
     assert line(rows(diverged), "3 groups")[4] == "NO"
     slow = results()
     slow["heal"]["seconds"]["ours-default-inplace"] = [0.6, 0.3]  # 0.79 / 0.6 = 1.3x: missed, shown, not failed
