@@ -32,7 +32,9 @@ How every work and future here keeps it:
   (``process_group.tracked_work.TrackedWork``), the backend's own ordering is
   brought in with c10d's ``Work.synchronize()``, which makes the current
   stream wait for the backend's work (gloo's copies back to the GPU run on
-  streams of its own, and gloo's futures carry no devices). Results are set
+  streams of its own, and gloo's futures carry no devices: before it completes
+  one, gloo makes only its own thread's current stream, the default stream,
+  wait for the copy). Results are set
   on a fresh side stream (:func:`completion_streams`), never on the stream a
   training loop computes on, so a collective's completion never stalls the
   compute queued after it.

@@ -167,17 +167,13 @@ class TrackedWork(dist.Work):
             return future
 
         def done(source: torch.futures.Future) -> None:
-            try:
-                value = source.value()
-            except Exception as exc:
-                self._fail(exc)
-                return
             with self._lock:  # read now, not captured: a failed work must not be pinned by this callback
                 backend = self._work
             with completion_streams(self._devices):  # the stream rule (torchft_lite.work)
                 try:
+                    value = source.wait()  # done; a CUDA-aware source (NCCL's) leaves these streams waiting for it
                     if backend is not None:
-                        backend.synchronize()  # these streams wait for the backend's copies to the GPU
+                        backend.synchronize()  # and for what the backend still has queued (gloo's copies back)
                 except Exception as exc:
                     self._fail(exc)
                     return
