@@ -22,6 +22,10 @@ multiple of 8). When every slot is busy the reader waits for one (bounded by
 slot would come back: a stream count above the ring's takes an unpinned
 overflow slot instead).
 
+A failed receive (cut off half-way, timed out, or refused at the end)
+abandons its stager: the slots of chunks still being read come back, queued
+copies are skipped, and later bytes are refused.
+
 What a receive into GPU targets gives up: a target is written as its bytes
 arrive, before the whole transfer is verified, as contiguous CPU targets
 always were (``TensorWriter``: a failed receive may leave targets partly
@@ -180,6 +184,8 @@ class Stager:
         ``destination``: the flat bytes of the target for the whole block
         (``block_end - block_start`` of them, on the device).
         """
+        if self._abandoned.is_set():
+            raise CheckpointTransferError(f"data byte {offset} arrived after its receive was abandoned")
         start = self._chunk_start(block_start, offset)
         chunk = self._open.get(start)
         if chunk is None:

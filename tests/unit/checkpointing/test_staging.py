@@ -139,13 +139,15 @@ def test_blocks_received_again_give_their_slots_back_and_take_the_new_bytes():
 
 
 def test_an_abandoned_receive_copies_nothing_more_and_gives_its_slots_back():
+    # The receiver abandons its stager when a heal fails, whether after every byte or half-way
     copier = RecordingCopier()
     staging = Staging(2, 1024, copier)
     writer, data, _ = staging.writer()
     fill_in_place(writer, data, 4096, 8192, 1024)  # block 1 full: its four chunks are queued or copied
     begun(writer, data, 0, 10)
     writer.abandon()
-    fill_in_place(writer, data, 8192, 12288, 1024)  # a stream that had not stopped yet: its chunks are not copied
+    with pytest.raises(CheckpointTransferError, match="after its receive was abandoned"):
+        fill_in_place(writer, data, 8192, 12288, 1024)  # a stream that had not stopped yet takes no slot
     assert staging.settle() == 2
     assert len(copier.copies) <= 4  # block 2's four would make eight
 
