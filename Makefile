@@ -15,7 +15,7 @@ TORCHFT_SPEC ?= torchft-nightly==2026.10.26
 # Manager): without it the comparisons that run torchft (heal, chaos, recovery) would skip.
 TORCHFT_RUNTIME := "opentelemetry-sdk>=1.39" "opentelemetry-exporter-otlp-proto-http>=1.39"
 
-.PHONY: all venv bytecode test test-fast compat demo demo-hsdp proto bench bench-ddp bench-recovery bench-heal bench-checkpoint bench-health bench-diloco browser clean help
+.PHONY: all venv bytecode test test-fast compat demo demo-hsdp proto bench bench-ddp bench-recovery bench-heal bench-checkpoint bench-health bench-diloco browser clean help gpu-check gpu-wheels
 
 all: test
 
@@ -32,6 +32,8 @@ help:
 	@echo "make bench-checkpoint  run benchmarks/checkpoint_bench.py (durable checkpoint overhead: ours, DCP async_save, torch.save)"
 	@echo "make bench-health  run benchmarks/health_bench.py (non-finite guard and fingerprint cost per step, 100 MB and 1 GB)"
 	@echo "make bench-diloco  run benchmarks/diloco_bench.py (DDP vs DiLoCo over a modelled slow link: bytes, wall time, loss)"
+	@echo "make gpu-check  on a GPU machine, no venv: tests/gpu, 3 groups on one GPU with a kill, the CUDA heal; one table"
+	@echo "make gpu-wheels download into .whl/ the wheels gpu-check installs there (a GPU machine without a network)"
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -120,6 +122,35 @@ bench-health: $(STAMP)
 # Per-step DDP vs DiLoCo (sync every 10/50/100, quantized) between two groups over a modelled 100 MB/s link.
 bench-diloco: $(STAMP)
 	$(BIN)/python benchmarks/diloco_bench.py
+
+# The GPU check (benchmarks/gpu_check.py) runs from a plain checkout on the machine's own Python and torch: no
+# venv (a torch with CUDA is too big to bring). What that machine may lack is installed from .whl/ into
+# GPU_SITE first: make gpu-wheels downloads it here, for Python 3.12 on x86-64 Linux, pinned to what .venv runs.
+GPU_PYTHON ?= python3
+GPU_SITE ?= /tmp/torchft-lite-gpu-site
+GPU_CHECK_ARGS ?=
+GPU_WHEELS_PYTHON ?= 3.12
+GPU_WHEELS := hpack==4.2.0 protobuf==7.36.2 torchft-nightly==2026.10.26 \
+	opentelemetry-api==1.45.2 opentelemetry-sdk==1.45.2 opentelemetry-semantic-conventions==0.66b2 \
+	opentelemetry-proto==1.45.2 opentelemetry-exporter-otlp-proto-http==1.45.2 \
+	opentelemetry-exporter-otlp-proto-common==1.45.2 opentelemetry-exporter-http-transport==0.66b2 \
+	opentelemetry-exporter-otlp-common==0.66b2 googleapis-common-protos==1.76.0
+
+gpu-check:
+	@if ls .whl/*.whl >/dev/null 2>&1; then \
+	  echo "installing $$(ls .whl/*.whl | wc -l) wheel(s) from .whl/ into $(GPU_SITE)"; \
+	  $(GPU_PYTHON) -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+	    --target $(GPU_SITE) .whl/*.whl; \
+	fi
+	PYTHONPATH=$(CURDIR):$(GPU_SITE)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) -m benchmarks.gpu_check $(GPU_CHECK_ARGS)
+
+gpu-wheels:
+	mkdir -p .whl
+	$(PYTHON) -m pip download --quiet --no-deps --only-binary=:all: --python-version $(GPU_WHEELS_PYTHON) \
+	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+	  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 \
+	  -d .whl $(GPU_WHEELS)
+	@du -sh .whl
 
 clean:
 	rm -rf $(VENV) build *.egg-info

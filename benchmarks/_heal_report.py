@@ -105,6 +105,8 @@ def summary(results: dict, args: Any, skipped: list[str]) -> dict:
             "peak_extra_x": {c: {"server": r["server_peak_extra_x"], "receiver": r["receiver_peak_extra_x"]}
                              for c, r in results.items()},
             "cpu_s_per_gib": {c: r["cpu_s_per_gib"] for c, r in results.items()},
+            "device": getattr(args, "device", "cpu"), "seconds": {c: r["seconds"] for c, r in results.items()},
+            "send_s": {c: r.get("send_s", []) for c, r in results.items()},
             "skipped": skipped, "tls_vs_plain": tls_vs_plain, "targets_met": targets["all_steps"],
             "targets_met_first_transfer": targets["first_transfer"]}
 

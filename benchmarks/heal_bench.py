@@ -22,6 +22,14 @@ one JSON line last.
 certificate made with the openssl CLI, through ``TORCHFT_LITE_TLS_*``, as a
 job would); ``tls_vs_plain`` is each one's ``vs tcp`` over its plain twin's.
 
+``--device cuda`` puts the state dict on the GPU on both sides, as a GPU
+job's heal is: the server sends its GPU tensors (``send_s`` is how long
+``send_checkpoint`` held the caller, the training thread in a job), and a
+receiver's step ends once the bytes are in its own model's GPU tensors: in
+place (the ``-inplace`` cases, which land there through the staging ring), or
+received into fresh CPU tensors and then copied in, as a torchft user does.
+The raw TCP ceiling stays host to host.
+
 ``--receiver`` picks the HTTP client our receiving side heals through: ``lean``
 (the package's own, whose sockets read straight into tensor memory) or
 ``aiohttp`` (aiohttp's client, its chunks copied into the same tensors; see
@@ -52,6 +60,7 @@ in that view (``_heal_report``).
     python -m benchmarks.heal_bench --steps 3 --cases ours-default,ours-0-inplace,ours-4-inplace,torchft-0,torchft-2,torchft-4,torchft-8
     python -m benchmarks.heal_bench --receiver aiohttp --cases ours-0-inplace,ours-4-inplace
     python -m benchmarks.heal_bench --tls --cases ours-0-inplace,ours-4-inplace   # what TLS costs a heal
+    python -m benchmarks.heal_bench --device cuda --steps 3 --cases ours-default,ours-default-inplace,torchft-0,torchft-4
 """
 
 from __future__ import annotations
@@ -88,12 +97,13 @@ def tensor_sizes(size_mb: int, tensor_mb: int) -> list[int]:
     return [per] * (total // per) + ([total % per] if total % per else [])
 
 
-def build_state_dict(size_mb: int, tensor_mb: int) -> dict:
-    """``size_mb`` MiB of float32 tensors of about ``tensor_mb`` MiB each, plus optimizer-like plain state."""
+def build_state_dict(size_mb: int, tensor_mb: int, device: str = "cpu") -> dict:
+    """``size_mb`` MiB of float32 tensors of about ``tensor_mb`` MiB each (on ``device``), plus optimizer-like
+    plain state."""
     import torch
 
     sizes = tensor_sizes(size_mb, tensor_mb)
-    model = {f"layers.{i}.weight": torch.arange(nbytes // 4, dtype=torch.float32).mul_(1e-3 * (i + 1))
+    model = {f"layers.{i}.weight": torch.arange(nbytes // 4, dtype=torch.float32, device=device).mul_(1e-3 * (i + 1))
              for i, nbytes in enumerate(sizes)}
     optim = {"state": {i: {"step": i * 10, "lr_scale": 0.5 ** i, "betas": [0.9, 0.999], "history": [1, 2.5, "x"]}
                        for i in range(len(sizes))},
@@ -140,8 +150,13 @@ class Role:
         self.chunks = int(variant.split("-")[0]) if variant[:1].isdigit() else None if variant.startswith("default") \
             else 0
         self.in_place = case.endswith("-inplace")  # the receiver already holds a state dict of the same shapes
-        self.state = build_state_dict(args.size_mb, args.tensor_mb) if side == "server" or self.in_place else None
+        self.cuda = args.device == "cuda" and self.kind in ("ours", "torchft")
+        # On a GPU every receiver holds its model: in place, or the tensors it copies a fresh receive into.
+        holds = side == "server" or self.in_place or self.cuda
+        self.state = build_state_dict(args.size_mb, args.tensor_mb, args.device if self.cuda else "cpu") \
+            if holds else None
         self.received: Any = None
+        self.send_seconds = 0.0
 
     # -- setup
 
@@ -223,11 +238,15 @@ class Role:
         elif self.kind in ("ours", "torchft") or self.case.startswith("pg-ours"):
             if self.side == "server":
                 self.state["torchft"]["step"] = step
+                sending = time.perf_counter()
                 self.transport.send_checkpoint([1], step, self.state, TIMEOUT)
+                self.send_seconds = time.perf_counter() - sending
             else:
                 self.received = self.transport.recv_checkpoint(0, self.peer_url, step, TIMEOUT)
                 if self.received["torchft"]["step"] != step:
                     raise RuntimeError(f"received step {self.received['torchft']['step']}, expected {step}")
+                if self.cuda:
+                    _into_model(self.received, self.state)
         else:  # plain gloo: one send/recv per tensor, into tensors allocated for the step
             if self.side == "server":
                 works = [self.pg.send([t], 1, i) for i, t in enumerate(tensors_of(self.state))]
@@ -251,6 +270,17 @@ class Role:
             self.transport.shutdown()
         if self.kind == "tcp":
             self.sock.close()
+
+
+def _into_model(received: dict, model: dict) -> None:
+    """Copy a received state dict's tensors into the model's GPU tensors (nothing to copy for those received in
+    place), and wait until they are there."""
+    import torch
+
+    for ours, theirs in zip(tensors_of(model), tensors_of(received)):
+        if ours is not theirs:
+            ours.copy_(theirs)
+    torch.cuda.synchronize()
 
 
 def _bytes_of(tensor) -> memoryview:
@@ -283,7 +313,7 @@ def child_main(case: str, side: str, args: argparse.Namespace) -> None:
             role.baseline = reset_peak()
             reply(ok=True)
         elif action == "step":
-            reply(seconds=role.step(command["step"]))
+            reply(seconds=role.step(command["step"]), send_seconds=role.send_seconds)
         elif action == "release":
             role.release()
             reply(ok=True)
@@ -301,7 +331,7 @@ class Child:
     def __init__(self, case: str, side: str, args: argparse.Namespace, tls_env: dict[str, str] | None = None) -> None:
         command = [sys.executable, "-W", "ignore", "-m", "benchmarks.heal_bench", "--role", f"{case}:{side}",
                    "--size-mb", str(args.size_mb), "--tensor-mb", str(args.tensor_mb),
-                   "--receiver", args.receiver]
+                   "--receiver", args.receiver, "--device", args.device]
         env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         for name in ("TORCHFT_LITE_TLS_CERT", "TORCHFT_LITE_TLS_KEY", "TORCHFT_LITE_TLS_CA"):
             env.pop(name, None)  # TLS only where a case asks for it
@@ -342,6 +372,7 @@ class Pair:
         self.server = Child(case, "server", args, getattr(args, "tls_env", None))
         self.receiver = Child(case, "receiver", args, getattr(args, "tls_env", None))
         self.seconds: list[float] = []
+        self.send_seconds: list[float] = []
         self.cpu: dict[str, list[float]] = {"server": [], "receiver": []}
         try:
             self.server.send(action="setup")
@@ -366,7 +397,8 @@ class Pair:
         step = len(self.seconds)
         for child in (self.server, self.receiver):
             child.send(action="step", step=step)
-        self.server.answer(self.wait)  # published (HTTP) or sent (PG); the serving side's CPU counts to its release
+        # published (HTTP) or sent (PG); the serving side's CPU counts to its release
+        self.send_seconds.append(self.server.answer(self.wait).get("send_seconds", 0.0))
         self.seconds.append(self._used("receiver", self.receiver.answer(self.wait))["seconds"])
         self.server.send(action="release")
         self._used("server", self.server.answer(self.wait))
@@ -380,6 +412,7 @@ class Pair:
         gib = self.size / (1 << 30)
         return {"case": self.case, "gbps": round(self.size / statistics.median(self.seconds) / 1e9, 3),
                 "seconds": [round(s, 3) for s in self.seconds],
+                "send_s": [round(s, 4) for s in self.send_seconds],
                 "cpu_s_per_gib": {side: round(statistics.median(c) / gib, 3) for side, c in self.cpu.items()},
                 "server_peak_extra_x": round(peaks["server"] / self.size, 3),
                 "receiver_peak_extra_x": round(peaks["receiver"] / self.size, 3)}
@@ -451,6 +484,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tls", action="store_true",
                         help="also run each of our HTTP cases (ours-*) with TLS on, as <case>+tls, in the same run; "
                         "needs the openssl CLI (a throwaway CA and certificate)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where both sides hold the state dict (cuda: see the module docstring)")
     parser.add_argument("--role", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.role:

@@ -34,6 +34,15 @@ Manager) with the very same training script and settings, in the same run.
 ``torchft_lite+standby`` (and ``torchft+standby``) restart the killed group
 in a warm standby (``torchft_lite.standby``, started and warmed before each
 kill): what a launcher can do about the interpreter and ``import torch``.
+Every run also reports what its groups' per-step reports say about the
+training itself: ``step_p50_s``, the median time between a group's
+consecutive committed steps, and ``divergent_steps`` out of
+``compared_steps``, the (step, rank) pairs more than one group committed
+whose parameter checksums differ. ``--device cuda`` trains on the GPU
+(``train_ddp.py --device cuda``: the groups share the machine's GPUs, gloo
+across them); ``benchmarks/gpu_check.py`` runs it with a ~30M-parameter
+model, ``--steps-after`` steps past the rejoin and fingerprints on and off.
+
 Prints a table and one JSON line (the last line). Targets: our stall <= 0.5
 s with the default heartbeat timeout (issue 5); our rejoin below torchft's and
 our part of it <= 0.5 s (issue 19). The default state is about 1 MB
@@ -67,14 +76,48 @@ from torchft_lite.local_cluster import LighthouseProcess, ReplicaGroup, free_por
 SCRIPT = REPO / "examples" / "train_ddp.py"
 
 
+def divergence(rows: list[dict]) -> tuple[int, int]:
+    """``(compared, divergent)``: the (step, rank) pairs more than one group committed, and those of them whose
+    groups' parameter checksums differ."""
+    sums: dict[tuple[int, int], dict[int, str]] = {}
+    for row in rows:
+        sums.setdefault((row["step"], row.get("rank", 0)), {})[row["group"]] = row["checksum"]
+    shared = [set(by_group.values()) for by_group in sums.values() if len(by_group) > 1]
+    return len(shared), sum(len(checksums) > 1 for checksums in shared)
+
+
+def step_time(rows: list[dict]) -> float | None:
+    """The median seconds between a process's consecutive committed steps (None with fewer than two)."""
+    gaps, last = [], {}
+    for row in sorted(rows, key=lambda r: r["time"]):
+        key = (row["group"], row.get("rank", 0), row.get("pid"))
+        previous = last.get(key)
+        if previous is not None and row["step"] == previous["step"] + 1:
+            gaps.append(row["time"] - previous["time"])
+        last[key] = row
+    return statistics.median(gaps) if gaps else None
+
+
+def training_summary(rows: list[dict]) -> dict:
+    compared, divergent = divergence(rows)
+    return {"compared_steps": compared, "divergent_steps": divergent, "step_p50_s": step_time(rows)}
+
+
 def reports(path: Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def torchft_lighthouse_binary() -> str | None:
+    """torchft's lighthouse CLI: beside this interpreter, or in the ``bin`` of a ``sys.path`` entry (where
+    ``pip install --target DIR`` puts console scripts, as ``make gpu-check`` installs torchft)."""
+    places = [str(Path(sys.executable).parent), *(str(Path(entry) / "bin") for entry in sys.path if entry)]
+    return shutil.which("torchft_lighthouse", path=os.pathsep.join(places))
+
+
 def torchft_available() -> bool:
-    if shutil.which("torchft_lighthouse", path=str(Path(sys.executable).parent)) is None:
+    if torchft_lighthouse_binary() is None:
         return False
     probe = subprocess.run([sys.executable, "-c", "import torchft"], capture_output=True, timeout=120)
     return probe.returncode == 0
@@ -86,7 +129,7 @@ class TorchftLighthouse:
     def __init__(self, min_replicas: int, log_path: Path) -> None:
         self.port = free_port()
         self.address = f"http://127.0.0.1:{self.port}"
-        binary = shutil.which("torchft_lighthouse", path=str(Path(sys.executable).parent))
+        binary = torchft_lighthouse_binary()
         self.proc = subprocess.Popen([binary, "--min_replicas", str(min_replicas), "--bind", f"127.0.0.1:{self.port}"],
                                      stdout=open(log_path, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 60
@@ -150,8 +193,11 @@ def warm_standby(impl: str, group: ReplicaGroup) -> int | None:
 
 
 def run(impl: str, n: int, trials: int, workdir: Path, scenario: str = "survive", hang_after: float = 120.0,
-        hidden: int = 256) -> dict:
-    """``impl``: torchft_lite or torchft, optionally with ``+standby``."""
+        hidden: int = 256, *, train_args: tuple[str, ...] = (), env: dict[str, str] | None = None,
+        step_sleep: float = 0.02, steps_after: int = 0) -> dict:
+    """``impl``: torchft_lite or torchft, optionally with ``+standby``. ``train_args``: more of train_ddp.py's
+    flags; ``env``: the groups' extra environment; ``steps_after``: (survive) after each rejoin, train until the
+    restarted group has committed this many more steps."""
     workdir.mkdir(parents=True)
     lib = impl.removesuffix(STANDBY)
     report = workdir / "report.jsonl"
@@ -162,13 +208,14 @@ def run(impl: str, n: int, trials: int, workdir: Path, scenario: str = "survive"
     else:
         lighthouse = LighthouseProcess(min_replicas=min_replicas, join_timeout=60.0, heartbeat_timeout=5.0,
                                        log_path=workdir / "lighthouse.log").start()
-    args = ["--impl", lib, "--steps", "1000000", "--step-sleep", "0.02", "--report", str(report), "--timeout", "30",
-            "--min-replicas", str(n if scenario == "full" else 1), "--hidden", str(hidden),
-            "--timeline", str(timeline)]
-    groups = [ReplicaGroup(g, n, lighthouse.address, SCRIPT, args, log_dir=workdir) for g in range(n)]
+    args = ["--impl", lib, "--steps", "1000000", "--step-sleep", str(step_sleep), "--report", str(report),
+            "--timeout", "30", "--min-replicas", str(n if scenario == "full" else 1), "--hidden", str(hidden),
+            "--timeline", str(timeline), *train_args]
+    groups = [ReplicaGroup(g, n, lighthouse.address, SCRIPT, args, log_dir=workdir, env=env) for g in range(n)]
     if scenario == "full":
         try:
-            return _run_full(impl, n, trials, report, groups, hang_after, timeline)
+            return {**_run_full(impl, n, trials, report, groups, hang_after, timeline),
+                    **training_summary(reports(report))}
         finally:
             for group in groups:
                 group.stop()
@@ -201,11 +248,14 @@ def run(impl: str, n: int, trials: int, workdir: Path, scenario: str = "survive"
             breakdowns.append(restarted_timeline(timeline, victim, started, standby_pid))
             print(f"  {workdir.name} #{trial + 1}: stall {stalls[-1]:.2f}s, rejoin {rejoins[-1]:.2f}s "
                   f"(torch imported -> first commit {breakdowns[-1]['from_torch_s']:.2f}s)", flush=True)
+            if steps_after:
+                wait_until(lambda: sum(1 for r in reports(report) if r["group"] == n - 1 and r["time"] > started)
+                           >= steps_after, f"the restarted group's {steps_after} steps", 600, groups)
     finally:
         for group in groups:
             group.stop()
         lighthouse.stop()
-    return {"stall_s": stalls, "rejoin_s": rejoins, "breakdowns": breakdowns}
+    return {"stall_s": stalls, "rejoin_s": rejoins, "breakdowns": breakdowns, **training_summary(reports(report))}
 
 
 def _run_full(impl: str, n: int, trials: int, report: Path, groups: list[ReplicaGroup], hang_after: float,
@@ -256,6 +306,10 @@ def merged(runs: list[dict]) -> dict:
         out["hung"] = sum(r["hung"] for r in runs)
     out["rejoin_p50_s"] = statistics.median(out["rejoin_s"]) if out["rejoin_s"] else None
     out["breakdown"] = median_breakdown(out["breakdowns"]) if out["breakdowns"] else None
+    out["compared_steps"] = sum(r["compared_steps"] for r in runs)
+    out["divergent_steps"] = sum(r["divergent_steps"] for r in runs)
+    step_times = [r["step_p50_s"] for r in runs if r["step_p50_s"] is not None]
+    out["step_p50_s"] = statistics.median(step_times) if step_times else None
     return out
 
 
@@ -298,6 +352,8 @@ def main() -> int:
     parser.add_argument("--scenarios", default="survive,full",
                         help="comma-separated: survive (min_replica_size=1: survivors train on), full "
                              "(min_replica_size=N: everyone waits for the restart) (default both)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="train_ddp.py's --device: cuda trains every group on this machine's GPUs (default cpu)")
     parser.add_argument("--hang-after", type=float, default=120.0,
                         help="full scenario: seconds after a restart with no step committed by every group "
                              "before the trial counts as hung (default 120)")
@@ -327,14 +383,16 @@ def main() -> int:
                     continue  # it hung once: its survivors can't commit, more trials tell nothing new
                 runs.setdefault((impl, scenario), []).append(
                     run(impl, args.groups, 1, workdir / f"{impl}-{scenario}-{trial + 1}", scenario,
-                        args.hang_after, args.hidden))
+                        args.hang_after, args.hidden, train_args=("--device", args.device)))
     results = {impl: merged(runs[(impl, "survive")]) for impl in impls if (impl, "survive") in runs}
     full = {impl: merged(runs[(impl, "full")]) for impl in impls if (impl, "full") in runs}
     if results:
-        print(f"\nsurvive (min_replica_size=1)\n{'impl':<22}{'stall p50 s':>13}{'rejoin p50 s':>14}   "
-              f"all stalls / rejoins")
+        print(f"\nsurvive (min_replica_size=1)\n{'impl':<22}{'stall p50 s':>13}{'rejoin p50 s':>14}{'step p50 s':>12}"
+              f"{'divergent':>11}   all stalls / rejoins")
         for impl, r in results.items():
-            print(f"{impl:<22}{r['stall_p50_s']:>13.2f}{r['rejoin_p50_s']:>14.2f}   "
+            step = f"{r['step_p50_s']:.3f}" if r["step_p50_s"] is not None else "-"
+            print(f"{impl:<22}{r['stall_p50_s']:>13.2f}{r['rejoin_p50_s']:>14.2f}{step:>12}"
+                  f"{r['divergent_steps']:>5}/{r['compared_steps']:<5}   "
                   f"{[round(x, 2) for x in r['stall_s']]} / {[round(x, 2) for x in r['rejoin_s']]}")
     if full:
         print(f"\nfull (min_replica_size={args.groups})\n{'impl':<22}{'rejoin p50 s':>14}{'hung':>6}   all rejoins")
@@ -346,7 +404,8 @@ def main() -> int:
               f"{format_table({impl: r['breakdown'] for impl, r in results.items()})}")
     ours = results.get("torchft_lite")
     summary_targets = rejoin_targets(results)
-    summary = {"groups": args.groups, "trials": args.trials, "hidden": args.hidden, "heartbeat_timeout_s": 5.0,
+    summary = {"groups": args.groups, "trials": args.trials, "hidden": args.hidden, "device": args.device,
+               "heartbeat_timeout_s": 5.0,
                "results": results, "full": full, "target_stall_s": 0.5,
                "target_met": ours is not None and ours["stall_p50_s"] <= 0.5 and max(ours["stall_s"]) <= 0.5,
                "rejoin_targets_met": summary_targets,

@@ -1,4 +1,4 @@
-"""Fault-tolerant DDP on CPU with synthetic data: torchft's train_ddp flow.
+"""Fault-tolerant DDP with synthetic data, on CPU or one GPU per rank: torchft's train_ddp flow.
 
 Launch one torchrun per replica group (a lighthouse must be running)::
 
@@ -13,6 +13,19 @@ and it is healed from the survivor and rejoins. Each committed step prints the
 step, loss and participants; ``--report FILE`` also appends one JSON line per
 committed step with a checksum of the parameters (the demo and tests compare
 them across groups).
+
+On GPUs (``--device cuda``) every rank trains on its own GPU, ``cuda:LOCAL_RANK``
+of the ones its group sees (``CUDA_VISIBLE_DEVICES``): a group with fewer GPUs
+than ranks stops with a clear error. Groups may share GPUs; the replica
+process group (``--pg``) then stays gloo, which stages CUDA tensors through
+host memory. When every group has GPUs of its own, ``--pg nccl`` (or
+``baby-nccl``: NCCL in a child process, whose abort is a kill) keeps the
+gradients on the GPUs::
+
+    CUDA_VISIBLE_DEVICES=0,1,2,3 REPLICA_GROUP_ID=0 NUM_REPLICA_GROUPS=2 TORCHFT_LIGHTHOUSE=http://localhost:29510 \\
+        torchrun --master_port=29600 --nproc_per_node=4 examples/train_ddp.py --device cuda --pg nccl
+    CUDA_VISIBLE_DEVICES=4,5,6,7 REPLICA_GROUP_ID=1 NUM_REPLICA_GROUPS=2 TORCHFT_LIGHTHOUSE=http://localhost:29510 \\
+        torchrun --master_port=29601 --nproc_per_node=4 examples/train_ddp.py --device cuda --pg nccl
 
 With ``--checkpoint-dir DIR`` (torchft_lite only) one group saves a durable
 checkpoint every ``--checkpoint-every`` committed steps; start every group again
@@ -32,6 +45,7 @@ import logging
 import math
 import os
 import signal
+import struct
 import time
 from datetime import timedelta
 
@@ -61,9 +75,16 @@ def parse_args() -> argparse.Namespace:
                                            "needs --log-level INFO or lower)")
     parser.add_argument("--impl", choices=["torchft_lite", "torchft"], default="torchft_lite",
                         help="which library to import as `torchft` (torchft: PyTorch's, for comparisons)")
-    parser.add_argument("--pg", choices=["gloo", "baby-gloo"], default="gloo",
-                        help="the replica process group: gloo in this process, or gloo in a child process whose "
-                             "abort is a kill (ProcessGroupBabyGloo) (default gloo)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="where each rank trains: cpu, or cuda (its own GPU, cuda:LOCAL_RANK of the ones its "
+                             "group sees; groups may share GPUs) (default cpu)")
+    parser.add_argument("--pg", choices=["gloo", "baby-gloo", "nccl", "baby-nccl"], default="gloo",
+                        help="the replica process group across groups: gloo in this process, or in a child process "
+                             "whose abort is a kill (baby-gloo); nccl or baby-nccl need --device cuda and GPUs no "
+                             "other group uses (default gloo: works on any device, GPUs shared or not)")
+    parser.add_argument("--grad-sync", choices=["ddp", "allreduce"], default="ddp",
+                        help="how gradients are averaged: DistributedDataParallel's comm hook, or one "
+                             "manager.allreduce(p.grad) per parameter after backward, each waited for (default ddp)")
     parser.add_argument("--checkpoint-dir", help="save durable checkpoints here and resume from the newest at start "
                                                    "(torchft_lite only; default: off)")
     parser.add_argument("--checkpoint-every", type=int, default=100,
@@ -203,9 +224,50 @@ class Faults:
 def params_checksum(model: nn.Module) -> str:
     digest = hashlib.sha256()
     for tensor in model.state_dict().values():
+        if tensor.is_cuda and tensor.element_size() == 4:  # summed on the GPU: 120 MB through sha256 is 0.2 s a step
+            digest.update(_words_digest(tensor))
+            continue
         flat = tensor.detach().contiguous().cpu()
         digest.update(ctypes.string_at(flat.data_ptr(), flat.numel() * flat.element_size()))  # exact bytes
     return digest.hexdigest()[:16]
+
+
+def _words_digest(tensor: torch.Tensor) -> bytes:
+    """The exact bits of a 4-byte tensor in two numbers: the sum of its 32-bit words, and of each word times
+    its position (wrapping at 64 bits). Any changed bit changes the first; moved words change the second."""
+    words = tensor.detach().contiguous().view(-1).view(torch.int32).to(torch.int64)
+    positions = torch.arange(1, words.numel() + 1, device=words.device, dtype=torch.int64)
+    return struct.pack("<2q", *torch.stack([words.sum(), (words * positions).sum()]).tolist())
+
+
+def training_device(kind: str, pg: str) -> torch.device:
+    """``cuda:LOCAL_RANK`` for ``--device cuda`` (made current), after checking this group has a GPU per rank."""
+    from torchft_lite.errors import ConfigError  # exit code 78 (torchft_lite.exit_codes), whichever --impl
+
+    if kind == "cpu":
+        if pg in ("nccl", "baby-nccl"):
+            raise ConfigError(f"--pg {pg} needs --device cuda (NCCL reduces GPU tensors only)")
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError("--device cuda: torch.cuda.is_available() is False here (a CPU-only torch, or no GPU "
+                          "visible); use --device cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    visible = torch.cuda.device_count()
+    if visible < ranks_here or local_rank >= visible:
+        raise ConfigError(f"--device cuda gives every rank a GPU of its own: this group runs {ranks_here} rank(s) "
+                          f"on this machine (LOCAL_RANK {local_rank}) and sees {visible} GPU(s) "
+                          f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); give it at "
+                          f"least as many GPUs as ranks")
+    torch.cuda.set_device(local_rank)  # before the process group: NCCL's binds the device current at construction
+    return torch.device("cuda", local_rank)
+
+
+def average_each_gradient(manager, model: nn.Module) -> None:
+    """``--grad-sync allreduce``: one manager.allreduce per gradient, all started, then each waited for."""
+    works = [manager.allreduce(p.grad) for p in model.parameters() if p.grad is not None]
+    for work in works:
+        work.wait()
 
 
 def main() -> None:
@@ -222,11 +284,12 @@ def main() -> None:
     num_groups = int(os.environ.get("NUM_REPLICA_GROUPS", 2))
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     logging.basicConfig(level=args.log_level, format=f"%(asctime)s g{replica_group}r{rank} %(levelname)s %(name)s: %(message)s")
+    device = training_device(args.device, args.pg)
 
     # Every group seeds differently on purpose: init_sync makes them agree at step 0.
     torch.manual_seed(1000 + replica_group)
     model = nn.Sequential(nn.Linear(32, args.hidden), nn.ReLU(), nn.Linear(args.hidden, args.hidden), nn.ReLU(),
-                          nn.Linear(args.hidden, 8))
+                          nn.Linear(args.hidden, 8)).to(device)
     inner_optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
 
     def state_dict() -> dict:
@@ -244,7 +307,9 @@ def main() -> None:
     batches = Batches(dataset, sampler, args.batch_size)
 
     timeline.mark("manager_begin")
-    pg_class = torchft.ProcessGroupBabyGloo if args.pg == "baby-gloo" else torchft.ProcessGroupGloo
+    pg_class = {"gloo": "ProcessGroupGloo", "baby-gloo": "ProcessGroupBabyGloo", "nccl": "ProcessGroupNCCL",
+                "baby-nccl": "ProcessGroupBabyNCCL"}[args.pg]
+    pg_class = getattr(torchft, pg_class)
     pg = pg_class(timeout=timedelta(seconds=args.timeout))
     manager = torchft.Manager(pg=pg, min_replica_size=args.min_replicas, load_state_dict=load_state_dict,
                               state_dict=state_dict, replica_id=f"train_ddp_{replica_group}",
@@ -262,7 +327,7 @@ def main() -> None:
         print(f"[group {replica_group} rank {rank}] "
               + (f"resumed from step {resumed}" if resumed is not None else "no checkpoint: starting fresh"),
               flush=True)
-    ddp_model = torchft.DistributedDataParallel(manager, model)
+    ddp_model = torchft.DistributedDataParallel(manager, model) if args.grad_sync == "ddp" else model
     optimizer = torchft.Optimizer(manager, inner_optim)
     criterion = nn.MSELoss()
     report = open(args.report, "a", buffering=1) if args.report else None
@@ -270,11 +335,13 @@ def main() -> None:
     try:
         while manager.current_step() < args.steps:
             faults.before_step(manager.current_step(), model)
-            batch, target = batches.next()
+            batch, target = (t.to(device) for t in batches.next())
             timeline.mark("first_step_begin")
             optimizer.zero_grad()
             loss = faults.loss(manager.current_step(), criterion(ddp_model(batch), target))
             loss.backward()
+            if args.grad_sync == "allreduce":
+                average_each_gradient(manager, model)
             faults.after_exchange(manager.current_step())
             before = manager.current_step()
             optimizer.step()

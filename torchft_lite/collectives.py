@@ -19,7 +19,9 @@ and it must be issued from the caller too, so that every rank issues its collect
 (gloo and NCCL pair them by order; an all-gather started from a completion callback could overtake another
 collective the caller starts meanwhile). The wait is bounded by the group's timeout; the all-gather and the
 dequantization then run in the background. On CUDA both phases are stream-ordered (``sync_stream``), and the
-host never waits.
+host never waits. The returned work follows the stream rule (``torchft_lite.work``): its future is CUDA-aware
+and set on the stream the quantized ops ran on, so ``wait()``, ``then()`` (the Manager's division) and DDP
+order themselves after the dequantization.
 
 The group needs ``alltoall_base`` and ``allgather_into_tensor_coalesced``: our gloo, NCCL and child-process
 groups (and c10d's own) have both. One that does not (``torchft_lite.testing.InMemoryProcessGroup`` has only
@@ -51,6 +53,7 @@ from torchft_lite.quantization import (
     quantize_rows,
     reduce_rows,
 )
+from torchft_lite.work import cuda_devices, device_future
 
 __all__ = [
     "UnsupportedProcessGroupError",
@@ -118,9 +121,9 @@ def _options(factory: Any, timeout: timedelta | None) -> Any:
 class _QuantizedWork(dist.Work):
     """The Work of a quantized collective: done when its tensors hold the result."""
 
-    def __init__(self, future: torch.futures.Future, timeout: timedelta | None, stream: Any = None) -> None:
+    def __init__(self, future: torch.futures.Future, timeout: timedelta | None) -> None:
         super().__init__()
-        self._future, self._stream = future, stream
+        self._future = future
         self._timeout = timeout or _DEFAULT_WAIT
         self._done = threading.Event()
         future.add_done_callback(lambda _: self._done.set())
@@ -129,9 +132,7 @@ class _QuantizedWork(dist.Work):
         limit = timeout or self._timeout
         if not self._done.wait(limit.total_seconds()):
             raise TimeoutError(f"a quantized collective did not finish within {limit.total_seconds():g} seconds")
-        self._future.value()  # raises the collective's error
-        if self._stream is not None:  # the caller's stream sees the results of the quantized ones
-            torch.cuda.current_stream().wait_stream(self._stream)
+        self._future.wait()  # raises the collective's error; on CUDA the caller's streams wait for the result
         return True
 
     def get_future(self) -> torch.futures.Future:
@@ -180,7 +181,7 @@ def allreduce_quantized(tensors: list[torch.Tensor], opts: AllreduceOptions | Re
     check_quantized_reduction(tensors, opts, process_group)
     op, timeout = _reduce_op(opts)
     layout = BlockLayout.of(tensors, process_group.size())
-    done: torch.futures.Future = torch.futures.Future()
+    done = device_future(cuda_devices(tensors))
     if layout.blocks == 0:
         done.set_result(tensors)
         return _QuantizedWork(done, timeout)
@@ -194,8 +195,8 @@ def allreduce_quantized(tensors: list[torch.Tensor], opts: AllreduceOptions | Re
         if stream is not None:  # stream-ordered: no host wait
             gathered.wait()
             dequantize_rows(tensors, rows, layout)
-            done.set_result(tensors)
-            return _QuantizedWork(done, timeout, stream)
+            done.set_result(tensors)  # on ``stream``: its event orders every consumer after the dequantization
+            return _QuantizedWork(done, timeout)
 
     def finish(fut: torch.futures.Future) -> list[torch.Tensor]:
         fut.value()  # re-raises a failed all-gather
@@ -256,7 +257,7 @@ def reduce_scatter_quantized(output: torch.Tensor, inputs: list[torch.Tensor],
         padded.view(-1)[:tensor.numel()].copy_(tensor.reshape(-1))
         slices.append(padded.view(world, -1))
     row_layout = BlockLayout(tuple(shares), 1)  # one rank's share of every input
-    done: torch.futures.Future = torch.futures.Future()
+    done = device_future(cuda_devices([output]))
     if row_layout.blocks == 0:
         done.set_result([output])
         return _QuantizedWork(done, timeout)
@@ -265,6 +266,6 @@ def reduce_scatter_quantized(output: torch.Tensor, inputs: list[torch.Tensor],
         rows = torch.cat([quantize_rows([s[r] for s in slices], row_layout) for r in range(world)])
         received = _exchange(rows, row_layout, op, timeout, process_group)
         dequantize_rows(outputs, received[rank:rank + 1], row_layout)
-    done.set_result([output])
-    return _QuantizedWork(done, timeout, stream)
+        done.set_result([output])  # on ``stream`` (the stream rule)
+    return _QuantizedWork(done, timeout)
 

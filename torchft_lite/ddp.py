@@ -4,7 +4,10 @@ torch's DDP does the bucketing and overlaps communication with backward; a
 comm hook replaces its allreduce with ``manager.allreduce`` across replica
 groups. Its own process group is a private one-rank gloo group (DDP needs one
 to construct); the Manager syncs initial weights (``init_sync``), so DDP's
-start-up broadcast has nothing to do.
+start-up broadcast has nothing to do. That group answers for CPU and CUDA
+modules alike: DDP checks a CUDA module's parameters, and (with
+``find_unused_parameters``) exchanges which were used, through the group's
+backend for the parameters' device type.
 
 ``PureDistributedDataParallel`` does without torch's reducer: one
 ``manager.allreduce`` per gradient, as each is accumulated. Simple, and slow
@@ -22,7 +25,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.nn import parallel
 
-from torchft_lite.work import ManagedWork
+from torchft_lite.work import ManagedWork, completed_future
 
 if TYPE_CHECKING:
     from torchft_lite.manager import Manager
@@ -30,12 +33,19 @@ if TYPE_CHECKING:
 __all__ = ["DistributedDataParallel", "PureDistributedDataParallel"]
 
 
+# The device types DDP's private group serves. gloo takes CUDA tensors by staging them through host memory; with one
+# rank nothing crosses a wire. Registered whether or not this torch has CUDA, so a CPU test can check it.
+SINGLE_RANK_DEVICE_TYPES = ("cpu", "cuda")
+
+
 def _single_rank_group() -> ProcessGroup:
+    """A one-rank torch process group, over gloo, for every device type DDP may hold parameters on."""
     store = dist.HashStore()
     group = ProcessGroup(store, 0, 1)
     backend = dist.ProcessGroupGloo(store, 0, 1, timedelta(seconds=60))
     group._set_default_backend(ProcessGroup.BackendType.GLOO)
-    group._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, backend)
+    for device_type in SINGLE_RANK_DEVICE_TYPES:
+        group._register_backend(torch.device(device_type), ProcessGroup.BackendType.GLOO, backend)
     return group
 
 
@@ -53,12 +63,6 @@ def _comm_hook(manager, bucket):  # unannotated: DDP rejects string annotations 
     return _bucket_future(manager.allreduce(bucket.buffer()), bucket.buffer())
 
 
-def _completed(value: Any) -> torch.futures.Future:
-    future: torch.futures.Future = torch.futures.Future()
-    future.set_result(value)
-    return future
-
-
 def _bucket_future(work: Any, bucket: torch.Tensor) -> torch.futures.Future:
     """The future DDP waits on for one bucket, from whatever ``Manager.allreduce`` returned.
 
@@ -73,7 +77,7 @@ def _bucket_future(work: Any, bucket: torch.Tensor) -> torch.futures.Future:
     if isinstance(work, ManagedWork):
         return work.get_future()
     if not work.wait():
-        return _completed(bucket)
+        return completed_future(bucket)  # CUDA-aware for a GPU bucket (the stream rule)
     future = work.get_future()
     inner = getattr(future, "_fut", None)
     return inner if isinstance(inner, torch.futures.Future) else future

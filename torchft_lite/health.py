@@ -158,7 +158,9 @@ class NonFiniteGuard:
         counted = pg.allreduce([left_out], opts).get_future()
 
         def average(_: Any) -> torch.Tensor:
-            summed.value(), counted.value()  # re-raise a failed collective
+            # wait(), not value(): re-raises a failed collective, and on CUDA makes this callback's stream wait
+            # for both results (a callback's streams wait only for the future that completed last)
+            summed.wait(), counted.wait()
             if counts and not bool(finite):
                 step.nonfinite = True
             contributors = participants - int(left_out.item())

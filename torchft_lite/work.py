@@ -1,4 +1,4 @@
-"""Futures and Work objects the Manager hands to training code.
+"""Futures and Work objects the Manager hands to training code, and the stream rule they all follow.
 
 ``Manager.allreduce`` returns a :class:`ManagedWork`: its future never raises
 into the training loop. A failure (or a timeout) is reported to the Manager,
@@ -7,24 +7,102 @@ default value (the input tensor) so backward can finish.
 
 ``_DummyWork`` (torchft's name) is a c10d ``Work`` already done with a value:
 what a collective with nothing to exchange returns.
+
+The stream rule
+---------------
+**Every work or future that hands back CUDA tensors makes the consumer's
+current CUDA stream wait for them.** A consumer is whoever reads the result:
+``wait()``, ``value()`` after ``wait()``, a ``then()`` callback (the division
+by the number of participants), DDP's reducer reading a comm-hook future. The
+host returning from a wait is not enough: the bytes may still be on their way
+to the GPU on another stream.
+
+How every work and future here keeps it:
+
+* A future that may hold CUDA tensors is a CUDA-aware torch future
+  (:func:`device_future`: ``Future(devices=...)``). Its ``set_result`` records
+  an event on the setter's current stream of each device; ``wait()`` makes the
+  waiter's current streams wait for those events; ``then()`` and
+  ``add_done_callback`` run their callback on pool streams that wait for them,
+  and the child future records its own events after the callback's kernels.
+  (``value()`` alone does not synchronize: outside a callback, ``wait()``
+  first.)
+* A result is set where it was produced, or after the stream it is set on
+  waited for its producer. Where our process groups wrap a backend's work
+  (``process_group.tracked_work.TrackedWork``), the backend's own ordering is
+  brought in with c10d's ``Work.synchronize()``, which makes the current
+  stream wait for the backend's work (gloo's copies back to the GPU run on
+  streams of its own, and gloo's futures carry no devices: before it completes
+  one, gloo makes only its own thread's current stream, the default stream,
+  wait for the copy). Results are set
+  on a fresh side stream (:func:`completion_streams`), never on the stream a
+  training loop computes on, so a collective's completion never stalls the
+  compute queued after it.
+* A work's ``wait()`` ends with the CUDA-aware future's ``wait()`` (or c10d's
+  ``Work.wait()``, which synchronizes the same way), on the caller's thread,
+  so it is the caller's current stream that waits.
+
+On CPU none of this costs anything: with no CUDA tensor in a value,
+:func:`device_future` is a plain future and :func:`completion_streams` does
+nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from datetime import timedelta
-from typing import Any, Callable, Generic, TypeVar
+from typing import Any, Callable, Generator, Generic, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["ManagedWork", "DoneWork", "guard_future"]
+__all__ = ["ManagedWork", "DoneWork", "completion_streams", "cuda_devices", "device_future", "guard_future"]
 
 T = TypeVar("T")
 
 
+def cuda_devices(value: Any) -> tuple[torch.device, ...]:
+    """The CUDA devices of the tensors in ``value`` (a tensor, or lists, tuples and dicts of them), in order."""
+    found: dict[torch.device, None] = {}
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, torch.Tensor):
+            if item.is_cuda:
+                found.setdefault(item.device, None)
+        elif isinstance(item, (list, tuple)):
+            pending.extend(reversed(item))
+        elif isinstance(item, dict):
+            pending.extend(reversed(list(item.values())))
+    return tuple(found)
+
+
+def device_future(devices: Sequence[torch.device]) -> torch.futures.Future:
+    """An unset future for a value on ``devices``: CUDA-aware when there are any (the stream rule), else plain."""
+    return torch.futures.Future(devices=list(devices)) if devices else torch.futures.Future()
+
+
+@contextlib.contextmanager
+def completion_streams(devices: Sequence[torch.device]) -> Generator[None, None, None]:
+    """Make a side stream from torch's pool current on each of ``devices`` for the block (nothing without any).
+
+    Where results are set: the events their futures record, and the waits for
+    the backend's work, go on these streams, not on the stream the training
+    loop computes on.
+    """
+    if not devices:
+        yield
+        return
+    with contextlib.ExitStack() as stack:
+        for device in devices:
+            stack.enter_context(torch.cuda.stream(torch.cuda.Stream(device=device)))
+        yield
+
+
 def completed_future(value: T) -> torch.futures.Future:
-    fut: torch.futures.Future = torch.futures.Future()
+    """A future already holding ``value``, produced on the caller's current stream (the stream rule's events)."""
+    fut = device_future(cuda_devices(value))
     fut.set_result(value)
     return fut
 
@@ -70,7 +148,7 @@ def guard_future(
     cancel function (the Manager passes its control-plane loop; without it a
     ``threading.Timer`` is used). The timer is cancelled once ``fut`` settles.
     """
-    out: torch.futures.Future = torch.futures.Future()
+    out = device_future(cuda_devices(default))  # the stream rule: CUDA-aware when the default is on a GPU
     lock = threading.Lock()
     settled = False
     cancel_timer: Callable[[], None] | None = None
@@ -90,6 +168,8 @@ def guard_future(
             out.set_result(value)
 
     def done(f: torch.futures.Future) -> None:
+        # A callback of a CUDA-aware ``fut`` runs on streams that waited for its result: setting ``out`` here
+        # records events after them. (A plain ``fut`` runs it where it was completed.)
         try:
             value = f.value()
         except Exception as exc:  # the error is recorded by the Manager, not lost
@@ -124,14 +204,16 @@ class ManagedWork(Generic[T]):
         Never raises: the future itself is bounded by the Manager's timeout and
         resolves with a default on failure. After a False the collective goes on
         and its future still settles; the Manager waits for it before the vote.
+        On True the caller's current CUDA streams wait for the result (the stream rule).
         """
-        if timeout is None:
-            self._fut.wait()
-            return True
-        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
-        settled = threading.Event()
-        self._fut.add_done_callback(lambda _: settled.set())  # runs at once when already done
-        return settled.wait(max(seconds, 0.0))
+        if timeout is not None:
+            seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+            settled = threading.Event()
+            self._fut.add_done_callback(lambda _: settled.set())  # runs at once when already done
+            if not settled.wait(max(seconds, 0.0)):
+                return False
+        self._fut.wait()  # done by now when a timeout was given: only the streams wait
+        return True
 
     def is_completed(self) -> bool:
         return self._fut.done()

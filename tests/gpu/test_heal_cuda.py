@@ -19,6 +19,21 @@ pytestmark = [
 LONG = timedelta(seconds=120)
 
 
+def heal(source: dict, local: dict, step: int, num_chunks: int | None = None) -> dict:
+    """Send ``source`` as ``step`` over HTTP on loopback and receive it in place into ``local``."""
+    chunks = {} if num_chunks is None else {"num_chunks": num_chunks}
+    server = HTTPTransport(LONG, hostname="127.0.0.1", bind_host="127.0.0.1")
+    client = HTTPTransport(LONG, hostname="127.0.0.1", bind_host="127.0.0.1", state_dict=lambda: local, **chunks)
+    try:
+        server.send_checkpoint([1], step, source, LONG)
+        received = client.recv_checkpoint(0, server.metadata(), step, LONG)
+        server.disallow_checkpoint()
+    finally:
+        server.shutdown()
+        client.shutdown()
+    return received
+
+
 def test_to_host_sees_work_queued_before_it_and_uses_pinned_buffers():
     tensor = torch.ones(1 << 22, device="cuda")
     big = torch.randn(4096, 4096, device="cuda")
@@ -45,15 +60,7 @@ def test_an_http_heal_of_gpu_state_lands_in_the_gpu_targets():
               "step": 3}
     local = {"w": torch.zeros(1024, 1024, device="cuda"), "b": torch.zeros(4096, device="cuda").bfloat16(),
              "step": 0}
-    server = HTTPTransport(LONG, hostname="127.0.0.1", bind_host="127.0.0.1")
-    client = HTTPTransport(LONG, hostname="127.0.0.1", bind_host="127.0.0.1", state_dict=lambda: local)
-    try:
-        server.send_checkpoint([1], 3, source, LONG)
-        received = client.recv_checkpoint(0, server.metadata(), 3, LONG)
-        server.disallow_checkpoint()
-    finally:
-        server.shutdown()
-        client.shutdown()
+    received = heal(source, local, 3)
     assert received["w"] is local["w"] and torch.equal(local["w"], source["w"])
     assert received["b"] is local["b"] and torch.equal(local["b"], source["b"])
     assert received["step"] == 3
@@ -63,3 +70,23 @@ def test_encode_reads_gpu_tensors_through_the_recovery_stream():
     state = {"w": torch.arange(10, dtype=torch.float32, device="cuda")}
     step, decoded = _decode.decode_bytes(_encode.encode_to_bytes(1, state))
     assert step == 1 and torch.equal(decoded["w"], torch.arange(10, dtype=torch.float32))
+
+
+def test_a_heal_into_gpu_targets_goes_through_the_staging_ring_not_a_host_copy_per_tensor(monkeypatch):
+    # 256 MiB of GPU state through the ring of pinned slots (torchft_lite.checkpointing._staging): the
+    # receiver pins the ring once, never a host buffer per tensor, and the targets hold the sender's bytes.
+    from torchft_lite.checkpointing import _decode, _staging
+
+    def per_tensor_buffer(target):
+        raise AssertionError(f"a pinned host buffer of {tuple(target.shape)} was allocated for a GPU target")
+
+    monkeypatch.setattr(_decode._cuda, "host_buffer", per_tensor_buffer)
+    source = {f"w{i}": torch.randn(16 << 20, device="cuda") for i in range(4)}
+    source["step"] = 5
+    local = {f"w{i}": torch.zeros(16 << 20, device="cuda") for i in range(4)}
+    local["step"] = 0
+    received = heal(source, local, 5, num_chunks=4)
+    for i in range(4):
+        assert received[f"w{i}"] is local[f"w{i}"] and torch.equal(local[f"w{i}"], source[f"w{i}"])
+    ring = _staging.pinned_ring()
+    assert ring.free() == ring.slots  # every slot came back

@@ -21,7 +21,9 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.integration,
     pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 4,
-                       reason="needs 4 CUDA devices: 2 replica groups x 2 ranks, one device per rank"),
+                       reason="needs 4 CUDA devices: 2 replica groups x 2 ranks, one device per rank. Not on fewer: "
+                              "FSDP2's mesh inside a group is NCCL, which refuses two ranks of one communicator on "
+                              "one device, and the replica group across groups is NCCL too"),
     pytest.mark.timeout(900),
 ]
 

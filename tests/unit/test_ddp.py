@@ -7,7 +7,7 @@ from datetime import timedelta
 import torch
 from torch import nn
 
-from torchft_lite.ddp import PureDistributedDataParallel, _bucket_future
+from torchft_lite.ddp import PureDistributedDataParallel, _bucket_future, _single_rank_group
 from torchft_lite.work import ManagedWork, _DummyWork, completed_future
 
 
@@ -64,3 +64,14 @@ def test_a_torchft_style_work_hands_ddp_the_real_future_inside_its_proxy() -> No
 def test_a_plain_completed_work_hands_over_its_own_future() -> None:
     bucket = torch.ones(2)
     assert _bucket_future(_DummyWork(bucket), torch.zeros(2)).wait() is bucket
+
+
+def test_ddps_private_group_answers_for_cuda_modules_too() -> None:
+    # DDP checks a CUDA module's parameters through the group's backend for device type cuda: without one,
+    # DistributedDataParallel(manager, cuda_module) fails at construction ("No backend type associated with
+    # device type cuda"), as it did on the first GPU run.
+    group = _single_rank_group()
+    for device_type in ("cpu", "cuda"):
+        assert torch.device(device_type) in group._device_types
+        assert group._get_backend(torch.device(device_type)) is not None
+    assert group.size() == 1 and group.rank() == 0

@@ -20,6 +20,7 @@ Where things live::
     _checksum.py           sum64 block checksums
     _dtensor.py            DTensors: the local shard travels, its layout rides in the header
     _cuda.py               GPU tensors to and from host memory on the recovery stream
+    _staging.py            a receive into GPU tensors: a small ring of pinned slots, copied out as the socket is read
     http_transport_bench.py  torchft's http_transport_bench, same flags, to run the two side by side
 
 A heal over HTTP: the healthy replica's ``send_checkpoint`` flattens its

@@ -6,7 +6,8 @@ aborts its connection.
 
 * :class:`EncodedSink`: a whole encoding (or, for a striped heal, the
   primary's prefix and header alone): it validates the header as soon as it
-  is in, then hands the data to a ``TensorWriter`` (``_decode``);
+  is in, then hands the data to a ``TensorWriter`` (``_decode``), which lands
+  bytes meant for GPU tensors through a ring of pinned slots (``_staging``);
 * :class:`DataSink`: a block-aligned data range and its blocks' sums, into
   the ``TensorWriter`` a striped heal shares between its streams;
 * :class:`BytesSink`: a small answer (another replica's header, the
@@ -18,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from torchft_lite.checkpointing._decode import TensorWriter
+from torchft_lite.checkpointing._staging import Stager
 from torchft_lite.checkpointing._format import PREFIX_SIZE, Path, parse_header, unpack_prefix
 from torchft_lite.errors import CheckpointTransferError
 
@@ -77,17 +79,19 @@ class DataSink:
 class EncodedSink:
     """Prefix, header and (unless ``header_only``) data and checksums of one state dict, as a body of ``length``.
 
+    ``stager``: where the bytes of the targets it takes land (``_staging``: GPU targets, through pinned slots).
+
     ``header_only`` None: whichever the body holds, the header alone or the
     whole encoding (a source that serves no separate header sends it all);
     :attr:`whole` then says which it was.
     """
 
     def __init__(self, url: str, step: int, length: int, targets: dict[Path, Any], *,
-                 header_only: bool | None) -> None:
+                 header_only: bool | None, stager: Stager | None = None) -> None:
         if length < PREFIX_SIZE:
             raise CheckpointTransferError(f"checkpoint truncated: {url} sent a {length}-byte answer")
         self._url, self._step, self._length, self._header_only = url, step, length, header_only
-        self._targets = targets
+        self._targets, self._stager = targets, stager
         self._pending = memoryview(bytearray(PREFIX_SIZE))
         self._got = 0
         self._prefix = b""
@@ -126,7 +130,7 @@ class EncodedSink:
         if header.step != self._step:
             raise CheckpointTransferError(f"{self._url} sent step {header.step}, expected step {self._step}")
         self.header_bytes = self._prefix + header_json
-        self.writer = TensorWriter(header, self._targets)
+        self.writer = TensorWriter(header, self._targets, self._stager)
         if header.data_bytes and not self._header_only:
             self._data = DataSink(self.writer, 0, header.data_bytes)
 

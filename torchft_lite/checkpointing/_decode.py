@@ -36,6 +36,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import torch
 
 from torchft_lite.checkpointing import _checksum, _cuda, _dtensor, _prefault
+from torchft_lite.checkpointing._staging import Stager
 from torchft_lite.checkpointing._encode import flatten
 from torchft_lite.checkpointing._format import (
     DTYPES, PREFIX_SIZE, Header, Path, TensorEntry, byte_view, format_path, parse_header, unpack_prefix,
@@ -62,25 +63,31 @@ class TensorWriter:
 
     ``targets`` maps a tensor's path to an existing tensor: when dtype and
     shape match, the bytes land in it (directly when it is a contiguous CPU
-    tensor, else through a CPU buffer, pinned for a GPU target, that
+    tensor; through ``stager``'s ring of pinned slots, copied to the device
+    while the rest arrives, when it is one the stager takes, see
+    ``_staging``; else through a CPU buffer, pinned for a GPU target, that
     :meth:`finish` copies in on the recovery stream), and the result holds
     that very tensor. A DTensor target receives into its local shard (see
     ``_dtensor``). A failed transfer may leave such a target partly
     overwritten.
     """
 
-    def __init__(self, header: Header, targets: Mapping[Path, torch.Tensor] | None = None) -> None:
+    def __init__(self, header: Header, targets: Mapping[Path, torch.Tensor] | None = None,
+                 stager: Stager | None = None) -> None:
         self.header = header
         self._targets = targets
+        self._stager = stager
         self._tensors: list[torch.Tensor] = []
         self._copy_back: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._staged: dict[int, torch.Tensor] = {}  # tensor index -> its target's flat bytes (on the device)
         fresh: set[int] = set()  # the tensors allocated here (by index), whose pages do not exist yet
         try:
             for entry, path in zip(header.entries, header.paths):
                 self._tensors.append(self._buffer_for(entry, (targets or {}).get(path), fresh))
         except RuntimeError as exc:  # torch could not allocate what the header declared
             raise CheckpointTransferError(f"cannot allocate {header.data_bytes} bytes for the checkpoint") from exc
-        self._views = [byte_view(tensor) for tensor in self._tensors]
+        self._views = [None if index in self._staged else byte_view(tensor)
+                       for index, tensor in enumerate(self._tensors)]
         blocks = header.blocks
         self._filled = [0] * len(blocks)  # bytes received into each block
         # each block's sum, computed on the checksum thread once the block is complete
@@ -103,6 +110,9 @@ class TensorWriter:
         if target is None or target.dtype != dtype or tuple(target.shape) != entry.shape:
             fresh.add(len(self._tensors))
             return torch.empty(entry.shape, dtype=dtype)
+        if self._stager is not None and self._stager.takes(target):
+            self._staged[len(self._tensors)] = target.reshape(-1).view(torch.uint8)
+            return target
         if target.device.type == "cpu" and target.is_contiguous():
             return target
         buffer = _cuda.host_buffer(target)  # pinned for a GPU target: finish() copies it on the recovery stream
@@ -131,6 +141,10 @@ class TensorWriter:
             raise CheckpointTransferError(f"no room for data at byte {offset} (the range ends at {limit})")
         block = self._block_at(offset)
         start, end, tensor = self.header.blocks.spans[block]
+        if tensor in self._staged:
+            entry_offset = self.header.entries[tensor].offset
+            destination = self._staged[tensor][start - entry_offset:end - entry_offset]
+            return self._stager.buffer_at(block, start, end, offset, limit, destination)
         unpopulated = self._populator.claim(block) if self._populator is not None else None
         if unpopulated is not None:  # the writes got here before the populating threads
             _prefault.populate(*unpopulated)
@@ -140,6 +154,9 @@ class TensorWriter:
         """A flat uint8 tensor aliasing the destination of data bytes ``[start, end)`` (within one tensor)."""
         self._check_range(start, end)
         _, _, index = self.header.blocks.spans[self._block_at(start)]
+        if index in self._staged:
+            raise CheckpointTransferError(f"tensor {format_path(self.header.paths[index])} is staged to its device: "
+                                          f"its bytes land through buffer_at only")
         entry = self.header.entries[index]
         if end > entry.offset + entry.nbytes:
             raise CheckpointTransferError(f"bytes [{start}, {end}) span more than tensor {index}")
@@ -156,11 +173,14 @@ class TensorWriter:
             stop = min(end, block_end)
             if self._filled[block] + stop - position > block_end - block_start:  # refused before it is counted
                 raise CheckpointTransferError(f"bytes of block [{block_start}, {block_end}) were received twice")
+            staged = tensor in self._staged
+            if staged:
+                self._stager.filled(block_start, position, stop - position)
             self._filled[block] += stop - position
             self.received_bytes += stop - position
             if self._filled[block] == block_end - block_start:
-                self._sums[block] = _checksum.executor().submit(_checksum.sum64,
-                                                                self._view(block_start, block_end, tensor))
+                self._sums[block] = self._stager.block_sum(block) if staged else _checksum.executor().submit(
+                    _checksum.sum64, self._view(block_start, block_end, tensor))
             position = stop
 
     def write(self, offset: int, data: bytes | memoryview) -> None:
@@ -225,6 +245,7 @@ class TensorWriter:
         first delivery is checked or kept). The caller must have stopped
         every stream still writing into them.
         """
+        blocks = list(blocks)
         for block in blocks:
             if not 0 <= block < len(self._filled):
                 raise ValueError(f"no data block {block} (there are {len(self._filled)})")
@@ -235,6 +256,8 @@ class TensorWriter:
             if computed is not None:
                 computed.cancel()  # its bytes are about to be replaced; when already running its result is dropped
             self._sums[block] = None
+        if self._stager is not None:
+            self._stager.forget(blocks)
 
     def describe_block(self, block: int) -> str:
         """``"tensor <path> bytes [a, b)"``: where data block ``block`` lies, for error messages."""
@@ -269,6 +292,8 @@ class TensorWriter:
         self._abandoned.set()
         if self._populator is not None:
             self._populator.stop()
+        if self._stager is not None:
+            self._stager.abandon()
 
     def finish(self, meshes_from: Mapping[Path, torch.Tensor] | None = None) -> Any:
         """Check that every byte arrived intact and return the state dict.

@@ -35,6 +35,7 @@ from torchft_lite.checkpointing._body_sinks import BytesSink, DataSink, EncodedS
 from torchft_lite.checkpointing._decode import TensorWriter
 from torchft_lite.checkpointing._format import MAX_HEADER_BYTES, PREFIX_SIZE, Path
 from torchft_lite.checkpointing._header_difference import encoded_header_difference
+from torchft_lite.checkpointing._staging import Stager, stager_for
 from torchft_lite.errors import (
     CheckpointError, CheckpointHTTPError, CheckpointTransferError, CheckpointURLError, CheckpointURLTimeout,
 )
@@ -66,6 +67,8 @@ class _Heal:
     """On ``time.monotonic()``."""
     joined: set[str] = field(default_factory=set)
     """The sources that have counted this session."""
+    stager: Stager | None = None
+    """Where bytes meant for GPU targets land (``_staging``); abandoned when the heal fails, so its slots return."""
 
 
 @dataclass
@@ -109,7 +112,7 @@ class Receiver:
                       targets: dict[Path, Any]) -> Any:
         """The verified state dict of ``step`` from ``urls`` (the first is the primary); see the module docstring."""
         started = time.monotonic()
-        heal = _Heal(urls, names, step, uuid.uuid4().hex, started + timeout)
+        heal = _Heal(urls, names, step, uuid.uuid4().hex, started + timeout, stager=stager_for(targets))
         ok = False
         where = " + ".join(urls)
         primary = urls[0]  # what fails a heal, other than its timeout, is the primary's
@@ -147,6 +150,8 @@ class Receiver:
             raise CheckpointURLError(f"receiving step {step} from {primary} failed: "
                                      f"{type(exc).__name__}: {exc}{hint}") from exc
         finally:
+            if not ok and heal.stager is not None:
+                heal.stager.abandon()  # a stream cut off half-way gives its slot back; nothing more is copied
             # Every source of a striped heal waits for this receiver, whether or not it got a range to serve.
             told = heal.joined if len(urls) == 1 else set(urls)
             await asyncio.gather(*(self._tell_done(url, heal, ok) for url in told))
@@ -163,7 +168,7 @@ class Receiver:
         def sink_for(length: int) -> EncodedSink:
             nonlocal sink
             heal.joined.add(url)
-            sink = EncodedSink(url, heal.step, length, targets, header_only=header_only)
+            sink = EncodedSink(url, heal.step, length, targets, header_only=header_only, stager=heal.stager)
             return sink
 
         headers = await _http_client.get_into(url + path, self._params(heal), self._auth_headers(), sink_for,

@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from torchft_lite.errors import CollectiveError, ConfigError
+from torchft_lite.work import cuda_devices
 
 from . import _collective_options
 from .base import DEFAULT_TIMEOUT, ProcessGroup, ProcessGroupClosed, _check_rank, _check_timeout
@@ -285,8 +286,14 @@ class ReconfigurableProcessGroup(ProcessGroup):
 
     # -- collectives ---------------------------------------------------------
 
-    def _start_collective(self, op: str, call: Callable[[Any], dist.Work]) -> dist.Work:
-        """Start ``call(backend)`` on the current communicator; its Work, tracked (a failure errors the group)."""
+    def _start_collective(self, op: str, call: Callable[[Any], dist.Work], tensors: Sequence[torch.Tensor] = (),
+                          outputs: Any = None) -> dist.Work:
+        """Start ``call(backend)`` on the current communicator; its Work, tracked (a failure errors the group).
+
+        ``tensors``: every tensor the collective reads or writes (their CUDA devices make its future follow
+        the stream rule, ``torchft_lite.work``); ``outputs``: what its future yields when the backend's Work
+        has none (see ``TrackedWork``).
+        """
         with self._lock:
             backend, generation, timeout, errored = self._backend, self._generation, self._timeout, self._errored
             shut_down = self._shut_down
@@ -304,7 +311,8 @@ class ReconfigurableProcessGroup(ProcessGroup):
             failure = exc
         else:
             tracked = TrackedWork(work, op=op, timeout=timeout, wait=self._wait_work,
-                                  on_error=lambda exc, waited: self._record_failure(generation, op, exc, waited))
+                                  on_error=lambda exc, waited: self._record_failure(generation, op, exc, waited),
+                                  devices=cuda_devices(list(tensors)), outputs=outputs)
             self._watch(tracked)
             return tracked
         # The error is kept (errored()) with its traceback, which holds this
@@ -316,21 +324,21 @@ class ReconfigurableProcessGroup(ProcessGroup):
         tensors = _tensor_list("allreduce", tensors)
         _check_tensors("allreduce", tensors)
         options = _collective_options.allreduce_options(opts, self._op_timeout())
-        return self._start_collective("allreduce", lambda backend: backend.allreduce(tensors, options))
+        return self._start_collective("allreduce", lambda backend: backend.allreduce(tensors, options), tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         tensors = _tensor_list("allreduce_coalesced", tensors)
         _check_tensors("allreduce_coalesced", tensors)
         options = _collective_options.allreduce_coalesced_options(opts, self._op_timeout())
         return self._start_collective("allreduce_coalesced", lambda backend: backend.allreduce_coalesced(
-            tensors, options))
+            tensors, options), tensors)
 
     def allgather(self, output_tensors: list[list[torch.Tensor]], input_tensor: list[torch.Tensor],
                   opts: Any = None) -> dist.Work:
         _check_tensors("allgather", _flat(output_tensors) + _tensor_list("allgather", input_tensor))
         options = _collective_options.allgather_options(opts, self._op_timeout())
         return self._start_collective("allgather", lambda backend: backend.allgather(
-            output_tensors, input_tensor, options))
+            output_tensors, input_tensor, options), _flat(output_tensors) + list(input_tensor))
 
     def allgather_into_tensor_coalesced(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
                                         opts: Any = None) -> dist.Work:
@@ -338,20 +346,22 @@ class ReconfigurableProcessGroup(ProcessGroup):
         _check_tensors(op, _tensor_list(op, output_tensors) + _tensor_list(op, input_tensors))
         options = _collective_options.allgather_options(opts, self._op_timeout())
         return self._start_collective(op, lambda backend: backend.allgather_into_tensor_coalesced(
-            output_tensors, input_tensors, options))
+            output_tensors, input_tensors, options), list(output_tensors) + list(input_tensors))
 
     def alltoall_base(self, output_buffer: torch.Tensor, input_buffer: torch.Tensor, output_split_sizes: list[int],
                       input_split_sizes: list[int], opts: Any = None) -> dist.Work:
         _check_tensors("alltoall_base", [output_buffer, input_buffer])
         options = _collective_options.alltoall_options(opts, self._op_timeout())
         return self._start_collective("alltoall_base", lambda backend: backend.alltoall_base(
-            output_buffer, input_buffer, list(output_split_sizes), list(input_split_sizes), options))
+            output_buffer, input_buffer, list(output_split_sizes), list(input_split_sizes), options),
+            [output_buffer, input_buffer])
 
     def broadcast(self, tensor_list: list[torch.Tensor], opts: Any = 0) -> dist.Work:
         tensor_list = _tensor_list("broadcast", tensor_list)
         _check_tensors("broadcast", tensor_list)
         options = _collective_options.broadcast_options(opts, self._op_timeout())
-        return self._start_collective("broadcast", lambda backend: backend.broadcast(tensor_list, options))
+        return self._start_collective("broadcast", lambda backend: backend.broadcast(tensor_list, options),
+                                      tensor_list)
 
     def barrier(self, opts: Any = None) -> dist.Work:
         options = _collective_options.barrier_options(opts, self._op_timeout())
@@ -362,7 +372,7 @@ class ReconfigurableProcessGroup(ProcessGroup):
         _check_tensors("reduce_scatter", _tensor_list("reduce_scatter", output_tensors) + _flat(input_tensors))
         options = _collective_options.reduce_scatter_options(opts, self._op_timeout())
         return self._start_collective("reduce_scatter", lambda backend: backend.reduce_scatter(
-            output_tensors, input_tensors, options))
+            output_tensors, input_tensors, options), list(output_tensors) + _flat(input_tensors))
 
     def reduce_scatter_tensor_coalesced(self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
                                         opts: Any = None) -> dist.Work:
@@ -370,19 +380,19 @@ class ReconfigurableProcessGroup(ProcessGroup):
         _check_tensors(op, _tensor_list(op, output_tensors) + _tensor_list(op, input_tensors))
         options = _collective_options.reduce_scatter_options(opts, self._op_timeout())
         return self._start_collective(op, lambda backend: backend.reduce_scatter_tensor_coalesced(
-            output_tensors, input_tensors, options))
+            output_tensors, input_tensors, options), list(output_tensors) + list(input_tensors))
 
     def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int = 0) -> dist.Work:
         tensors = _tensor_list("send", tensors)
         _check_tensors("send", tensors)
         return self._start_collective(f"send to rank {dst_rank}",
-                                      lambda backend: backend.send(tensors, dst_rank, tag))
+                                      lambda backend: backend.send(tensors, dst_rank, tag), tensors)
 
     def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int = 0) -> dist.Work:
         tensors = _tensor_list("recv", tensors)
         _check_tensors("recv", tensors)
         return self._start_collective(f"recv from rank {src_rank}",
-                                      lambda backend: backend.recv(tensors, src_rank, tag))
+                                      lambda backend: backend.recv(tensors, src_rank, tag), tensors, outputs=tensors)
 
     def __repr__(self) -> str:
         state = "errored" if self._errored is not None else ("configured" if self._backend is not None else "idle")

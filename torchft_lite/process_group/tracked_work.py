@@ -6,6 +6,13 @@ translated once to :class:`CollectiveError` / :class:`CollectiveTimeout` and
 reported to the group (which marks itself errored). The future returned by
 ``get_future()`` completes with that translated error, so callbacks the
 Manager attaches see it.
+
+CUDA: a TrackedWork follows the stream rule (``torchft_lite.work``). Its
+future is CUDA-aware for the devices of the collective's tensors, and is set
+only after ``Work.synchronize()`` made a side stream wait for what the backend
+still has queued (gloo's copies back to the GPU); ``wait()`` leaves the
+caller's current stream waiting for the result, whether the backend's Work or
+the future holds it.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from torchft_lite.errors import CollectiveError, CollectiveTimeout
-from torchft_lite.work import _DummyWork
+from torchft_lite.work import _DummyWork, completion_streams, device_future
 
 __all__ = ["CompletedWork", "TrackedWork", "translate_error"]
 
@@ -59,13 +66,19 @@ class TrackedWork(dist.Work):
         wait: ``wait(work, timeout)`` -- blocks at most ``timeout``, raises the work's error.
         on_error: ``on_error(exc, timeout)`` translates a failure seen while waiting up to
             ``timeout``, marks the group errored, and returns the translation.
+        devices: the CUDA devices of the collective's tensors (``torchft_lite.work.cuda_devices``).
+        outputs: what the future yields when the backend's Work has no future of its own (gloo's
+            send and recv): the tensors received, so that a CUDA future records their events.
     """
 
     def __init__(self, work: dist.Work, *, op: str, timeout: timedelta,
                  wait: Callable[[dist.Work, timedelta], None],
-                 on_error: Callable[[BaseException, timedelta], CollectiveError]) -> None:
+                 on_error: Callable[[BaseException, timedelta], CollectiveError],
+                 devices: tuple[torch.device, ...] = (), outputs: Any = None) -> None:
         super().__init__()
         self._work: dist.Work | None = work
+        self._devices = devices
+        self._outputs = outputs
         self._op = op
         self._timeout = timeout
         self._wait = wait
@@ -113,13 +126,19 @@ class TrackedWork(dist.Work):
             future.set_result(value)
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        """Block until the collective is done, at most ``timeout`` (default: the group's)."""
+        """Block until the collective is done, at most ``timeout`` (default: the group's).
+
+        The caller's current CUDA streams then wait for the result (c10d's ``Work.wait()`` does so, and so
+        does the future's once the backend's Work is released).
+        """
         with self._lock:
-            work, error = self._work, self._error
+            work, error, future = self._work, self._error, self._future
         if error is not None:
             raise error
-        if work is None:
-            return True  # released after its result reached the future
+        if work is None:  # released after its result reached the future
+            if future is not None:
+                future.wait()  # done: only the caller's streams wait for its events
+            return True
         limit = timeout if timeout is not None else self._timeout
         try:
             self._wait(work, limit)
@@ -134,7 +153,7 @@ class TrackedWork(dist.Work):
         with self._lock:
             if self._future is not None:
                 return self._future
-            self._future = future = torch.futures.Future()
+            self._future = future = device_future(self._devices)
             work, error = self._work, self._error
         if work is None:
             self._settle(future, error=error)
@@ -148,23 +167,28 @@ class TrackedWork(dist.Work):
             return future
 
         def done(source: torch.futures.Future) -> None:
-            try:
-                value = source.value()
-            except Exception as exc:
-                self._fail(exc)
-            else:
+            with self._lock:  # read now, not captured: a failed work must not be pinned by this callback
+                backend = self._work
+            with completion_streams(self._devices):  # the stream rule (torchft_lite.work)
+                try:
+                    value = source.wait()  # done; a CUDA-aware source (NCCL's) leaves these streams waiting for it
+                    if backend is not None:
+                        backend.synchronize()  # and for what the backend still has queued (gloo's copies back)
+                except Exception as exc:
+                    self._fail(exc)
+                    return
                 self._settle(future, value=value)
 
         source.add_done_callback(done)
         return future
 
     def _complete_by_waiting(self, future: torch.futures.Future) -> None:
-        try:
-            self.wait()
-        except CollectiveError:
-            pass  # _fail() already failed the future with this error
-        else:
-            self._settle(future, value=None)
+        with completion_streams(self._devices):  # c10d's wait() makes these streams wait; the future records after
+            try:
+                self.wait()
+            except CollectiveError:
+                return  # _fail() already failed the future with this error
+            self._settle(future, value=self._outputs)
 
     def is_completed(self) -> bool:
         with self._lock:
