@@ -194,7 +194,9 @@ def test_kill_and_forged_calls_to_a_manager_server_without_the_token_are_refused
 
             member = ManagerClient(server.address(), access=Access(TOKEN))
             try:
-                # No forged vote is waiting: the group's own vote decides alone.
+                # No forged vote is waiting: the group's own vote, after its quorum, decides alone.
+                await member.quorum(group_rank=0, step=7, checkpoint_metadata="", shrink_only=False,
+                                    init_sync=False, commit_failures=0, timeout=WAIT)
                 assert await member.should_commit(group_rank=0, step=7, should_commit=True, timeout=WAIT)
                 await member.kill("by the job's operator", timeout=WAIT)
             finally:

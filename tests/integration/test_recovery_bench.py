@@ -41,9 +41,11 @@ def test_a_short_recovery_bench_breaks_the_rejoin_down_for_each_impl():
         [sample] = result["breakdowns"]
         phases = sample["phases"]
         # every event was seen: the library's log lines and the script's marks are still what the timeline reads
-        assert all(phases[name] is not None for name, _, _ in PHASES), (impl, phases)
-        assert sum(phases.values()) == pytest.approx(sample["total_s"], abs=1e-6)
-        assert sample["library_s"] == pytest.approx(sum(phases[name] for name in LIBRARY_PHASES), abs=1e-6)
+        # (no durable checkpoints in this bench: nothing is read from one)
+        assert all(phases[name] is not None for name, _, _ in PHASES if name != "checkpoint read"), (impl, phases)
+        assert phases["checkpoint read"] is None
+        assert sum(v for v in phases.values() if v is not None) == pytest.approx(sample["total_s"], abs=1e-6)
+        assert sample["library_s"] == pytest.approx(sum(phases[name] or 0.0 for name in LIBRARY_PHASES), abs=1e-6)
         assert sample["in_standby"] == impl.endswith("+standby")
         assert result["breakdown"]["samples"] == 1
     ours = summary["results"]["torchft_lite"]["breakdowns"][0]

@@ -218,6 +218,8 @@ def test_a_tls_manager_server_refuses_plain_text_and_untrusted_clients(pki, othe
             assert server.kills == []
             member = ManagerClient(server.address(), access=Access(TOKEN), tls=TlsSettings(ca=pki.ca))
             try:
+                await member.quorum(group_rank=0, step=2, checkpoint_metadata="", shrink_only=False,
+                                    init_sync=False, commit_failures=0, timeout=WAIT)
                 assert await member.should_commit(group_rank=0, step=2, should_commit=True, timeout=WAIT)
             finally:
                 await member.close()
