@@ -228,6 +228,14 @@ class Chaos:
                 and g not in self.rank_lost and g not in self.arming]
         if kind != "lighthouse" and len(live) < 2:
             return False  # keep at least one group training, or there is nothing to verify
+        candidates = live
+        if kind == "hang-before-vote":
+            # Only a group each of whose ranks committed a step: a rank still starting has no SIGUSR1 handler
+            # yet, and the signal would kill it (a crash, not this fault).
+            trained = {r["pid"] for r in self.epoch_rows()}
+            candidates = [g for g in live if all(p.pid in trained for p in self.groups[g].procs)]
+            if not candidates:
+                return False
         if kind == "lighthouse":
             self.faults[kind] += 1
             self.lighthouse.kill()
@@ -236,7 +244,7 @@ class Chaos:
             self.lighthouse.start()
             self.say("lighthouse restarted")
             return True
-        g = rng.choice(live)
+        g = rng.choice(candidates)
         group = self.groups[g]
         # Destroying the only live copy of the latest committed state makes the job redo steps: the
         # lighthouse refuses a quorum of older state until its holder timeout, then starts a new epoch
