@@ -36,16 +36,17 @@ steps, and every wait has a bounded way out):
 * **New epoch** and **fence** (rules in :mod:`lighthouse.epochs`): ``decide``
   lets the guard give way at the participants' step; a replica from before
   the epoch is refused (``join`` raises :class:`StaleReplica`).
-* **Lineage fence**: a member of the last issued quorum that is dropped
-  (heartbeat expired, lease ended) is remembered with the step it had there,
-  S. If a later quorum without it is issued at highest step S (the others
-  redo step S without it) and it comes back reporting a step above S while
-  another member of its new quorum reports as much, it committed step S on
-  its own lineage (a group's lease fence makes that rare: it needs a
-  partition within moments of its last send). The quorum gives it step S
-  instead, so every manager, ours and torchft's, heals it from the others:
-  two lineages never both go on. A quorum is what resolves a remembered
-  member; the newest ``MAX_DROPPED`` are kept.
+* **Lineage fence**: a member of the last issued quorum that the next one
+  leaves out (its heartbeat expired, its lease ended, or it did not rejoin
+  within the join timeout) is remembered with the step it had there, S. If
+  that next quorum (or a later one without it) is issued at highest step S,
+  the others redo step S without it; if it then comes back reporting a step
+  above S while another member of its new quorum reports as much, it
+  committed step S on a lineage the others did not keep (its peers failed
+  that step while it committed it). The quorum gives it step S instead, so
+  every manager, ours and torchft's, heals it from the others: two lineages
+  never both go on. A quorum that takes it in resolves it; the newest
+  ``MAX_DROPPED`` are kept.
 
 Cost: a join, heartbeat or ``evaluate`` is O(1) amortized (incremental
 counters; heartbeats pruned from the front of a list in last-seen order); only
@@ -180,7 +181,6 @@ class QuorumState:
         if participant is not None and was_heartbeating:
             self._count(participant.member, -1)
         self._epochs.dropped(replica_id, replica_id in self._prev_ids)
-        self._remember_dropped(replica_id)
         return was_heartbeating or participant is not None
 
     def fence(self, replica_id: str) -> None:
@@ -204,7 +204,6 @@ class QuorumState:
             if participant is not None:
                 self._count(participant.member, -1)
             self._epochs.dropped(replica_id, replica_id in self._prev_ids)
-            self._remember_dropped(replica_id)
         return expired
 
     def request_epoch(self, reason: str) -> None:
@@ -444,22 +443,21 @@ class QuorumState:
         self._recount()
         return epoch, fenced
 
-    def _remember_dropped(self, replica_id: str) -> None:
-        """A member of the last issued quorum was dropped: keep its step there for the lineage fence."""
-        if self._prev is None or replica_id not in self._prev_ids:
-            return
-        self._dropped[replica_id] = next(m.step for m in self._prev.members if m.replica_id == replica_id)
-        self._dropped.move_to_end(replica_id)
-        self._redone.discard(replica_id)
-        while len(self._dropped) > MAX_DROPPED:
-            oldest, _ = self._dropped.popitem(last=False)
-            self._redone.discard(oldest)
-
     def _fence_lineages(self, chosen: list[Member]) -> tuple[tuple[str, int, int], ...]:
-        """The lineage fence (module docstring): note the dropped members whose step the chosen redo, and lower
-        the step of each chosen member that committed a step the others redid. Returns what it lowered."""
+        """The lineage fence (module docstring): remember the members of the last quorum that ``chosen`` leaves
+        out, note those whose step it redoes, and lower the step of each chosen member that committed a step
+        the others redid. Returns what it lowered."""
         top = max((m.step for m in chosen), default=0)
         ids = {m.replica_id for m in chosen}
+        if self._prev is not None:
+            for member in self._prev.members:
+                if member.replica_id not in ids:
+                    self._dropped[member.replica_id] = member.step
+                    self._dropped.move_to_end(member.replica_id)
+                    self._redone.discard(member.replica_id)
+            while len(self._dropped) > MAX_DROPPED:
+                oldest, _ = self._dropped.popitem(last=False)
+                self._redone.discard(oldest)
         for replica_id, step in self._dropped.items():
             if replica_id not in ids and step == top:
                 self._redone.add(replica_id)

@@ -401,3 +401,18 @@ def test_a_member_that_did_not_commit_while_gone_is_left_as_it_is():
     quorum = _issue(state, 0.5, Member("g", step=7), Member("p", step=8))
     assert {m.replica_id: m.step for m in quorum.members} == {"g": 7, "p": 8}
     assert quorum.redone_by_others == ()
+
+
+def test_a_member_left_out_as_a_straggler_that_committed_the_step_the_others_redid_is_given_that_step():
+    """A chaos run's fork: g0 and g1 in a quorum at step 622; g1 failed the step, g0 committed it and was slow to
+    come back; the next quorum (join timeout) redid 622 with g1 and g2; all three then met at 623."""
+    state = _lineage_state()
+    _issue(state, 0.0, Member("g0", step=622), Member("g1", step=622))
+    state.join(Member("g1", step=622), 0.5)
+    state.join(Member("g2", step=622), 0.5)
+    state.heartbeat("g0", 0.6)  # alive, only slow: a straggler
+    decision, _ = state.decide(1.6)  # the join timeout expired without it
+    assert decision.quorum is not None and decision.quorum.replica_ids == ("g1", "g2")
+    quorum = _issue(state, 1.7, Member("g0", step=623), Member("g1", step=623), Member("g2", step=623))
+    assert {m.replica_id: m.step for m in quorum.members} == {"g0": 622, "g1": 623, "g2": 623}
+    assert quorum.redone_by_others == (("g0", 623, 622),)
