@@ -269,16 +269,14 @@ class Timeline:
         return "stalled" if self._healthy or self._participants else "stopped"
 
     def steps_per_s(self, now: float) -> float | None:
-        """Steps the job committed per second over the last ``RATE_WINDOW`` seconds or more (falls during a
-        stall); None before two quorums."""
+        """Steps the job committed per second: from the oldest of the recent quorums issued within the last
+        ``RATE_WINDOW`` seconds to now (so a stall that ended is soon forgotten), or from the newest before
+        that while fewer than two fall within it (so the rate falls during a stall). None before two quorums."""
         recent = self._recent
         if len(recent) < 2:
             return None
-        base = recent[0]
-        for entry in recent:
-            if entry[0] >= now - RATE_WINDOW:
-                break
-            base = entry
+        window = [entry for entry in recent if entry[0] >= now - RATE_WINDOW]
+        base = window[0] if len(window) >= 2 else recent[-1 - len(window)]
         return (recent[-1][1] - base[1]) / (now - base[0]) if now > base[0] else None
 
     def status(self, now: float, status: Status, reason: str, heartbeat_age: Mapping[str, float],
@@ -373,9 +371,10 @@ class Timeline:
                 continue
             self._counts["heals"] += 1
             self._counts["heal_seconds"] += took
+            quorums = (f"quorum {quorum.quorum_id}" if quorum.quorum_id == heal.quorum_id
+                       else f"quorums {heal.quorum_id} to {quorum.quorum_id}")
             self._mark(heal.since, "heal", f"{name_of(replica_id)} healed {plural(heal.steps_behind, 'step')} from "
-                       f"{_names(heal.sources)} in {took:.1f} s (quorum {heal.quorum_id} to {quorum.quorum_id})",
-                       replica_id, took, heal.steps_behind)
+                       f"{_names(heal.sources)} in {took:.1f} s ({quorums})", replica_id, took, heal.steps_behind)
         sources = tuple(rid for rid, step in steps.items() if step == top)
         for replica_id, step in steps.items():
             if step < top and replica_id not in self._healing:

@@ -93,7 +93,7 @@ def test_a_kill_a_stall_and_a_heal_leave_their_markers_and_the_status_line_follo
     assert came_back.text == ("b back in quorum 2 at step 0, 5.9 s after it was gone (lease ended: its connection "
                               "to the lighthouse closed)")
     assert (heal.kind, heal.t, heal.duration, heal.steps) == ("heal", back, 1.5, 49)
-    assert heal.text == "b healed 49 steps from a in 1.5 s (quorum 2 to 2)"
+    assert heal.text == "b healed 49 steps from a in 1.5 s (quorum 2)"
     assert stall_in_heal.kind == "stall" and stall_in_heal.t == back  # the others waited for the heal
     stats = timeline.statistics(healed + 0.05)
     assert (stats.stalls, stats.heals, stats.groups_gone, stats.groups_back) == (2, 1, 1, 1)
