@@ -190,10 +190,11 @@ class Timeline:
         """``quorum`` was issued at ``now``."""
         steps = {m.replica_id: m.step for m in quorum.members}
         top = max(steps.values(), default=0)
+        groups = frozenset(map(name_of, steps))
         last = self._last
         if last is not None:
             gap = now - last.issued_at
-            same_job = not last.steps.keys().isdisjoint(steps) or not last.groups.isdisjoint(map(name_of, steps))
+            same_job = not last.steps.keys().isdisjoint(steps) or not last.groups.isdisjoint(groups)
             if gap > self._stall_after and same_job:
                 self._mark_stall(last, gap)
             for replica_id, step in steps.items():
@@ -209,7 +210,7 @@ class Timeline:
         self._recent.append((now, top))
         gaps = [b[0] - a[0] for a, b in zip(self._recent, list(self._recent)[1:])]
         self._stall_after = max(STALL_AFTER, STALL_FACTOR * statistics.median(gaps)) if gaps else PACE_UNKNOWN
-        self._last = _Quorum(quorum.quorum_id, now, steps, top, frozenset(map(name_of, steps)))
+        self._last = _Quorum(quorum.quorum_id, now, steps, top, groups)
         self._gone_in_gap.clear()
         self._waited = None
         second = self._second

@@ -30,7 +30,7 @@ def test_a_full_history_with_the_largest_markers_stays_within_its_stated_bound()
         after_start = tracemalloc.get_traced_memory()[0] - before
         sizes = []
         for rounds in range(2):
-            for i in range(CAPACITY):
+            for i in range(rounds * CAPACITY, (rounds + 1) * CAPACITY):
                 history.add_sample(sample(float(i), 10**12 + i))
             for i in range(MAX_MARKERS):
                 n = rounds * MAX_MARKERS + i
@@ -57,6 +57,10 @@ def test_the_ring_keeps_the_newest_samples_in_order():
     assert history.sample_count == 10 and len(history) == 4
     assert [s.t for _, s in history.samples(after=7)] == [8.0, 9.0]
     assert [s.t for _, s in history.samples(since=8.5)] == [9.0]
+    wrapped = history.to_json(now=9.0, wall_now=9.0)  # the ring's last four, across its end
+    assert wrapped["samples"]["step"] == [6, 7, 8, 9] and wrapped["samples"]["steps_per_s"][-1] == 2.0
+    assert history.to_json(9.0, 9.0, samples_after=7)["samples"]["t"] == [8.0, 9.0]
+    assert history.to_json(9.0, 9.0, seconds=2.5)["samples"]["t"] == [7.0, 8.0, 9.0]
     history = History(capacity=4)
     history.add_sample(sample(0.0, rate=None))
     assert next(history.samples())[1].steps_per_s is None
@@ -102,3 +106,7 @@ def test_bad_values_are_refused_with_clear_errors():
         Sample(0.0, 0, None, 0, 0, 0, 0, "sleeping")
     with pytest.raises(ValueError, match="kind must be one of"):
         Marker(0.0, "party", "")
+    history = History(capacity=4)
+    history.add_sample(sample(5.0))
+    with pytest.raises(ValueError, match="time order"):
+        history.add_sample(sample(4.0))
