@@ -100,3 +100,19 @@ def test_a_group_gone_back_and_healed_is_in_the_history_the_status_line_and_the_
             await server.stop()
 
     asyncio.run(scenario())
+
+
+def test_a_restarted_lighthouse_marks_its_restart_and_a_first_start_marks_nothing(tmp_path):
+    async def markers(state_dir) -> list[dict]:
+        server = LighthouseServer(lighthouse_config(state_dir=state_dir))
+        await server.start()
+        try:
+            return (await get(server, "/api/history"))[1]["markers"]
+        finally:
+            await server.stop()
+
+    assert asyncio.run(markers(None)) == []
+    (tmp_path / "last_quorum_id").write_text("17\n")
+    (restart,) = asyncio.run(markers(tmp_path))
+    assert restart["kind"] == "restart" and restart["text"].startswith("lighthouse restarted (")
+    assert "17" in restart["text"]
