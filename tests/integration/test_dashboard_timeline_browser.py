@@ -80,11 +80,12 @@ def test_a_killed_and_restarted_group_shows_on_the_timeline_and_in_the_status_li
             page.wait_for_function("document.getElementById('job-headline').textContent"
                                    ".startsWith('training: 2 groups at step')", timeout=START)
             assert page.locator("#job").get_attribute("class") == ""  # no colour while all is well
-            page.wait_for_function("/[1-9][0-9]* steps\\/s$/.test(document.getElementById('job-headline').textContent)",
-                                   timeout=CHANGE)
+            page.wait_for_function("parseFloat((/([0-9.]+) steps\\/s$/.exec(document.getElementById('job-headline')"
+                                   ".textContent) || [0, '0'])[1]) > 0", timeout=CHANGE)
             page.wait_for_selector("#timeline path.rate", state="attached", timeout=CHANGE)
             train_on(lighthouse, STEPS_AROUND)
 
+            at_kill = len(page.evaluate("window.__states"))
             groups[1].kill(signal.SIGKILL)
             wait_marker(page, ".marker-gone")
             assert "train_ddp_1 gone: lease ended" in hover_detail(page, ".marker-gone")
@@ -106,9 +107,9 @@ def test_a_killed_and_restarted_group_shows_on_the_timeline_and_in_the_status_li
             assert "without a quorum" in hover_detail(page, ".marker-stall:not(.live)")
             assert "train_ddp_1 back in quorum" in page.locator("#events").inner_text()
             states = page.evaluate("window.__states")
-            stalled = states.index("stalled")
-            assert states[stalled - 1] == "training" and states[-1] == "training", states
-            assert set(states[stalled:-1]) <= {"stalled", "healing"}, states  # healing is one step: often unseen
+            after = states[at_kill:]  # healing lasts about one step here: the page, polling each second, may miss it
+            assert states[at_kill - 1] == "training" and after[0] == "stalled" and after[-1] == "training", states
+            assert set(after) <= {"stalled", "healing", "training"}, states
             assert page.locator("#job").get_attribute("class") == ""
             train_on(lighthouse, STEPS_AROUND)
             page.wait_for_function("document.getElementById('job-headline').textContent.endsWith('steps/s')",
