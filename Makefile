@@ -15,7 +15,7 @@ TORCHFT_SPEC ?= torchft-nightly==2026.10.26
 # Manager): without it the comparisons that run torchft (heal, chaos, recovery) would skip.
 TORCHFT_RUNTIME := "opentelemetry-sdk>=1.39" "opentelemetry-exporter-otlp-proto-http>=1.39"
 
-.PHONY: all venv bytecode test test-fast compat demo demo-hsdp proto bench bench-ddp bench-recovery bench-heal bench-checkpoint bench-health bench-diloco browser clean help gpu-check gpu-wheels
+.PHONY: all venv bytecode test test-fast compat demo demo-hsdp proto bench bench-ddp bench-recovery bench-heal bench-checkpoint bench-health bench-diloco browser clean help gpu-check gpu-wheels dashboard-screenshot
 
 all: test
 
@@ -32,6 +32,7 @@ help:
 	@echo "make bench-checkpoint  run benchmarks/checkpoint_bench.py (durable checkpoint overhead: ours, DCP async_save, torch.save)"
 	@echo "make bench-health  run benchmarks/health_bench.py (non-finite guard and fingerprint cost per step, 100 MB and 1 GB)"
 	@echo "make bench-diloco  run benchmarks/diloco_bench.py (DDP vs DiLoCo over a modelled slow link: bytes, wall time, loss)"
+	@echo "make dashboard-screenshot  the README's picture of the dashboard's timeline: a real job, a group killed and healed"
 	@echo "make gpu-check  on a GPU machine, no venv: tests/gpu, 3 groups on one GPU with a kill, the CUDA heal; one table"
 	@echo "make gpu-wheels download into .whl/ the wheels gpu-check installs there (a GPU machine without a network)"
 
@@ -87,6 +88,14 @@ compat: $(STAMP)
 	else \
 	  echo "note: $(TORCHFT_SPEC) unavailable; make compat skipped"; \
 	fi
+
+# The README's picture of the dashboard: the timeline browser test (two train_ddp groups, one SIGKILLed and
+# restarted, in headless Chromium) writes it where the variable says. About a minute.
+DASHBOARD_SCREENSHOT ?= examples/screenshots/dashboard-timeline.png
+dashboard-screenshot: $(STAMP) browser bytecode
+	mkdir -p $(dir $(DASHBOARD_SCREENSHOT))
+	TORCHFT_LITE_DASHBOARD_SCREENSHOT=$(abspath $(DASHBOARD_SCREENSHOT)) $(BIN)/python -m pytest -q \
+		tests/integration/test_dashboard_timeline_browser.py
 
 demo: $(STAMP) bytecode
 	$(BIN)/python examples/demo.py

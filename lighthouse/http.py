@@ -1,7 +1,10 @@
 """The lighthouse's HTTP side (aiohttp, on the lighthouse's event loop).
 
 GET  /                                 self-contained dashboard (no CDN; works offline)
-GET  /api/status                       the dashboard's data as JSON
+GET  /api/status                       the dashboard's data as JSON (``job``: the status line)
+GET  /api/history                      the job's history as JSON (lighthouse.history): per-second samples and
+                                       markers; ``?seconds=S`` only the last S seconds, ``?samples_after=N&
+                                       markers_after=M`` only what is newer than the cursors a previous answer gave
 GET  /metrics                          Prometheus metrics, ``lighthouse_`` prefixed
 GET  /healthz                          "ok" while serving
 POST /api/replicas/{replica_id}/kill   ask that replica's Manager to exit (Kill RPC);
@@ -38,6 +41,7 @@ import html
 import importlib.resources
 import json
 import logging
+import math
 from typing import Iterator
 
 import grpc
@@ -160,6 +164,19 @@ class _Handlers:
     async def status(self, request: web.Request) -> web.Response:
         return web.json_response(self.server.snapshot(), dumps=lambda d: json.dumps(d, allow_nan=False))
 
+    async def history(self, request: web.Request) -> web.Response:
+        query = request.query
+        try:
+            cursors = {name: int(query.get(name, "-1")) for name in ("samples_after", "markers_after")}
+            seconds = float(query["seconds"]) if "seconds" in query else None
+        except ValueError:
+            return _error(400, "samples_after and markers_after must be integers, seconds a number")
+        if any(value < -1 for value in cursors.values()) or (
+                seconds is not None and not (math.isfinite(seconds) and seconds > 0)):
+            return _error(400, "samples_after and markers_after must be >= -1, seconds a finite number > 0")
+        return web.json_response(self.server.history(seconds=seconds, **cursors),
+                                 dumps=lambda d: json.dumps(d, allow_nan=False))
+
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -254,6 +271,7 @@ async def start_http(server: LighthouseView, bind: str) -> tuple[web.AppRunner, 
     app.add_routes([
         web.get("/", handlers.index),
         web.get("/api/status", handlers.status),
+        web.get("/api/history", handlers.history),
         web.get("/metrics", handlers.metrics),
         web.get("/healthz", handlers.healthz),
         web.post("/api/replicas/{replica_id}/kill", handlers.kill),

@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from lighthouse.history import STATES
 from lighthouse.straggler_view import StragglerCollector
 from lighthouse.validation import REASONS
 from lighthouse.view import LighthouseView
@@ -73,9 +74,42 @@ class _StatisticsCollector(Collector):
         yield status
 
 
+class _TimelineCollector(Collector):
+    """Reads ``server.timeline_statistics()`` at scrape time: what the job is doing, its stalls and heals."""
+
+    def __init__(self, server: LighthouseView) -> None:
+        self._server = server
+
+    def collect(self) -> Iterator[Metric]:
+        t = self._server.timeline_statistics()
+        yield GaugeMetricFamily("lighthouse_steps_per_second", "Steps the job committed per second, over the last "
+                                "10 s or more (the highest step of the issued quorums).", value=t.steps_per_second)
+        state = GaugeMetricFamily("lighthouse_job_state", "1 for what the job is doing now, as the dashboard's "
+                                  "status line says it.", labels=["state"])
+        for name in STATES:
+            state.add_metric([name], 1 if name == t.state else 0)
+        yield state
+        counters = [
+            ("lighthouse_stalls", "Gaps between two quorums of the job over max(1 s, 3x its median gap).", t.stalls),
+            ("lighthouse_stall_seconds", "Seconds the job spent in those stalls (counted when each ended).",
+             t.stall_seconds),
+            ("lighthouse_heals", "Heals that finished: a member behind its quorum's highest step, at it in a later "
+             "quorum.", t.heals),
+            ("lighthouse_heal_seconds", "Seconds those heals took, quorum to quorum.", t.heal_seconds),
+            ("lighthouse_heals_failed", "Heals whose group went, or was left out of the next quorum, first.",
+             t.heals_failed),
+            ("lighthouse_groups_gone", "Members of the last quorum gone (lease ended, heartbeat expired, refused).",
+             t.groups_gone),
+            ("lighthouse_groups_back", "Groups back in a quorum after they were gone or restarted.", t.groups_back),
+        ]
+        for name, doc, value in counters:
+            yield CounterMetricFamily(name, doc, value=value)
+
+
 def build_registry(server: LighthouseView) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=True)
     registry.register(_StatisticsCollector(server))
+    registry.register(_TimelineCollector(server))
     registry.register(StragglerCollector(server))
     formation = Histogram(
         "lighthouse_quorum_formation_seconds",

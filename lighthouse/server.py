@@ -33,6 +33,7 @@ from lighthouse.rpc.addresses import split_host_port
 from lighthouse.rpc.broadcast import Broadcast
 from lighthouse.rpc.engines import RefusalLog, Server, Service, start_service
 from lighthouse.straggler_state import StragglerQuorumState, StragglerStatistics
+from lighthouse.timeline import Timeline, TimelineStatistics
 from lighthouse.validation import MAX_REPLICA_ID_LEN, RequestChecks  # noqa: F401  (importable from here)
 from lighthouse.view import LighthouseStatistics
 
@@ -78,6 +79,8 @@ class LighthouseServer:
         self._checks = RequestChecks()
         self._stopping = False
         self._decisions = DecisionLog(clock())
+        self._timeline = Timeline(clock(), restart_evidence=self._restart_evidence)  # the dashboard's history
+        self._eviction_counts = (0, 0)
         self._quorum_created_wall: float | None = None
         self._started_at = clock()
         self._counts = dict(quorum_requests=0, heartbeats=0, expired_replicas=0, id_changes=0,
@@ -297,6 +300,7 @@ class LighthouseServer:
 
     def _notify_gone(self, replica_id: str, reason: str) -> None:
         """Tell every other lease holder (and SubscribeFailures) that a quorum member is gone."""
+        self._timeline.gone(replica_id, reason, self._clock())
         if replica_id not in self._previous_ids:
             return
         self._leases.broadcast(pb.LeaseEvent(
@@ -319,7 +323,17 @@ class LighthouseServer:
         self._decisions.note(decision, now)
         if decision.quorum is not None:
             self._publish(decision.quorum, now - first_joined if first_joined is not None else 0.0)
+            self._timeline.quorum_issued(decision.quorum, now)
             self._decisions.restart(self._state.evaluate(now), now)
+        self._feed_timeline(now)
+
+    def _feed_timeline(self, now: float) -> None:
+        """What the rules decided, and who is left out as a straggler when that changed (O(1) otherwise)."""
+        state, current = self._state, self._decisions.current
+        self._timeline.observe(now, current.status, current.reason, state.num_heartbeating, state.num_participants)
+        if (state.evictions, state.readmissions) != self._eviction_counts:
+            self._eviction_counts = (state.evictions, state.readmissions)
+            self._timeline.left_out(self.stragglers().evicted, now)
 
     def _publish(self, quorum: IssuedQuorum, formation: float) -> None:
         previous = self._previous_ids
@@ -356,6 +370,7 @@ class LighthouseServer:
         self._ids.quorum_reached([m.step for m in quorum.members], self._clock(), quorum.replica_ids)
 
     def _on_epoch(self, epoch: Epoch, fenced: tuple[Member, ...], now: float) -> None:
+        self._timeline.epoch_started(epoch)
         # A restart must not wait for the old step's holders again.
         self._ids.reset_max_step(epoch.to_step, now, self._state.epochs.holders)
         logger.warning(
@@ -371,6 +386,7 @@ class LighthouseServer:
         """Count and log a replica from before the epoch; its waiting Quorum calls fail with ``error``."""
         self._counts["fenced_requests"] += 1
         logger.warning("refused replica %s at step %d: %s", error.replica_id, error.step, error)
+        self._timeline.gone(error.replica_id, "refused as from before the current epoch", self._clock())
         self._fail_waiters(error.replica_id, error)
         self._prune_known(error.replica_id)
 
@@ -452,7 +468,16 @@ class LighthouseServer:
         """Everything the dashboard shows, as plain JSON-able data."""
         from lighthouse.status import build_status  # keeps the JSON shape in one place
 
-        return build_status(self, self._state, self._known, self._clock(), self._quorum_created_wall)
+        return build_status(self, self._state, self._known, self._clock(), self._quorum_created_wall, self._timeline)
+
+    def history(self, samples_after: int = -1, markers_after: int = -1, seconds: float | None = None) -> dict:
+        """The job's history (lighthouse.history) newer than the cursors, within ``seconds`` if given."""
+        return self._timeline.history.to_json(self._clock(), self._wall_clock(), samples_after=samples_after,
+                                              markers_after=markers_after, seconds=seconds)
+
+    def timeline_statistics(self) -> TimelineStatistics:
+        """Stalls, heals, groups gone and back, and what the job is doing now (read by /metrics)."""
+        return self._timeline.statistics(self._clock())
 
     def known_member(self, replica_id: str) -> pb.QuorumMember | None:
         return self._known.get(replica_id)

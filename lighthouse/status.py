@@ -6,8 +6,9 @@ import datetime
 from dataclasses import asdict
 
 from lighthouse.protocol import torchft_pb2 as pb
-from lighthouse.quorum import Epoch, QuorumState
+from lighthouse.quorum import Epoch, QuorumState, Status
 from lighthouse.straggler_view import straggler_rows, straggler_summary
+from lighthouse.timeline import Timeline
 from lighthouse.view import LighthouseView
 
 
@@ -40,6 +41,7 @@ def build_status(
     known: dict[str, pb.QuorumMember],
     now: float,
     created_wall: float | None,
+    timeline: Timeline,
 ) -> dict:
     config = server.config
     heartbeat_age = {rid: now - last for rid, last in state.heartbeats()}
@@ -80,6 +82,7 @@ def build_status(
         replicas.append(row)
 
     stats = server.statistics()
+    job = timeline.status(now, Status(stats.status), stats.reason, heartbeat_age, participants, stragglers.evicted)
     return {
         "lighthouse": {
             "implementation": "torchft_lite",
@@ -94,6 +97,7 @@ def build_status(
             "access": config.access.mode,  # the mode only: the token is never shown
         },
         "status": {"state": stats.status, "reason": stats.reason},
+        "job": job.to_json(now),  # the status line (lighthouse.timeline)
         "epoch": epoch_row(state.epoch, now),
         "stragglers": straggler_summary(stragglers),
         "quorum": None if prev is None else {

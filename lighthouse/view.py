@@ -14,6 +14,7 @@ from lighthouse.protocol import torchft_pb2 as pb
 from lighthouse.quorum_data import Epoch
 from lighthouse.rpc.refusals import RefusalLog
 from lighthouse.straggler_state import StragglerStatistics
+from lighthouse.timeline import TimelineStatistics
 
 __all__ = ["LighthouseStatistics", "LighthouseView"]
 
@@ -78,6 +79,13 @@ class LighthouseView(Protocol):
 
     def snapshot(self) -> dict:
         """Everything the dashboard shows, as plain JSON-able data."""
+
+    def history(self, samples_after: int = -1, markers_after: int = -1, seconds: float | None = None) -> dict:
+        """The job's history as JSON-able data (lighthouse.history): what is newer than the cursors, within
+        ``seconds`` before now if given."""
+
+    def timeline_statistics(self) -> TimelineStatistics:
+        """Stalls, heals, groups gone and back, and what the job is doing now (lighthouse.timeline)."""
 
     def known_member(self, replica_id: str) -> pb.QuorumMember | None:
         """The last Quorum request of a replica still worth showing (None for one the lighthouse forgot)."""

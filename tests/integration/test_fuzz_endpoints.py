@@ -811,7 +811,8 @@ def weighted(*choices: tuple[int, st.SearchStrategy]) -> st.SearchStrategy:
 
 
 dashboard_paths = weighted(
-    (4, st.sampled_from([b"/", b"/api/status", b"/metrics", b"/healthz", b"/api/replicas/known/kill",
+    (4, st.sampled_from([b"/", b"/api/status", b"/api/history", b"/api/history?seconds=1e400&samples_after=-1",
+                         b"/metrics", b"/healthz", b"/api/replicas/known/kill",
                          b"/api/replicas/nobody/kill", b"/api/replicas/known/kill?x=%zz", b"/healthz?a=1&a=2"])),
     (1, st.sampled_from([b"/api/replicas//kill", b"/api/replicas/%00/kill", b"/api/replicas/%ff%fe/kill",
                          b"/api/replicas/..%2f..%2fetc/kill", b"*", b"//", b"/api/status?" + b"a=b&" * 500,
