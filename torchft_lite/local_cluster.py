@@ -34,7 +34,7 @@ from typing import Sequence
 
 from lighthouse.rpc.access import TOKEN_ENV, TOKEN_FILE_ENV, Access
 
-__all__ = ["LighthouseProcess", "ReplicaGroup", "free_port", "job_access", "job_token_env"]
+__all__ = ["LighthouseProcess", "ReplicaGroup", "free_port", "job_access", "job_token_env", "stop_tree"]
 
 _LISTENING = re.compile(r"Lighthouse listening on: (\S+)")
 _generated_token: str | None = None
@@ -77,6 +77,20 @@ def _stop(proc: subprocess.Popen, timeout: float) -> int | None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout)
     return proc.returncode
+
+
+def stop_tree(proc: subprocess.Popen, timeout: float = 10.0) -> int | None:
+    """Stop ``proc`` (started with ``start_new_session``) and everything it started, even in sessions of their
+    own (torchrun's workers, a torchx scheduler's roles): SIGTERM to its process group, SIGKILL after
+    ``timeout``, then SIGKILL to every descendant it had when this was called. Returns its exit code."""
+    leftovers = _descendants(proc.pid) if proc.poll() is None else []
+    code = _stop(proc, timeout)
+    for pid in leftovers:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return code
 
 
 def _state(pid: int) -> str:
@@ -355,11 +369,5 @@ class ReplicaGroup:
                     pipe.close()
         self.standbys, self._standby_ready = [], []
         for proc in self.procs:
-            leftovers = _descendants(proc.pid) if proc.poll() is None else []
-            _stop(proc, timeout)
-            for pid in leftovers:  # torchrun workers live in sessions of their own
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            stop_tree(proc, timeout)  # torchrun workers live in sessions of their own
         self._store = None
