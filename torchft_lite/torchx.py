@@ -1,7 +1,8 @@
 """TorchX components for torchft_lite jobs (shaped like torchft's ``torchft/torchx.py``).
 
 One role per replica group, each a ``torchrun`` of ``workers_per_replica``
-ranks whose agent restarts the group's workers after a failure (up to
+ranks (through :mod:`torchft_lite.launch`, so the role's exit code is the
+failed worker's) whose agent restarts the group's workers after a failure (up to
 ``max_restarts`` times); the restarted group finds the job through the
 lighthouse and heals from a live peer. The lighthouse is a role of its own
 (``lighthouse=None``, the default; it ends once the groups are done, see
@@ -146,8 +147,8 @@ def hsdp(
         roles.append(specs.Role(
             name=f"replica_{group}",
             image=image,
-            entrypoint="torchrun",
-            args=["--standalone", "--nnodes=1", f"--nproc_per_node={workers_per_replica}",
+            entrypoint="python",  # torchrun that exits with its failed worker's code (torchft_lite.exit_codes)
+            args=["-m", "torchft_lite.launch", "--standalone", "--nnodes=1", f"--nproc_per_node={workers_per_replica}",
                   f"--max_restarts={max_restarts}", script, *script_args],
             num_replicas=1,
             resource=specs.resource(cpu=cpu, gpu=gpu, memMB=memMB, h=h),

@@ -18,7 +18,7 @@ def test_a_lighthouse_role_and_one_torchrun_role_per_group(monkeypatch):
     assert lighthouse.args[:2] == ["-m", "lighthouse"]
     assert "[::]:1234" in lighthouse.args and "--exit-when-idle" in lighthouse.args
     group = app.roles[2]
-    assert group.entrypoint == "torchrun"
+    assert group.args[:2] == ["-m", "torchft_lite.launch"]
     assert "--nproc_per_node=2" in group.args and "--max_restarts=4" in group.args
     assert group.args[-3:] == ["examples/train_ddp.py", "--steps", "7"]
     assert group.env["REPLICA_GROUP_ID"] == "1" and group.env["NUM_REPLICA_GROUPS"] == "3"
