@@ -9,6 +9,9 @@ group came back (new process ids), healed (its first step is the job's, not
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +21,26 @@ import pytest
 
 from tests.integration.test_fault_tolerant_ddp import assert_identical_per_step, read_reports
 
-__all__ = ["Rejoin", "assert_identical_per_step", "pids_of", "read_reports", "rejoin_of", "wait_for_rows"]
+__all__ = ["Rejoin", "assert_identical_per_step", "job_env", "kill_and_rejoin", "pids_of", "read_reports", "rejoin_of",
+           "wait_for_rows", "write_token"]
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def write_token(path: Path, mode: int = 0o600) -> Path:
+    """A fresh job token in the file ``path`` with ``mode``."""
+    path.write_text(os.urandom(24).hex())
+    path.chmod(mode)
+    return path
+
+
+def job_env() -> dict[str, str]:
+    """What a scheduler's job needs from this test run: this checkout first on ``PYTHONPATH``, this
+    interpreter's ``python``/``torchrun`` first on ``PATH``; no job token of the test run's own."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TORCHFT_LITE_TOKEN", "TORCHFT_LITE_TOKEN_FILE")}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
 
 
 def wait_for_rows(report: Path, predicate: Callable[[list[dict]], bool], what: str, timeout: float,
@@ -59,3 +81,22 @@ def rejoin_of(rows: list[dict], group: int, old_pids: set[int], killed_at: float
         return None
     first = min(new, key=lambda row: row["time"])
     return Rejoin(first["time"] - killed_at, first["step"])
+
+
+def kill_and_rejoin(report: Path, group: int, *, at_step: int, timeout: float,
+                    still_running: Callable[[], str | None],
+                    kill: Callable[[set[int]], None] | None = None) -> tuple[set[int], Rejoin]:
+    """Once ``group`` committed ``at_step``, kill its processes (SIGKILL to each, or ``kill(pids)``), and wait
+    until a new process of it committed a step. Returns the killed processes and how the group came back."""
+    rows = wait_for_rows(report, lambda rows: any(r["group"] == group and r["step"] >= at_step for r in rows),
+                         f"group {group} to commit step {at_step}", timeout, still_running)
+    victims = pids_of(rows, group)
+    killed_at = time.time()
+    if kill is None:
+        for pid in victims:
+            os.kill(pid, signal.SIGKILL)
+    else:
+        kill(victims)
+    rows = wait_for_rows(report, lambda rows: rejoin_of(rows, group, victims, killed_at) is not None,
+                         f"the restarted group {group} to commit a step", timeout, still_running)
+    return victims, rejoin_of(rows, group, victims, killed_at)

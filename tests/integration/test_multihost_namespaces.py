@@ -25,13 +25,13 @@ import pytest
 
 from benchmarks._chaos_faults import BridgedHosts
 from benchmarks._throwaway_pki import make_pki, openssl_missing
-from tests.integration.cluster_jobs import (assert_identical_per_step, pids_of, read_reports, rejoin_of,
+from tests.integration.cluster_jobs import (REPO, assert_identical_per_step, kill_and_rejoin, read_reports,
                                             wait_for_rows)
 from torchft_lite.local_cluster import LighthouseProcess, ReplicaGroup, job_access
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_ddp.py"
+SCRIPT = REPO / "examples" / "train_ddp.py"
 WAIT = 240.0
 UNAVAILABLE = BridgedHosts.unavailable(hostnames=True) or openssl_missing()
 _RECEIVER = re.compile(r"receivers finished \((?:::ffff:)?([0-9a-f.:]+) sent")
@@ -89,8 +89,8 @@ def test_a_job_across_namespaces_heals_over_the_bridge_after_a_kill_and_a_partit
             dead = [g.group_id for g in groups if not g.alive()]
             return f"group(s) {dead} exited (see {tmp_path})" if dead else None
 
-        rows = wait_for_rows(report, lambda rows: {r["group"] for r in rows if r["participants"] == 2} == {0, 1},
-                             "both groups to commit together", WAIT, ended)
+        wait_for_rows(report, lambda rows: {r["group"] for r in rows if r["participants"] == 2} == {0, 1},
+                      "both groups to commit together", WAIT, ended)
 
         # Every address the job advertises is a bridge address, or a name every host resolves to one.
         members = status(lighthouse, addresses[0], pki.ca)["quorum"]["members"]
@@ -103,13 +103,11 @@ def test_a_job_across_namespaces_heals_over_the_bridge_after_a_kill_and_a_partit
         assert all(a.startswith("https://") for a, _ in advertised.values())
 
         # A SIGKILLed group restarts on its host and heals from the other over the bridge.
-        victims = pids_of(rows, 1)
-        killed_at = time.time()
-        groups[1].kill()
-        groups[1].start()
-        rows = wait_for_rows(report, lambda rows: rejoin_of(rows, 1, victims, killed_at) is not None,
-                             "the restarted group 1 to commit a step", WAIT, ended)
-        rejoin = rejoin_of(rows, 1, victims, killed_at)
+        def kill_and_restart(_: set[int]) -> None:
+            groups[1].kill()
+            groups[1].start()
+
+        _, rejoin = kill_and_rejoin(report, 1, at_step=0, timeout=WAIT, still_running=ended, kill=kill_and_restart)
         assert rejoin.first_step > 1, f"the restarted group started over at step {rejoin.first_step}: no heal"
         assert addresses[2] in heal_receivers(tmp_path, 0), "group 0 served no heal to host 2's bridge address"
 

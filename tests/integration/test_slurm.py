@@ -11,22 +11,17 @@ packages (``make slurm`` installs them where root and apt are at hand).
 
 from __future__ import annotations
 
-import os
-import signal
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from tests.integration.cluster_jobs import (assert_identical_per_step, pids_of, read_reports, rejoin_of,
-                                            wait_for_rows)
+from tests.integration.cluster_jobs import (REPO, assert_identical_per_step, job_env, kill_and_rejoin,
+                                            read_reports, wait_for_rows, write_token)
 from tests.integration.slurm_cluster import SingleNodeSlurm
 from torchft_lite.local_cluster import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "examples" / "slurm"
 WAIT = 240.0
 STEPS = 30
@@ -51,16 +46,11 @@ def submit(slurm: SingleNodeSlurm, env: dict[str, str], *args: str) -> str:
 def test_a_killed_group_is_requeued_by_slurm_rejoins_heals_and_the_job_completes(tmp_path, slurm):
     job_dir = tmp_path / "job"
     job_dir.mkdir()
-    token_file = tmp_path / "job-token"
-    token_file.write_text(os.urandom(24).hex())
-    token_file.chmod(0o600)
+    token_file = write_token(tmp_path / "job-token")
     report = job_dir / "report.jsonl"
-    env = {"JOB_DIR": str(job_dir), "TORCHFT_LITE_TOKEN_FILE": str(token_file),
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    env = {**job_env(), "JOB_DIR": str(job_dir), "TORCHFT_LITE_TOKEN_FILE": str(token_file),
            "LIGHTHOUSE_PORT": str(free_port()), "LIGHTHOUSE_HTTP_BIND": "off", "LIGHTHOUSE_HOST": "127.0.0.1",
            "MIN_REPLICAS": "2", "EXIT_WHEN_IDLE": "5", "RANKS_PER_GROUP": "1", "MAX_REQUEUES": "2"}
-    env.pop("TORCHFT_LITE_TOKEN", None)
     lighthouse = submit(slurm, env, "--cpus-per-task=1", f"--output={job_dir}/lighthouse.out",
                         str(RECIPE / "lighthouse.sbatch"))
     groups = submit(slurm, env, "--array=0-1", "--cpus-per-task=1", f"--output={job_dir}/group-%a.out",
@@ -72,15 +62,7 @@ def test_a_killed_group_is_requeued_by_slurm_rejoins_heals_and_the_job_completes
         bad = {job: state for job, state in states.items() if state in ("FAILED", "CANCELLED", "TIMEOUT")}
         return f"Slurm jobs ended: {bad} (see {job_dir})" if bad else None
 
-    rows = wait_for_rows(report, lambda rows: any(r["group"] == 1 and r["step"] >= 8 for r in rows),
-                         "group 1 to commit step 8", WAIT, ended)
-    victims = pids_of(rows, 1)
-    killed_at = time.time()
-    for pid in victims:
-        os.kill(pid, signal.SIGKILL)
-    rows = wait_for_rows(report, lambda rows: rejoin_of(rows, 1, victims, killed_at) is not None,
-                         "the requeued group 1 to commit a step", WAIT, ended)
-    rejoin = rejoin_of(rows, 1, victims, killed_at)
+    victims, rejoin = kill_and_rejoin(report, 1, at_step=8, timeout=WAIT, still_running=ended)
 
     def finished() -> bool:
         return all(slurm.job(job).get("JobState") == "COMPLETED"
@@ -102,9 +84,7 @@ def test_a_killed_group_is_requeued_by_slurm_rejoins_heals_and_the_job_completes
 def test_a_token_file_others_can_read_is_refused_with_exit_code_78_and_not_requeued(tmp_path, slurm):
     job_dir = tmp_path / "job"
     job_dir.mkdir()
-    token_file = tmp_path / "job-token"
-    token_file.write_text(os.urandom(24).hex())
-    token_file.chmod(0o644)
+    token_file = write_token(tmp_path / "job-token", 0o644)
     env = {"JOB_DIR": str(job_dir), "TORCHFT_LITE_TOKEN_FILE": str(token_file),
            "TORCHFT_LIGHTHOUSE": "http://127.0.0.1:9"}
     job = submit(slurm, env, "--array=0-0", "--cpus-per-task=1", f"--output={job_dir}/group-%a.out",

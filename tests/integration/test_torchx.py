@@ -8,22 +8,18 @@ it heals from the live group and the job ends with torchx saying SUCCEEDED
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.integration.cluster_jobs import (assert_identical_per_step, pids_of, read_reports, rejoin_of,
-                                            wait_for_rows)
+from tests.integration.cluster_jobs import (REPO, assert_identical_per_step, job_env, kill_and_rejoin,
+                                            read_reports, write_token)
 from torchft_lite.local_cluster import free_port, stop_tree
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parents[2]
 TORCHX = Path(sys.executable).parent / "torchx"
 WAIT = 240.0  # generous: the torchx CLI, a lighthouse and two torch trainers share two cores
 STEPS = 30
@@ -47,31 +43,18 @@ def component_args(token_file: Path, report: Path) -> list[str]:
 
 @pytest.mark.skipif(TORCHX_MISSING is not None, reason=f"skipped: {TORCHX_MISSING}")
 def test_torchx_local_job_restarts_a_killed_group_which_heals_and_the_job_succeeds(tmp_path):
-    token_file = tmp_path / "job-token"
-    token_file.write_text(os.urandom(24).hex())
-    token_file.chmod(0o600)
+    token_file = write_token(tmp_path / "job-token")
     report = tmp_path / "report.jsonl"
-    env = {k: v for k, v in os.environ.items() if k not in ("TORCHFT_LITE_TOKEN", "TORCHFT_LITE_TOKEN_FILE")}
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # torchrun, python
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     command = [str(TORCHX), "run", "-s", "local_cwd", "--scheduler_args", f"log_dir={tmp_path / 'logs'}",
                "torchft_lite/torchx.py:hsdp", *component_args(token_file, report)]
     with open(tmp_path / "torchx.out", "wb") as out:
-        job = subprocess.Popen(command, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+        job = subprocess.Popen(command, cwd=REPO, env=job_env(), stdout=out, stderr=subprocess.STDOUT,
                                start_new_session=True)
     try:
         def ended() -> str | None:
             return None if job.poll() is None else f"torchx exited with {job.returncode} (see {tmp_path}/torchx.out)"
 
-        rows = wait_for_rows(report, lambda rows: any(r["group"] == 1 and r["step"] >= 8 for r in rows),
-                             "group 1 to commit step 8", WAIT, ended)
-        victims = pids_of(rows, 1)
-        killed_at = time.time()
-        for pid in victims:
-            os.kill(pid, signal.SIGKILL)
-        rows = wait_for_rows(report, lambda rows: rejoin_of(rows, 1, victims, killed_at) is not None,
-                             "the restarted group 1 to commit a step", WAIT, ended)
-        rejoin = rejoin_of(rows, 1, victims, killed_at)
+        victims, rejoin = kill_and_rejoin(report, 1, at_step=8, timeout=WAIT, still_running=ended)
         job.wait(WAIT)
         output = (tmp_path / "torchx.out").read_text(errors="replace")
         assert job.returncode == 0, output[-3000:]
