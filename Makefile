@@ -15,7 +15,7 @@ TORCHFT_SPEC ?= torchft-nightly==2026.10.26
 # Manager): without it the comparisons that run torchft (heal, chaos, recovery) would skip.
 TORCHFT_RUNTIME := "opentelemetry-sdk>=1.39" "opentelemetry-exporter-otlp-proto-http>=1.39"
 
-.PHONY: all venv bytecode test test-fast compat demo demo-hsdp proto bench bench-ddp bench-recovery bench-heal bench-checkpoint bench-health bench-diloco browser clean help gpu-check gpu-wheels dashboard-screenshot
+.PHONY: all venv bytecode slurm test test-fast compat demo demo-hsdp proto bench bench-ddp bench-recovery bench-heal bench-checkpoint bench-health bench-diloco browser clean help gpu-check gpu-wheels dashboard-screenshot
 
 all: test
 
@@ -57,6 +57,15 @@ browser:
 	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) ; } || \
 	  echo "note: chromium not installed; browser tests will be skipped"
 
+# Slurm and munge (Debian's packages) for the Slurm recipe's test, which starts a private single-node
+# Slurm as root. Without root or a package mirror that test skips and says why.
+slurm:
+	@{ command -v slurmctld && command -v slurmd && command -v munged; } >/dev/null 2>&1 || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+	      slurm-wlm munge >/dev/null) ; } || \
+	  echo "note: slurm-wlm/munge not installed; the Slurm recipe's test will be skipped"
+
 # Bytecode for the packages, as pip writes for an installed package: the suite starts hundreds of
 # processes, and where PYTHONDONTWRITEBYTECODE is set each would compile every module from source.
 # Quick when nothing changed.
@@ -69,7 +78,7 @@ bytecode: $(STAMP)
 TEST_WORKERS ?= 2
 PYTEST_PARALLEL := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
-test: $(STAMP) browser bytecode
+test: $(STAMP) browser slurm bytecode
 	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL)
 
 test-fast: $(STAMP) bytecode

@@ -19,7 +19,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["KINDS", "Fault", "Network", "make_schedule"]
+__all__ = ["KINDS", "BridgedHosts", "Fault", "Network", "make_schedule"]
 
 KINDS = ("kill", "kill-rank", "term", "hang", "hang-before-vote", "partition", "lighthouse", "kill-all")
 
@@ -132,8 +132,12 @@ class Network:
     def group_ip(self, g: int) -> str:
         return f"10.{self.net}.{g}.2"
 
+    def interface(self, g: int) -> str:
+        """Group ``g``'s own end of its veth pair (inside its namespace)."""
+        return f"tn{self.tag}g{g}"
+
     def setup(self) -> None:
-        Path("/proc/sys/net/ipv4/ip_forward").write_text("1")
+        self._prepare()
         hosts = "127.0.0.1 localhost\n" + "".join(f"{self.group_ip(g)} {self.ns(g)}\n" for g in range(self.groups))
         for g in range(self.groups):
             etc = Path(f"/etc/netns/{self.ns(g)}")
@@ -141,19 +145,32 @@ class Network:
             (etc / "resolv.conf").write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
             if self.hostnames:
                 (etc / "hosts").write_text(hosts)
-            ns, host_if, ns_if = self.ns(g), self.host_if(g), f"tn{self.tag}g{g}"
-            for command in (
-                f"ip netns add {ns}",
-                f"ip link add {host_if} type veth peer name {ns_if}",
-                f"ip link set {ns_if} netns {ns}",
-                f"ip addr add {self.host_ip(g)}/24 dev {host_if}",
-                f"ip link set {host_if} up",
-                f"ip netns exec {ns} ip addr add {self.group_ip(g)}/24 dev {ns_if}",
-                f"ip netns exec {ns} ip link set {ns_if} up",
-                f"ip netns exec {ns} ip link set lo up",
-                f"ip netns exec {ns} ip route add default via {self.host_ip(g)}",
-            ):
+            for command in self._link_commands(g):
                 subprocess.run(command.split(), check=True, capture_output=True)
+
+    def _prepare(self) -> None:
+        Path("/proc/sys/net/ipv4/ip_forward").write_text("1")
+
+    def _link_commands(self, g: int) -> list[str]:
+        ns, host_if, ns_if = self.ns(g), self.host_if(g), self.interface(g)
+        return [
+            f"ip netns add {ns}",
+            f"ip link add {host_if} type veth peer name {ns_if}",
+            f"ip link set {ns_if} netns {ns}",
+            *self._attach(g),
+            f"ip link set {host_if} up",
+            f"ip netns exec {ns} ip addr add {self.group_ip(g)}/24 dev {ns_if}",
+            f"ip netns exec {ns} ip link set {ns_if} up",
+            f"ip netns exec {ns} ip link set lo up",
+            *self._routes(g),
+        ]
+
+    def _attach(self, g: int) -> list[str]:
+        """How the host's end of group ``g``'s veth pair joins the host: an address of its own."""
+        return [f"ip addr add {self.host_ip(g)}/24 dev {self.host_if(g)}"]
+
+    def _routes(self, g: int) -> list[str]:
+        return [f"ip netns exec {self.ns(g)} ip route add default via {self.host_ip(g)}"]
 
     def prefix(self, g: int) -> list[str]:
         """The command prefix that runs a process of group ``g`` in its namespace(s)."""
@@ -163,7 +180,7 @@ class Network:
         return prefix
 
     def env(self, g: int) -> dict[str, str]:
-        return {"GLOO_SOCKET_IFNAME": f"tn{self.tag}g{g}"}  # gloo must not pick the namespace's loopback
+        return {"GLOO_SOCKET_IFNAME": self.interface(g)}  # gloo must not pick the namespace's loopback
 
     def cut(self, g: int, connected: bool) -> None:
         subprocess.run(["ip", "link", "set", self.host_if(g), "up" if connected else "down"], check=True)
@@ -174,3 +191,41 @@ class Network:
             subprocess.run(["ip", "link", "del", self.host_if(g)], capture_output=True)
             shutil.rmtree(f"/etc/netns/{self.ns(g)}", ignore_errors=True)
         Path("/proc/sys/net/ipv4/ip_forward").write_text(self.forwarding)
+
+
+class BridgedHosts(Network):
+    """One network namespace per simulated host, all on one Linux bridge, as machines on one switch.
+
+    Host i lives at 10.<net>.0.<10+i> behind a veth pair whose other end is a
+    port of the bridge; the bridge itself holds 10.<net>.0.1, so this process
+    (the test) can reach every host too. Hosts talk to each other through the
+    bridge only, never through the host's routing, and a partition (:meth:`cut`)
+    sets a host's bridge port down. With ``hostnames`` every host gets its own
+    name (a UTS namespace) that every host's hosts file maps to its bridge
+    address, as a cluster's DNS would.
+    """
+
+    def bridge(self) -> str:
+        return f"tb{self.tag}"
+
+    def host_ip(self, g: int) -> str:
+        return f"10.{self.net}.0.1"
+
+    def group_ip(self, g: int) -> str:
+        return f"10.{self.net}.0.{10 + g}"
+
+    def _prepare(self) -> None:  # no forwarding: hosts meet on the bridge, never through this host's routes
+        for command in (f"ip link add {self.bridge()} type bridge",
+                        f"ip addr add {self.host_ip(0)}/24 dev {self.bridge()}",
+                        f"ip link set {self.bridge()} up"):
+            subprocess.run(command.split(), check=True, capture_output=True)
+
+    def _attach(self, g: int) -> list[str]:
+        return [f"ip link set {self.host_if(g)} master {self.bridge()}"]
+
+    def _routes(self, g: int) -> list[str]:
+        return []  # one subnet: every host is a neighbour
+
+    def teardown(self) -> None:
+        super().teardown()
+        subprocess.run(["ip", "link", "del", self.bridge()], capture_output=True)

@@ -34,9 +34,10 @@ from typing import Sequence
 
 from lighthouse.rpc.access import TOKEN_ENV, TOKEN_FILE_ENV, Access
 
-__all__ = ["LighthouseProcess", "ReplicaGroup", "free_port", "job_access", "job_token_env"]
+__all__ = ["LighthouseProcess", "ReplicaGroup", "free_port", "job_access", "job_token_env", "stop_tree"]
 
-_LISTENING = re.compile(r"Lighthouse listening on: (\S+)")
+_LISTENING = re.compile(r"Lighthouse listening on: ([^\s,]+)")
+_DASHBOARD = re.compile(r"dashboard at \S+:(\d+)/")
 _generated_token: str | None = None
 
 
@@ -79,6 +80,20 @@ def _stop(proc: subprocess.Popen, timeout: float) -> int | None:
     return proc.returncode
 
 
+def stop_tree(proc: subprocess.Popen, timeout: float = 10.0) -> int | None:
+    """Stop ``proc`` (started with ``start_new_session``) and everything it started, even in sessions of their
+    own (torchrun's workers, a torchx scheduler's roles): SIGTERM to its process group, SIGKILL after
+    ``timeout``, then SIGKILL to every descendant it had when this was called. Returns its exit code."""
+    leftovers = _descendants(proc.pid) if proc.poll() is None else []
+    code = _stop(proc, timeout)
+    for pid in leftovers:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return code
+
+
 def _state(pid: int) -> str:
     """The one-letter state of ``pid`` (Linux /proc: 'T' stopped, 'R' running, ...), '' when it is gone."""
     try:
@@ -116,13 +131,17 @@ class LighthouseProcess:
     def __init__(self, *, min_replicas: int = 1, join_timeout: float = 2.0, heartbeat_timeout: float = 5.0,
                  quorum_tick: float = 0.05, port: int = 0, http: bool = False, log_path: Path | None = None,
                  start_timeout: float = 60.0, startup_grace: float | None = None, host: str = "127.0.0.1",
-                 state_dir: Path | None = None) -> None:
+                 state_dir: Path | None = None, prefix: Sequence[str] = (), env: dict[str, str] | None = None) -> None:
+        """``host``: the address it binds, gRPC and HTTP; ``prefix``: a command prefix (such as ``ip netns exec
+        NAME``, to run it on a simulated host); ``env``: added to its environment (TLS settings)."""
         self.host = host
+        self.prefix = list(prefix)
+        self.extra_env = dict(env or {})
         self.args = ["--bind", f"{host}:{port}", "--min_replicas", str(min_replicas),
                      "--join_timeout_ms", str(int(join_timeout * 1000)),
                      "--heartbeat_timeout_ms", str(int(heartbeat_timeout * 1000)),
                      "--quorum_tick_ms", str(max(1, int(quorum_tick * 1000))),
-                     "--http-bind", "127.0.0.1:0" if http else "off"]
+                     "--http-bind", f"{host}:0" if http else "off"]
         if startup_grace is not None:  # None: the lighthouse's default (its heartbeat timeout)
             self.args += ["--startup_grace_ms", str(int(startup_grace * 1000))]
         if state_dir is not None:
@@ -131,15 +150,18 @@ class LighthouseProcess:
         self.start_timeout = start_timeout
         self.address: str | None = None
         self.port = port
+        self.http_port: int | None = None
+        """The HTTP side's port (with ``http``), once started."""
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> "LighthouseProcess":
         if self.port and self.address:  # a restart binds the same port again
             self.args[1] = f"{self.host}:{self.port}"
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **job_token_env())
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **job_token_env(), **self.extra_env)
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         # stdout carries the "listening on" line; logs go to stderr.
-        self.proc = subprocess.Popen([sys.executable, "-m", "lighthouse", *self.args], stdout=subprocess.PIPE,
+        self.proc = subprocess.Popen([*self.prefix, sys.executable, "-m", "lighthouse", *self.args],
+                                     stdout=subprocess.PIPE,
                                      stderr=log, env=env, start_new_session=True,
                                      bufsize=0)  # unbuffered, so select() sees every byte not yet read
         deadline = time.monotonic() + self.start_timeout
@@ -152,6 +174,8 @@ class LighthouseProcess:
             if match:
                 self.address = match.group(1)
                 self.port = int(self.address.rsplit(":", 1)[1])
+                dashboard = _DASHBOARD.search(line)
+                self.http_port = int(dashboard.group(1)) if dashboard else None
                 return self
             if not line or time.monotonic() > deadline:
                 code = _stop(self.proc, 10)
@@ -175,10 +199,12 @@ class ReplicaGroup:
     def __init__(self, group_id: int, num_groups: int, lighthouse: str, script: str | Path,
                  script_args: Sequence[str] = (), *, world_size: int = 1, use_torchrun: bool = False,
                  env: dict[str, str] | None = None, log_dir: Path | None = None,
-                 store_host: str = "127.0.0.1", advertise: str = "127.0.0.1", prefix: Sequence[str] = ()) -> None:
-        """``store_host``: where ranks reach this group's TCPStore; ``advertise``: the host
-        its ranks advertise to peers; ``prefix``: a command prefix for every rank (such as
-        ``ip netns exec NAME``, to run the group in a network namespace)."""
+                 store_host: str = "127.0.0.1", advertise: str | None = "127.0.0.1",
+                 prefix: Sequence[str] = ()) -> None:
+        """``store_host``: where ranks reach this group's TCPStore (torchrun's ``--master_addr``);
+        ``advertise``: the host its ranks advertise to peers (None: leave ``TORCHFT_LITE_HOSTNAME``
+        unset, so they advertise their hostname); ``prefix``: a command prefix for every rank, or for
+        torchrun (such as ``ip netns exec NAME``, to run the group in a network namespace)."""
         self.group_id = group_id
         self.num_groups = num_groups
         self.lighthouse = lighthouse
@@ -203,8 +229,11 @@ class ReplicaGroup:
         own_token = TOKEN_ENV in self.extra_env or TOKEN_FILE_ENV in self.extra_env
         env = dict(os.environ, **({} if own_token else job_token_env()))
         env.update(REPLICA_GROUP_ID=str(self.group_id), NUM_REPLICA_GROUPS=str(self.num_groups),
-                   TORCHFT_LIGHTHOUSE=self.lighthouse, TORCHFT_LITE_HOSTNAME=self.advertise,
-                   PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+                   TORCHFT_LIGHTHOUSE=self.lighthouse, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        if self.advertise is None:
+            env.pop("TORCHFT_LITE_HOSTNAME", None)
+        else:
+            env["TORCHFT_LITE_HOSTNAME"] = self.advertise
         env.update(self.extra_env)
         return env
 
@@ -261,9 +290,9 @@ class ReplicaGroup:
         self.incarnation += 1
         env = self._env()
         if self.use_torchrun:
-            command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
+            command = [*self.prefix, sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
                        f"--nproc_per_node={self.world_size}", f"--master_port={free_port()}",
-                       "--master_addr=127.0.0.1", "--max_restarts=0", self.script, *self.script_args]
+                       f"--master_addr={self.store_host}", "--max_restarts=0", self.script, *self.script_args]
             log = self._log("torchrun")
             self.procs = [subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
                                            start_new_session=True)]
@@ -355,11 +384,5 @@ class ReplicaGroup:
                     pipe.close()
         self.standbys, self._standby_ready = [], []
         for proc in self.procs:
-            leftovers = _descendants(proc.pid) if proc.poll() is None else []
-            _stop(proc, timeout)
-            for pid in leftovers:  # torchrun workers live in sessions of their own
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            stop_tree(proc, timeout)  # torchrun workers live in sessions of their own
         self._store = None
