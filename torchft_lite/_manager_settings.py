@@ -13,16 +13,21 @@ Our own settings (``TORCHFT_LITE_*``) only fill in arguments left as ``None``.
 
 from __future__ import annotations
 
+import ipaddress
+import logging
 import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Mapping
+from typing import Callable, Mapping
+from urllib.parse import urlsplit
 
 from torchft_lite._lease_fence import DEFAULT_LEASE_TIMEOUT
 from torchft_lite.errors import ConfigError
 
-__all__ = ["ManagerSettings"]
+__all__ = ["ManagerSettings", "default_advertised_host"]
+
+logger = logging.getLogger(__name__)
 
 TIMEOUT_SEC_ENV = "TORCHFT_TIMEOUT_SEC"
 QUORUM_TIMEOUT_SEC_ENV = "TORCHFT_QUORUM_TIMEOUT_SEC"
@@ -117,7 +122,8 @@ class ManagerSettings:
             lighthouse_addr=lighthouse_addr,
             replica_id=replica_id or "",
             port=port,
-            hostname=hostname or env.get(HOSTNAME_ENV) or socket.gethostname(),
+            hostname=hostname or env.get(HOSTNAME_ENV) or default_advertised_host(
+                lighthouse_addr or env.get(LIGHTHOUSE_ENV), store_host),
             timeout=_env_seconds(env, TIMEOUT_SEC_ENV, timeout),
             quorum_timeout=_env_seconds(env, QUORUM_TIMEOUT_SEC_ENV, quorum_timeout),
             connect_timeout=_env_seconds(env, CONNECT_TIMEOUT_SEC_ENV, connect_timeout),
@@ -161,6 +167,69 @@ class ManagerSettings:
         if ":" in host and not host.startswith("["):
             host = f"[{host}]"
         return f"{host}:{self.store_port}"
+
+
+def default_advertised_host(lighthouse_addr: str | None, store_host: str | None, *,
+                            hostname: Callable[[], str] = socket.gethostname,
+                            resolve: Callable[[str], list[str]] | None = None,
+                            route: Callable[[str], str | None] | None = None) -> str:
+    """The host this group advertises when ``TORCHFT_LITE_HOSTNAME`` is not set: the machine's hostname, unless
+    that resolves to loopback addresses only (Debian maps it to 127.0.1.1) while the job spans hosts (the
+    lighthouse, else the group's store, is not on loopback). Then peers on other hosts could never reach this
+    group's heal server or ManagerServer, so it advertises the address of the interface this host reaches the
+    lighthouse (or the store) through, and logs a WARNING saying so and how to choose another network.
+
+    ``resolve(name)``: the addresses ``name`` resolves to; ``route(host)``: the local address a packet to
+    ``host`` would leave from (injectable for tests)."""
+    name = hostname()
+    resolve = resolve or _resolve
+    route = route or _route_address
+    addresses = resolve(name)
+    if not addresses or not all(_is_loopback(a) for a in addresses):
+        return name  # resolves to a real address (or not at all: peers' resolvers may still know it)
+    for target in (_host_of(lighthouse_addr), store_host):
+        if not target or _is_loopback(target) or target == "localhost":
+            continue
+        local = route(target)
+        if local is not None and not _is_loopback(local):
+            logger.warning("this host's name %r resolves to %s only, which peers on other hosts can't reach: "
+                           "advertising %s instead (the address that reaches %s). Set TORCHFT_LITE_HOSTNAME to the "
+                           "address of the network heals should use (say, the InfiniBand interface's)",
+                           name, ", ".join(sorted(addresses)), local, target)
+            return local
+    return name  # everything is on this host: loopback is right
+
+
+def _resolve(name: str) -> list[str]:
+    try:
+        return sorted({info[4][0] for info in socket.getaddrinfo(name, None)})
+    except OSError:
+        return []
+
+
+def _route_address(host: str) -> str | None:
+    """The local address a UDP socket connected to ``host`` gets (no packet is sent; the kernel picks a route)."""
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, kind, proto) as sock:
+            sock.connect(sockaddr)
+            return sock.getsockname()[0]
+    except OSError:
+        return None
+
+
+def _host_of(address: str | None) -> str | None:
+    if not address:
+        return None
+    parsed = urlsplit(address if "://" in address else f"http://{address}")
+    return parsed.hostname
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.split("%", 1)[0]).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _env_str(env: Mapping[str, str], name: str, argument: str) -> str:

@@ -1,11 +1,12 @@
 """The training-script surface: torchft's names, and settings resolved before anything starts."""
 
+import logging
 from datetime import timedelta
 
 import pytest
 
 import torchft_lite
-from torchft_lite._manager_settings import ManagerSettings
+from torchft_lite._manager_settings import ManagerSettings, default_advertised_host
 from torchft_lite.errors import ConfigError
 
 
@@ -112,3 +113,33 @@ def test_heal_settings_come_from_the_environment_unless_given():
 def test_invalid_heal_settings_are_clear_errors(env, overrides, message):
     with pytest.raises(ConfigError, match=message):
         resolve(env, **overrides)
+
+
+class TestAdvertisedHost:
+    """The default host a group advertises (TORCHFT_LITE_HOSTNAME unset), with the lookups injected."""
+
+    @staticmethod
+    def advertised(addresses, lighthouse="http://10.1.2.3:29510", store="10.1.2.4", routes=None):
+        routes = routes if routes is not None else {"10.1.2.3": "10.1.2.9", "10.1.2.4": "10.1.2.9"}
+        return default_advertised_host(lighthouse, store, hostname=lambda: "node7",
+                                       resolve=lambda name: addresses, route=routes.get)
+
+    def test_a_hostname_that_resolves_to_a_real_address_is_advertised(self):
+        assert self.advertised(["10.1.2.9"]) == "node7"
+        assert self.advertised([]) == "node7"  # unknown here: the peers' resolvers may know it
+
+    def test_a_hostname_that_resolves_to_loopback_only_gives_way_to_the_address_that_reaches_the_lighthouse(self, caplog):
+        with caplog.at_level(logging.WARNING):
+            assert self.advertised(["127.0.1.1"]) == "10.1.2.9"
+        assert "resolves to 127.0.1.1 only" in caplog.text and "TORCHFT_LITE_HOSTNAME" in caplog.text
+        # a rank other than 0 need not know the lighthouse: its group's store tells the network apart
+        assert self.advertised(["127.0.1.1", "::1"], lighthouse=None) == "10.1.2.9"
+
+    def test_a_job_on_one_host_keeps_the_hostname(self):
+        assert self.advertised(["127.0.1.1"], lighthouse="http://localhost:29510", store="127.0.0.1") == "node7"
+        assert self.advertised(["127.0.1.1"], lighthouse="http://127.0.0.1:29510", store="localhost") == "node7"
+        assert self.advertised(["127.0.1.1"], routes={}) == "node7"  # no route to either: nothing better known
+
+    def test_the_route_is_looked_up_for_real(self):
+        from torchft_lite._manager_settings import _route_address
+        assert _route_address("127.0.0.1") == "127.0.0.1"
