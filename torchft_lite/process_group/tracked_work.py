@@ -167,20 +167,35 @@ class TrackedWork(dist.Work):
             return future
 
         def done(source: torch.futures.Future) -> None:
-            with self._lock:  # read now, not captured: a failed work must not be pinned by this callback
-                backend = self._work
-            with completion_streams(self._devices):  # the stream rule (torchft_lite.work)
-                try:
-                    value = source.wait()  # done; a CUDA-aware source (NCCL's) leaves these streams waiting for it
-                    if backend is not None:
-                        backend.synchronize()  # and for what the backend still has queued (gloo's copies back)
-                except Exception as exc:
-                    self._fail(exc)
-                    return
+            if self._devices:
+                self._settle_on_device(source, future)
+                return
+            # CPU: nothing to order. (No lock here: a compat run that injects failed futures hung its
+            # collectives until their timeout when this callback took the work's lock.)
+            try:
+                value = source.value()
+            except Exception as exc:
+                self._fail(exc)
+            else:
                 self._settle(future, value=value)
 
         source.add_done_callback(done)
         return future
+
+    def _settle_on_device(self, source: torch.futures.Future, future: torch.futures.Future) -> None:
+        """The stream rule (``torchft_lite.work``) for a collective of CUDA tensors: set the result on side
+        streams that waited for the backend's future and for what the backend still has queued (gloo's
+        copies back to the GPU)."""
+        backend = self._work  # read now, not captured: a failed work must not be pinned by the callback
+        with completion_streams(self._devices):
+            try:
+                value = source.wait()  # done; a CUDA-aware source (NCCL's) leaves these streams waiting for it
+                if backend is not None:
+                    backend.synchronize()
+            except Exception as exc:
+                self._fail(exc)
+                return
+            self._settle(future, value=value)
 
     def _complete_by_waiting(self, future: torch.futures.Future) -> None:
         with completion_streams(self._devices):  # c10d's wait() makes these streams wait; the future records after

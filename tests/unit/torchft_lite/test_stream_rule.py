@@ -10,6 +10,7 @@ real device.
 
 from __future__ import annotations
 
+import contextlib
 from datetime import timedelta
 
 import pytest
@@ -59,21 +60,33 @@ class BackendWork(dist.Work):
         return self.source
 
 
-def tracked(backend: BackendWork, outputs=None) -> TrackedWork:
+def tracked(backend: BackendWork, outputs=None, devices=()) -> TrackedWork:
     def fail(exc: BaseException, timeout: timedelta) -> CollectiveError:
         return CollectiveError(str(exc))
 
     return TrackedWork(backend, op="allreduce", timeout=timedelta(seconds=30), wait=lambda w, t: w.wait(t),
-                       on_error=fail, outputs=outputs)
+                       on_error=fail, outputs=outputs, devices=devices)
 
 
-def test_a_tracked_work_sets_its_future_only_after_the_backends_synchronize() -> None:
+def test_a_tracked_work_on_cuda_sets_its_future_only_after_the_backends_synchronize(monkeypatch) -> None:
+    # The device path, with its CUDA pieces made plain: side streams (none here) and a CUDA-aware future.
+    monkeypatch.setattr(tracked_work, "completion_streams", lambda devices: contextlib.nullcontext())
+    monkeypatch.setattr(tracked_work, "device_future", lambda devices: torch.futures.Future())
     backend = BackendWork()
-    work = tracked(backend)
+    work = tracked(backend, devices=(torch.device("cuda", 0),))
     backend.ours = work.get_future()
     backend.source.set_result([torch.ones(2)])
     assert backend.ours.done()
     assert backend.synchronized == [False]  # synchronized once, before the result was set
+
+
+def test_a_tracked_work_on_cpu_sets_its_future_from_the_backends_result_alone() -> None:
+    backend = BackendWork()
+    work = tracked(backend)
+    backend.ours = work.get_future()
+    backend.source.set_result([torch.ones(2)])
+    assert torch.equal(backend.ours.value()[0], torch.ones(2))
+    assert backend.synchronized == []  # nothing to order on a CPU
 
 
 def test_a_tracked_works_wait_after_its_result_reached_the_future_waits_on_that_future(monkeypatch) -> None:
