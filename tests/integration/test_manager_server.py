@@ -152,15 +152,30 @@ def test_heartbeats_reach_the_lighthouse_and_kill_calls_the_hook():
     asyncio.run(scenario())
 
 
-class DeafLighthouseClient(LighthouseClient):
-    """Its heartbeats go unanswered while ``deaf`` (as when the group is cut off from the lighthouse)."""
+class UnreliableLighthouseClient(LighthouseClient):
+    """Heartbeats as a group cut off from the lighthouse sees them: while ``deaf``, each fails at once; while
+    ``stall`` > 0, the next one reaches the lighthouse only after ``stall`` seconds and succeeds (what a group
+    sees after it was hung, SIGSTOP, or silently cut off: no heartbeat fails)."""
 
     deaf = False
+    stall = 0.0
 
     async def heartbeat(self, replica_id: str, *, timeout: float) -> float | None:
         if self.deaf:
             raise LighthouseTimeout(f"injected: Heartbeat for {replica_id} got no answer")
+        stall, self.stall = self.stall, 0.0
+        await asyncio.sleep(stall)
         return await super().heartbeat(replica_id, timeout=timeout)
+
+
+async def voted(client: ManagerClient, number: int, between=None) -> list[bool]:
+    """Both ranks of a two-rank group join step ``number``'s quorum, ``await between()`` runs, both vote yes:
+    the group's decision, as each rank hears it."""
+    await asyncio.gather(quorum(client, 0, number), quorum(client, 1, number))
+    if between is not None:
+        await between()
+    return list(await asyncio.gather(
+        *(client.should_commit(group_rank=r, step=number, should_commit=True, timeout=10) for r in (0, 1))))
 
 
 def test_a_group_cut_off_from_the_lighthouse_past_its_lease_votes_the_step_down_a_blip_does_not():
@@ -171,39 +186,24 @@ def test_a_group_cut_off_from_the_lighthouse_past_its_lease_votes_the_step_down_
     still counts the group, its peers commit the step with it, and so does it."""
     async def scenario():
         async with running_lighthouse(heartbeat_timeout=3.0) as lh:
-            deaf = DeafLighthouseClient(lh.address(), connect_timeout=10)
-            async with manager_server(lh.address(), "a", world_size=2, lighthouse=deaf) as (server, client):
-                async def step(number: int, deaf_for: float) -> list[bool]:
-                    await asyncio.gather(quorum(client, 0, number), quorum(client, 1, number))
-                    if deaf_for:
+            link = UnreliableLighthouseClient(lh.address(), connect_timeout=10)
+            async with manager_server(lh.address(), "a", world_size=2, lighthouse=link) as (server, client):
+                def deaf_for(seconds: float):
+                    async def cut_off() -> None:
                         failures = server.statistics().heartbeat_failures
-                        deaf.deaf = True
+                        link.deaf = True
                         await wait_until(lambda: server.statistics().heartbeat_failures > failures,
                                          "a heartbeat to go unanswered")
-                        await asyncio.sleep(deaf_for)
-                        deaf.deaf = False
-                    return list(await asyncio.gather(
-                        *(client.should_commit(group_rank=r, step=number, should_commit=True, timeout=10)
-                          for r in (0, 1))))
+                        await asyncio.sleep(seconds)
+                        link.deaf = False
+                    return cut_off
 
-                assert await step(1, deaf_for=0.0) == [True, True]
-                assert await step(2, deaf_for=3.5) == [False, False]
-                assert await step(2, deaf_for=0.0) == [True, True]
-                assert await step(3, deaf_for=0.01) == [True, True]  # a blip: the lease still provably held
+                assert await voted(client, 1) == [True, True]
+                assert await voted(client, 2, deaf_for(3.5)) == [False, False]
+                assert await voted(client, 2) == [True, True]
+                assert await voted(client, 3, deaf_for(0.01)) == [True, True]  # a blip: the lease still held
 
     asyncio.run(scenario())
-
-
-class StallingLighthouseClient(LighthouseClient):
-    """While ``stall`` > 0, the next heartbeat reaches the lighthouse only after ``stall`` seconds, and succeeds:
-    what a group sees after it was hung (SIGSTOP) or silently cut off. No heartbeat fails."""
-
-    stall = 0.0
-
-    async def heartbeat(self, replica_id: str, *, timeout: float) -> float | None:
-        stall, self.stall = self.stall, 0.0
-        await asyncio.sleep(stall)
-        return await super().heartbeat(replica_id, timeout=timeout)
 
 
 def test_a_group_silent_past_the_heartbeat_timeout_votes_the_step_down_though_no_heartbeat_failed():
@@ -212,23 +212,18 @@ def test_a_group_silent_past_the_heartbeat_timeout_votes_the_step_down_though_no
     heartbeat the group sent succeeded. The step's vote is no; the next quorum has the group again and commits."""
     async def scenario():
         async with running_lighthouse(heartbeat_timeout=1.0) as lh:
-            stalling = StallingLighthouseClient(lh.address(), connect_timeout=10)
-            async with manager_server(lh.address(), "a", world_size=2, lighthouse=stalling) as (server, client):
-                async def step(number: int, stall: float) -> list[bool]:
-                    await asyncio.gather(quorum(client, 0, number), quorum(client, 1, number))
-                    if stall:
-                        stalling.stall = stall
-                        await wait_until(lambda: lh.statistics().expired_replicas > 0,
-                                         "the lighthouse to declare the silent group gone")
-                        await wait_until(lambda: stalling.stall == 0.0, "the stalled heartbeat to go out")
-                    return list(await asyncio.gather(
-                        *(client.should_commit(group_rank=r, step=number, should_commit=True, timeout=10)
-                          for r in (0, 1))))
+            link = UnreliableLighthouseClient(lh.address(), connect_timeout=10)
+            async with manager_server(lh.address(), "a", world_size=2, lighthouse=link) as (server, client):
+                async def silent() -> None:
+                    link.stall = 2.5
+                    await wait_until(lambda: lh.statistics().expired_replicas > 0,
+                                     "the lighthouse to declare the silent group gone")
+                    await wait_until(lambda: link.stall == 0.0, "the stalled heartbeat to go out")
 
-                assert await step(1, stall=0.0) == [True, True]
-                assert await step(2, stall=2.5) == [False, False]
+                assert await voted(client, 1) == [True, True]
+                assert await voted(client, 2, silent) == [False, False]
                 assert server.statistics().heartbeat_failures == 0
-                assert await step(2, stall=0.0) == [True, True]
+                assert await voted(client, 2) == [True, True]
 
     asyncio.run(scenario())
 
