@@ -84,7 +84,7 @@ class LeaseFence:
         self._proof_sent_at = -math.inf  # when the call that set the bound was sent
         self._hole_at: float | None = None  # the latest answer that came after the bound ran out, since the quorum
         self._hole_why = ""
-        self._quorum_at: float | None = None
+        self._quorum_answered = False
         self._refusals = 0
         self._holes = 0
 
@@ -110,7 +110,7 @@ class LeaseFence:
         before it no longer matter. (A Quorum call also counts as a heartbeat at the lighthouse.)"""
         self.answered(sent_at, answered_at)
         self._hole_at, self._hole_why = None, ""
-        self._quorum_at = answered_at
+        self._quorum_answered = True
 
     def lost(self, now: float, why: str) -> None:
         """The lighthouse dropped the group (its lease stream ended): a certain lapse."""
@@ -128,7 +128,7 @@ class LeaseFence:
         return FenceStatistics(self._refusals, self._holes, self._stated_timeout)
 
     def _why_not(self, now: float) -> str | None:
-        if self._quorum_at is None:
+        if not self._quorum_answered:
             return "no quorum was answered yet"
         if self._hole_at is not None:
             return (f"the lease may have lapsed since the step's quorum ({self._hole_why}), so the lighthouse may "

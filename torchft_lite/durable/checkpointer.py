@@ -194,7 +194,8 @@ class DurableCheckpointer:
     def _state_quorum(self) -> int | None:
         """The quorum the current state was committed or healed under; after a resume with no commit since,
         the one the checkpoint recorded."""
-        return self._manager.state_quorum_id() or self._resumed_quorum
+        committed = self._manager.state_quorum_id()
+        return committed if committed is not None else self._resumed_quorum
 
     def save_now(self) -> int:
         """Save the current step synchronously (every rank of the group must call it); returns the step."""
