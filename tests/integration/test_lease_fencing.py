@@ -38,6 +38,18 @@ def held_step(log_dir: Path, group: int, marker: str) -> int:
     raise AssertionError(f"no '{marker}' line in group {group}'s logs under {log_dir}")
 
 
+def wait_for_first_step(report: Path, group: int, groups: list[ReplicaGroup]) -> None:
+    """Wait until ``group`` committed a step, so that a group started after it joins the job it runs.
+
+    Started together, the group meant to be held could run alone long enough to
+    reach its hold while the other is still importing torch on a loaded machine;
+    the other would then start the job over in a new epoch, and the two
+    lineages' step 1 would differ, by design.
+    """
+    wait_for(lambda: bool(steps_of(read_reports(report), group)), f"group {group} to commit its first step",
+             groups=groups)
+
+
 def expired(lighthouse_log: Path) -> bool:
     return "heartbeat expired" in lighthouse_log.read_text(errors="replace")
 
@@ -57,6 +69,7 @@ def test_a_group_stopped_after_its_exchange_does_not_commit_that_step_and_heals(
     with cluster(tmp_path, min_replicas=1, heartbeat_timeout=HEARTBEAT_TIMEOUT, join_timeout=HEARTBEAT_TIMEOUT) as (
             lighthouse, add, report):
         survivor = add(0, 2, steps=100000, sleep=0.05, world_size=ranks, pg=pg)
+        wait_for_first_step(report, 0, [survivor])
         hung = add(1, 2, steps=100000, sleep=0.05, world_size=ranks, pg=pg,
                    extra=("--inject-group", "1", "--inject-stop-at", str(HOLD_AT)))
         try:
@@ -104,6 +117,8 @@ def namespaced_cluster(tmp_path: Path):
                 log_dir=tmp_path, env=network.env(g), store_host=network.host_ip(g),
                 advertise=network.group_ip(g), prefix=network.prefix(g))
             groups.append(group.start())
+            if g == 0:
+                wait_for_first_step(tmp_path / "report.jsonl", 0, groups)
         yield network, groups, release
     finally:
         for group in groups:
