@@ -24,7 +24,7 @@ help:
 	@echo "make demo    set up .venv and run the demo (lighthouse + replica groups)"
 	@echo "make demo-hsdp  the same with FSDP2 inside each group: kill one rank, heal shard by shard"
 	@echo "make compat  run the tests shipped in torchft's wheel on torchft and on torchft_lite; print a table"
-	@echo "make proto   regenerate lighthouse/protocol from proto/torchft.proto"
+	@echo "make proto   regenerate torchft_lite/rpc/protocol from proto/torchft.proto"
 	@echo "make bench   run benchmarks/lighthouse_bench.py (ours and torchft's)"
 	@echo "make bench-ddp  run benchmarks/ddp_overhead_bench.py (Manager step overhead vs plain gloo DDP)"
 	@echo "make bench-recovery  run benchmarks/recovery_bench.py (stall and rejoin after a SIGKILL, ours vs torchft)"
@@ -113,7 +113,7 @@ demo-hsdp: $(STAMP) bytecode
 	$(BIN)/python examples/demo_hsdp.py
 
 proto: $(STAMP)
-	$(BIN)/python -m lighthouse.protocol.generate
+	$(BIN)/python -m torchft_lite.rpc.protocol.generate
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/lighthouse_bench.py

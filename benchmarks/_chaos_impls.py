@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from torchft_lite.local_cluster import LighthouseProcess, free_port
+from torchft_lite.cluster.local import LighthouseProcess, free_port
 
 __all__ = ["IMPLS", "TorchftLighthouse", "make_lighthouse", "torchft_missing", "unsupported_kinds"]
 

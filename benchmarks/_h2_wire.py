@@ -12,7 +12,7 @@ import struct
 import hpack
 from hpack.table import HeaderTable
 
-from lighthouse.rpc.h2grpc.wire import _hpack_int  # the server's encoder: one HPACK integer codec
+from torchft_lite.rpc.h2grpc.wire import _hpack_int  # the server's encoder: one HPACK integer codec
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 FRAME_HEADER = struct.Struct(">BHBBI")  # 24-bit length as 8+16, type, flags, stream id

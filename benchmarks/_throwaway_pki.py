@@ -31,7 +31,7 @@ class Pki:
     key: Path
 
     def env(self) -> dict[str, str]:
-        """The variables that turn TLS on for a process (lighthouse.rpc.tls)."""
+        """The variables that turn TLS on for a process (torchft_lite.rpc.tls)."""
         return {"TORCHFT_LITE_TLS_CERT": str(self.cert), "TORCHFT_LITE_TLS_KEY": str(self.key),
                 "TORCHFT_LITE_TLS_CA": str(self.ca)}
 

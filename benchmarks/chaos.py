@@ -79,7 +79,7 @@ from benchmarks._chaos_cli import parse_args  # noqa: E402
 from benchmarks._chaos_faults import Fault, Network, make_schedule  # noqa: E402
 from benchmarks._chaos_impls import make_lighthouse, torchft_missing  # noqa: E402
 from benchmarks._chaos_report import failures, goal, print_side_by_side, print_summary, short_checks  # noqa: E402
-from torchft_lite.local_cluster import ReplicaGroup  # noqa: E402
+from torchft_lite.cluster.local import ReplicaGroup  # noqa: E402
 
 SCRIPT = REPO / "examples" / "train_ddp.py"
 

@@ -88,7 +88,7 @@ def worker_ft(steps: int, out: Path) -> None:
 
 
 def run_plain(steps: int, workdir: Path) -> list[float]:
-    from torchft_lite.local_cluster import free_port
+    from torchft_lite.cluster.local import free_port
 
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, __file__, "--worker", "plain", "--rank", str(r), "--steps", str(steps),
@@ -104,7 +104,7 @@ def run_plain(steps: int, workdir: Path) -> list[float]:
 
 
 def run_ft(steps: int, workdir: Path) -> tuple[list[float], int]:
-    from torchft_lite.local_cluster import LighthouseProcess, ReplicaGroup
+    from torchft_lite.cluster.local import LighthouseProcess, ReplicaGroup
 
     lighthouse = LighthouseProcess(min_replicas=2, join_timeout=30.0, log_path=workdir / "lighthouse.log").start()
     groups = []

@@ -42,7 +42,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from torchft_lite.local_cluster import LighthouseProcess, ReplicaGroup  # noqa: E402
+from torchft_lite.cluster.local import LighthouseProcess, ReplicaGroup  # noqa: E402
 
 SCRIPT = REPO / "examples" / "train_diloco.py"
 TORCHFT_NOTE = ("not run: torchft's Manager treats a process group that is not an instance of its own "

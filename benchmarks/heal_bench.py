@@ -284,13 +284,13 @@ def _into_model(received: dict, model: dict) -> None:
 
 
 def _bytes_of(tensor) -> memoryview:
-    from torchft_lite.checkpointing._format import byte_view
+    from torchft_lite.serialization.spec import byte_view
 
     return byte_view(tensor)
 
 
 def _sum64(view: memoryview) -> int:
-    from torchft_lite.checkpointing._checksum import sum64
+    from torchft_lite.serialization.checksum import sum64
 
     return sum64(view)
 

@@ -3,14 +3,14 @@
 Two measurements, each on float32 state of every ``--sizes-mb`` (100 MB and 1 GB by default), on this
 machine's CPU (the checks run on the tensor's own device: on a GPU they are kernels at memory speed):
 
-* ``guard``: what :class:`torchft_lite.health.NonFiniteGuard` adds to a step's gradient allreduce, which
+* ``guard``: what :class:`torchft_lite.health.nonfinite.NonFiniteGuard` adds to a step's gradient allreduce, which
   is all local work: per bucket (DDP's 25 MB by default, ``--bucket-mb``) a float32 sum and a
   ``masked_fill_`` before the reduction, then a sum of the average after it; and one extra allreduce of
   one element per bucket. The process group here is a stand-in whose allreduce returns at once
   (the reduction itself is the same with or without the guard), so the figure is the guard's own CPU
   time: ``guard ms`` (with the guard) minus ``plain ms`` (the unguarded path: the same buckets,
   divided by the participants) per step.
-* ``fingerprint``: :func:`torchft_lite.fingerprint.fingerprint_of` of a state of that size (a model
+* ``fingerprint``: :func:`torchft_lite.health.fingerprint.fingerprint_of` of a state of that size (a model
   and AdamW's two moments, a third each), which group rank 0 computes every ``fingerprint_every``
   steps (100 by default): ``ms`` per fingerprint, and amortised per step.
 
@@ -35,9 +35,9 @@ from typing import Any, Callable
 import torch
 from torch.distributed import ReduceOp
 
-from torchft_lite._step import Step, start_allreduce
-from torchft_lite.fingerprint import fingerprint_of
-from torchft_lite.health import HealthConfig, NonFiniteGuard
+from torchft_lite.core.step import Step, start_allreduce
+from torchft_lite.health.fingerprint import fingerprint_of
+from torchft_lite.health.nonfinite import HealthConfig, NonFiniteGuard
 
 
 class InstantGroup:

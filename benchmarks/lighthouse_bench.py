@@ -53,8 +53,8 @@ import grpc  # noqa: E402
 from benchmarks import torchft_ref  # noqa: E402
 from benchmarks._h2_client import H2CallError, H2Channel  # noqa: E402
 from benchmarks._throwaway_pki import Pki  # noqa: E402
-from lighthouse.protocol import torchft_pb2 as pb  # noqa: E402
-from lighthouse.rpc.tls import TlsSettings  # noqa: E402
+from torchft_lite.rpc.protocol import torchft_pb2 as pb  # noqa: E402
+from torchft_lite.rpc.tls import TlsSettings  # noqa: E402
 
 TLS_SUFFIX = "+tls"
 TLS_ENV = ("TORCHFT_LITE_TLS_CERT", "TORCHFT_LITE_TLS_KEY", "TORCHFT_LITE_TLS_CA")

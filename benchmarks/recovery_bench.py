@@ -32,7 +32,7 @@ Runs torchft_lite (our lighthouse and Manager) and, when ``torchft`` is
 importable with its ``torchft_lighthouse``, torchft (its lighthouse and
 Manager) with the very same training script and settings, in the same run.
 ``torchft_lite+standby`` (and ``torchft+standby``) restart the killed group
-in a warm standby (``torchft_lite.standby``, started and warmed before each
+in a warm standby (``torchft_lite.cluster.standby``, started and warmed before each
 kill): what a launcher can do about the interpreter and ``import torch``.
 Every run also reports what its groups' per-step reports say about the
 training itself: ``step_p50_s``, the median time between a group's
@@ -71,7 +71,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks._rejoin_breakdown import breakdown, format_table, median_breakdown  # noqa: E402
-from torchft_lite.local_cluster import LighthouseProcess, ReplicaGroup, free_port  # noqa: E402
+from torchft_lite.cluster.local import LighthouseProcess, ReplicaGroup, free_port  # noqa: E402
 
 SCRIPT = REPO / "examples" / "train_ddp.py"
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from torchft_lite.local_cluster import LighthouseProcess, ReplicaGroup, job_token_env  # noqa: E402
+from torchft_lite.cluster.local import LighthouseProcess, ReplicaGroup, job_token_env  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parent / "train_ddp.py"
 HEALED = re.compile(r"healed: ([\d.]+) MB in ([\d.]+)s \(([\d.]+) MB/s\)")

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from torchft_lite.local_cluster import LighthouseProcess, ReplicaGroup, _descendants  # noqa: E402
+from torchft_lite.cluster.local import LighthouseProcess, ReplicaGroup, _descendants  # noqa: E402
 from demo import last_step, reports, wait_for  # noqa: E402  (next to this script)
 
 SCRIPT = Path(__file__).resolve().parent / "train_hsdp.py"

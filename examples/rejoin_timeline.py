@@ -32,7 +32,7 @@ __all__ = ["LOG_EVENTS", "Timeline", "process_start_time"]
 
 LOG_EVENTS: dict[str, list[tuple[str, str, str]]] = {
     # event: [(library, logger name, regular expression searched in the message)]
-    "quorum_answered": [("torchft_lite", "torchft_lite.manager_server", r"\] quorum \d+ at step \d+:"),
+    "quorum_answered": [("torchft_lite", "torchft_lite.group_server.server", r"\] quorum \d+ at step \d+:"),
                         ("torchft", "torchft.manager", r"reconfiguring for quorum_id")],
     "configured": [("torchft_lite", "torchft_lite.manager", r"\] quorum \d+: reconfigured as replica"),
                    ("torchft", "torchft.manager", r"resetting fr recording for quorum id")],

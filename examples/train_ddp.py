@@ -242,7 +242,7 @@ def _words_digest(tensor: torch.Tensor) -> bytes:
 
 def training_device(kind: str, pg: str) -> torch.device:
     """``cuda:LOCAL_RANK`` for ``--device cuda`` (made current), after checking this group has a GPU per rank."""
-    from torchft_lite.errors import ConfigError  # exit code 78 (torchft_lite.exit_codes), whichever --impl
+    from torchft_lite.errors import ConfigError  # exit code 78 (torchft_lite.cluster.exit_codes), whichever --impl
 
     if kind == "cpu":
         if pg in ("nccl", "baby-nccl"):
@@ -369,6 +369,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from torchft_lite.exit_codes import run  # documented exit codes for schedulers (0, 1, 75, 78, 143)
+    from torchft_lite.cluster.exit_codes import run  # documented exit codes for schedulers (0, 1, 75, 78, 143)
 
     raise SystemExit(run(main))

@@ -188,6 +188,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from torchft_lite.exit_codes import run  # documented exit codes for schedulers (0, 1, 75, 78, 143)
+    from torchft_lite.cluster.exit_codes import run  # documented exit codes for schedulers (0, 1, 75, 78, 143)
 
     raise SystemExit(run(main))

@@ -17,7 +17,7 @@ import sys  # noqa: E402
 from lighthouse.config import LighthouseConfig  # noqa: E402
 from lighthouse.idle_exit import IdleExit  # noqa: E402
 from lighthouse.server import LighthouseServer  # noqa: E402
-from lighthouse.rpc.loop import new_event_loop  # noqa: E402
+from torchft_lite.rpc.loop import new_event_loop  # noqa: E402
 
 logger = logging.getLogger("lighthouse")
 _IDLE_CHECK_S = 1.0

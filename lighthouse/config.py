@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lighthouse.quorum import QuorumConfig
-from lighthouse.rpc.access import INSECURE_ENV, TOKEN_ENV, TOKEN_FILE_ENV, Access
-from lighthouse.rpc.addresses import split_host_port
-from lighthouse.rpc.tls import CA_ENV, CERT_ENV, KEY_ENV, TlsSettings
+from torchft_lite.rpc.access import INSECURE_ENV, TOKEN_ENV, TOKEN_FILE_ENV, Access
+from torchft_lite.rpc.addresses import split_host_port
+from torchft_lite.rpc.tls import CA_ENV, CERT_ENV, KEY_ENV, TlsSettings
 from lighthouse.stragglers import StragglerConfig
 
 ADMIN_TOKEN_ENV = "TORCHFT_LITE_ADMIN_TOKEN"
@@ -57,9 +57,9 @@ class LighthouseConfig:
     admin_token: str | None = field(default=None, repr=False)
     """Bearer token required by admin actions (kill, new epoch); None disables them."""
     access: Access = field(default_factory=Access)
-    """Who may call the gRPC and HTTP sides: the job token, else loopback peers only (lighthouse.rpc.access)."""
+    """Who may call the gRPC and HTTP sides: the job token, else loopback peers only (torchft_lite.rpc.access)."""
     tls: TlsSettings = field(default_factory=TlsSettings)
-    """TLS (lighthouse.rpc.tls): with a certificate, the gRPC and HTTP sides serve TLS only; the CA is what
+    """TLS (torchft_lite.rpc.tls): with a certificate, the gRPC and HTTP sides serve TLS only; the CA is what
     the dashboard's Kill checks a manager's certificate against. Default: plain text."""
     state_dir: Path | None = None
     """Where the last quorum id and the highest committed step are kept, so ids
@@ -69,7 +69,7 @@ class LighthouseConfig:
     kill_timeout: float = 10.0
     """Timeout of the Kill RPC the dashboard sends to a replica's manager."""
     grpc_engine: str = "native"
-    """'native': the lighthouse's own h2c gRPC server (lighthouse/rpc/h2grpc, about 2.5x
+    """'native': the lighthouse's own h2c gRPC server (torchft_lite/rpc/h2grpc, about 2.5x
     less server CPU per round than grpc.aio); 'grpcio': grpc.aio."""
     evict_stragglers: bool = False
     """Leave a group flagged as a straggler out of the next quorums (lighthouse.straggler_state); off: the

@@ -16,7 +16,7 @@ POST /api/epoch                        start a new epoch of the job now, when th
                                        is kept for later)
 
 Every route answers only callers that ``config.access`` admits
-(``lighthouse.rpc.access``): with a job token, requests carrying
+(``torchft_lite.rpc.access``): with a job token, requests carrying
 ``Authorization: Bearer <token>`` or the dashboard's login cookie; without
 one, loopback peers (unless ``--insecure``). Others get 401 (with
 ``WWW-Authenticate: Bearer``) or 403 and the reason, and nothing else
@@ -29,7 +29,7 @@ dashboard sends it in ``Authorization`` with its login in the cookie; a script
 sends only ``Authorization: Bearer <admin token>``, which admits an admin action
 on its own (its holder is the operator), in protected mode too.
 
-With a TLS certificate (``--tls-cert``/``--tls-key``, ``lighthouse.rpc.tls``)
+With a TLS certificate (``--tls-cert``/``--tls-key``, ``torchft_lite.rpc.tls``)
 every route is HTTPS only and the login cookie is marked ``Secure``; the Kill
 RPC to a manager uses TLS by the lighthouse's settings.
 """
@@ -52,11 +52,11 @@ from prometheus_client.registry import Collector
 
 from lighthouse.config import ADMIN_TOKEN_ENV
 from lighthouse.metrics import build_registry
-from lighthouse.protocol import torchft_pb2 as pb
-from lighthouse.rpc.access import Access, Refusal
-from lighthouse.rpc.channel import open_channel
-from lighthouse.rpc.refusals import RefusalLog
-from lighthouse.rpc.sites import start_site
+from torchft_lite.rpc.protocol import torchft_pb2 as pb
+from torchft_lite.rpc.access import Access, Refusal
+from torchft_lite.rpc.channel import open_channel
+from torchft_lite.rpc.refusals import RefusalLog
+from torchft_lite.rpc.sites import start_site
 from lighthouse.view import LighthouseView
 
 logger = logging.getLogger(__name__)
@@ -227,7 +227,7 @@ class _Handlers:
         timeout = self.server.config.kill_timeout
         logger.warning("kill requested for replica %s at %s: %s", replica_id, member.address, msg)
         try:
-            # TLS when the manager's address says https:// or the lighthouse has TLS settings (lighthouse.rpc.tls).
+            # TLS when the manager's address says https:// or the lighthouse has TLS settings (torchft_lite.rpc.tls).
             async with open_channel(member.address, self.server.config.tls) as channel:
                 call = channel.unary_unary(
                     "/torchft.ManagerService/Kill",

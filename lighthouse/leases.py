@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import asyncio
 
-from lighthouse.rpc.broadcast import push_dropping_oldest
+from torchft_lite.rpc.broadcast import push_dropping_oldest
 
 __all__ = ["Lease", "LeaseHeld", "LeaseTable"]
 

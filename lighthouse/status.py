@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime
 from dataclasses import asdict
 
-from lighthouse.protocol import torchft_pb2 as pb
+from torchft_lite.rpc.protocol import torchft_pb2 as pb
 from lighthouse.quorum import Epoch, QuorumState, Status
 from lighthouse.straggler_view import straggler_rows, straggler_summary
 from lighthouse.timeline import Timeline

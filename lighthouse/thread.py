@@ -13,7 +13,7 @@ import threading
 from typing import Any, Awaitable, Callable, TypeVar
 
 from lighthouse.config import LighthouseConfig
-from lighthouse.rpc.loop import new_event_loop
+from torchft_lite.rpc.loop import new_event_loop
 from lighthouse.server import LighthouseServer
 
 T = TypeVar("T")

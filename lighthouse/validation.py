@@ -25,7 +25,7 @@ import time
 import grpc
 from google.protobuf.message import DecodeError
 
-from lighthouse.protocol import torchft_pb2 as pb
+from torchft_lite.rpc.protocol import torchft_pb2 as pb
 
 __all__ = ["MAX_DATA_BYTES", "MAX_REPLICA_ID_LEN", "REASONS", "STEP_LIMIT", "RequestChecks", "member_problem",
            "replica_id_problem"]

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Protocol
 
 from lighthouse.config import LighthouseConfig
-from lighthouse.protocol import torchft_pb2 as pb
+from torchft_lite.rpc.protocol import torchft_pb2 as pb
 from lighthouse.quorum_data import Epoch
-from lighthouse.rpc.refusals import RefusalLog
+from torchft_lite.rpc.refusals import RefusalLog
 from lighthouse.straggler_state import StragglerStatistics
 from lighthouse.timeline import TimelineStatistics
 

@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from lighthouse.config import LighthouseConfig
-from lighthouse.protocol import torchft_pb2 as pb
+from torchft_lite.rpc.protocol import torchft_pb2 as pb
 from lighthouse.server import LighthouseServer
 
 # Generous: the suite shares two cores with other processes.

@@ -29,13 +29,13 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Coroutine, Hashable, Optional, TypeVar
 
-from lighthouse.client import LighthouseClient as _AsyncLighthouseClient
-from lighthouse.client import LighthouseError, LighthouseTimeout
-from torchft_lite._control_plane import control_plane
+from torchft_lite.rpc.lighthouse_client import LighthouseClient as _AsyncLighthouseClient
+from torchft_lite.rpc.lighthouse_client import LighthouseError, LighthouseTimeout
+from torchft_lite.rpc.loop import control_plane
 from torchft_lite.errors import ConfigError, QuorumError, QuorumTimeout
 
 if TYPE_CHECKING:
-    from lighthouse.protocol import torchft_pb2 as pb
+    from torchft_lite.rpc.protocol import torchft_pb2 as pb
 
 __all__ = ["LighthouseClient", "LighthouseServer", "Quorum", "QuorumMember", "Timestamp"]
 
@@ -175,7 +175,7 @@ class LighthouseServer:
     ) -> None:
         # The server's modules are loaded here, never by importing this module.
         from lighthouse.config import LighthouseConfig
-        from lighthouse.rpc.access import Access
+        from torchft_lite.rpc.access import Access
         from lighthouse.thread import BackgroundLighthouse
 
         # torchft's in-process defaults (its CLI waits far longer for stragglers to join).

@@ -77,7 +77,7 @@ class QuorumTimeout(QuorumError, TimeoutError):
 
 class StateDivergedError(QuorumError):
     """Replica groups at the same step hold different states and no majority agrees (fingerprints, see
-    :mod:`torchft_lite.fingerprint`): nothing commits, and every group exits with ``EXIT_CODE_DIVERGED`` (70)."""
+    :mod:`torchft_lite.health.fingerprint`): nothing commits, and every group exits with ``EXIT_CODE_DIVERGED`` (70)."""
 
     MARK = "replica states diverged:"
     """Starts the message, which is all a rank reached over gRPC gets: it turns the error back into this type."""

@@ -28,7 +28,7 @@ place is enough.
 
 Heals move shards, never the whole model: :class:`ShardedState` hands the
 Manager the sharded DTensors (their local shards travel; see
-``torchft_lite.checkpointing._dtensor``) and loads received shards into the
+``torchft_lite.serialization.dtensor``) and loads received shards into the
 live ones, so group rank ``r`` of a healing group takes shard ``r`` from group
 rank ``r`` of its source. Both groups must shard the same way (same group size
 and ``fully_shard`` calls), which a mismatch in any shard's shape reports.
@@ -254,7 +254,7 @@ class ShardedState:
         """``optim_state`` with each DTensor rebuilt around its local shard on its parameter's mesh.
 
         A heal into fresh tensors rebuilds a DTensor on a stand-in mesh
-        without process groups (see ``_dtensor``). Pointwise optimizer steps
+        without process groups (see ``serialization.dtensor``). Pointwise optimizer steps
         would not notice (the meshes compare equal), but any collective on
         that state would fail (``full_tensor()``, a full-state checkpoint).
         """

@@ -4,7 +4,7 @@ torchrun exits with 1 whatever its workers exited with, so a scheduler that
 decides from exit codes (Slurm's requeue, a Kubernetes ``podFailurePolicy``)
 can't tell a bad setting (78: don't retry) from a watchdog timeout (75:
 restart elsewhere) or a SIGTERM (143: restart when capacity returns); see
-:mod:`torchft_lite.exit_codes`. This takes torchrun's arguments unchanged and
+:mod:`torchft_lite.cluster.exit_codes`. This takes torchrun's arguments unchanged and
 exits with the exit code of the first worker that failed (128 + N for one
 killed by signal N, as a shell reports it), 128 + N when the launcher itself
 was stopped by signal N (a scheduler's SIGTERM: torchrun passes it on to the

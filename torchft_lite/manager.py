@@ -33,20 +33,20 @@ from typing import Any, Callable, Sequence, TypeVar
 import torch
 from torch.distributed import ReduceOp
 
-from torchft_lite._capabilities import Abortable, Advertises, ReportsErrors, StepListener, WarmsUp
-from torchft_lite._control_plane import control_plane
-from torchft_lite._healer import Healer
-from torchft_lite._manager_settings import ManagerSettings
-from torchft_lite._manager_wiring import DefaultWiring, ManagerWiring
-from torchft_lite._member_events import MemberWatch
-from torchft_lite._preemption import PreemptionSignals
-from torchft_lite._quorum_round import QuorumRounds
-from torchft_lite._step import Step, WorldSizeMode
-from torchft_lite._step_listeners import StepListeners, metrics_from_env
+from torchft_lite.core.capabilities import Abortable, Advertises, ReportsErrors, StepListener, WarmsUp
+from torchft_lite.rpc.loop import control_plane
+from torchft_lite.core.healer import Healer
+from torchft_lite.core.settings import ManagerSettings
+from torchft_lite.core.wiring import DefaultWiring, ManagerWiring
+from torchft_lite.core.member_events import MemberWatch
+from torchft_lite.core.preemption import PreemptionSignals
+from torchft_lite.core.quorum_round import QuorumRounds
+from torchft_lite.core.step import Step, WorldSizeMode
+from torchft_lite.core.listeners import StepListeners, metrics_from_env
 from torchft_lite.errors import CollectiveError, ManagerError, ManagerTimeout, QuorumError, QuorumTimeout
-from torchft_lite.health import HealthConfig, health_checks
-from torchft_lite.step_report import report_of
-from torchft_lite.watchdog import Watchdog, WatchdogConfig
+from torchft_lite.health.nonfinite import HealthConfig, health_checks
+from torchft_lite.core.report import report_of
+from torchft_lite.health.watchdog import Watchdog, WatchdogConfig
 from torchft_lite.work import DoneWork, ManagedWork, _ManagedWork, guard_future  # noqa: F401  (torchft's name)
 
 __all__ = ["Manager", "WorldSizeMode"]
@@ -101,7 +101,7 @@ class Manager:
         heal_in_place: the default ``HTTPTransport`` receives a heal into the live tensors (default True, or
             ``$TORCHFT_LITE_HEAL_IN_PLACE``); :meth:`Healer.in_place_targets` says why that is safe.
         wiring: what the Manager connects to (default: TCPStore, ManagerServer, HTTP heals; or ``testing``'s).
-        health: the non-finite guard and fingerprints (default: on, from the environment; ``torchft_lite.health``).
+        health: the non-finite guard and fingerprints (default: on, from the environment; ``torchft_lite.health.nonfinite``).
         """
         s = self._settings = ManagerSettings.resolve(  # everything is validated before anything starts
             min_replica_size=min_replica_size, timeout=timeout, quorum_timeout=quorum_timeout,
@@ -159,7 +159,7 @@ class Manager:
             pg.wait_warm(timedelta(seconds=s.connect_timeout))
         self._log(logging.INFO, "manager ready (group rank %d of %d, ManagerServer %s)", s.group_rank,
                   s.group_world_size, self._channel.address)
-        self.metrics = metrics_from_env(self)  # TORCHFT_LITE_METRICS_PORT: /metrics (torchft_lite.metrics)
+        self.metrics = metrics_from_env(self)  # TORCHFT_LITE_METRICS_PORT: /metrics (torchft_lite.metrics.registry)
 
     # ------------------------------------------------------------ state dicts
 
@@ -180,7 +180,7 @@ class Manager:
         return self._healer.state_dict()
 
     def add_step_listener(self, listener: StepListener) -> None:
-        """Tell ``listener`` where each step stands (see ``torchft_lite._capabilities.StepListener``)."""
+        """Tell ``listener`` where each step stands (see ``torchft_lite.core.capabilities.StepListener``)."""
         self._listeners.add(listener)
 
     def remove_step_listener(self, listener: StepListener) -> None:

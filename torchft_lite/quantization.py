@@ -22,7 +22,7 @@ rank ``r`` reduces; the collectives (``torchft_lite.collectives``) exchange rows
 Non-finite input: a block holding NaN or Inf gets a NaN scale and zero values,
 so it comes back NaN in full, and a sum it enters is NaN too. A non-finite
 gradient is never turned into a finite one; the Manager's non-finite guard
-(``torchft_lite.health``) zeroes such a bucket before it is quantized, as it
+(``torchft_lite.health.nonfinite``) zeroes such a bucket before it is quantized, as it
 does unquantized.
 
 ``fused_quantize_into_fp8``, ``fused_dequantize_from_fp8`` and

@@ -30,12 +30,12 @@ from typing import Any, Callable
 import torch
 from torch.distributed import ReduceOp
 
-from lighthouse.protocol import torchft_pb2 as pb
-from torchft_lite._control_plane import ControlPlane
-from torchft_lite._fingerprint_vote import FINGERPRINT_KEY, group_fingerprint, parse_fingerprint
-from torchft_lite._manager_settings import ManagerSettings
-from torchft_lite._manager_wiring import ManagerParts
-from torchft_lite._quorum_compute import QuorumMember, compute_quorum_result, response_of
+from torchft_lite.rpc.protocol import torchft_pb2 as pb
+from torchft_lite.rpc.loop import ControlPlane
+from torchft_lite.health.fingerprint_vote import FINGERPRINT_KEY, group_fingerprint, parse_fingerprint
+from torchft_lite.core.settings import ManagerSettings
+from torchft_lite.core.wiring import ManagerParts
+from torchft_lite.group_server.quorum_compute import QuorumMember, compute_quorum_result, response_of
 from torchft_lite.checkpointing.transport import CheckpointTransport
 from torchft_lite.errors import CheckpointTimeout, CollectiveError, ConfigError, QuorumTimeout
 from torchft_lite.work import ManagedWork
@@ -219,7 +219,7 @@ class InMemoryLighthouse:
 
     @staticmethod
     def _control() -> ControlPlane:
-        from torchft_lite._control_plane import control_plane
+        from torchft_lite.rpc.loop import control_plane
 
         return control_plane()
 
@@ -269,7 +269,7 @@ class InMemoryLighthouse:
 
 
 class _Channel:
-    """One replica's :class:`~torchft_lite._group_channel.GroupChannel` to an :class:`InMemoryLighthouse`."""
+    """One replica's :class:`~torchft_lite.group_server.channel.GroupChannel` to an :class:`InMemoryLighthouse`."""
 
     def __init__(self, lighthouse: InMemoryLighthouse, replica_id: str) -> None:
         self.lighthouse, self.replica_id = lighthouse, replica_id

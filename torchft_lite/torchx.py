@@ -27,7 +27,7 @@ from typing import Dict, Optional
 
 import torchx.specs as specs
 
-from lighthouse.rpc.access import TOKEN_ENV, TOKEN_FILE_ENV
+from torchft_lite.rpc.access import TOKEN_ENV, TOKEN_FILE_ENV
 
 __all__ = ["hsdp", "lighthouse_role"]
 
@@ -147,7 +147,7 @@ def hsdp(
         roles.append(specs.Role(
             name=f"replica_{group}",
             image=image,
-            entrypoint="python",  # torchrun that exits with its failed worker's code (torchft_lite.exit_codes)
+            entrypoint="python",  # torchrun that exits with its failed worker's code (torchft_lite.cluster.exit_codes)
             args=["-m", "torchft_lite.launch", "--standalone", "--nnodes=1", f"--nproc_per_node={workers_per_replica}",
                   f"--max_restarts={max_restarts}", script, *script_args],
             num_replicas=1,

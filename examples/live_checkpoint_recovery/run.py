@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from torchft_lite.local_cluster import LighthouseProcess, ReplicaGroup  # noqa: E402
+from torchft_lite.cluster.local import LighthouseProcess, ReplicaGroup  # noqa: E402
 
 HEAL_LINES = re.compile(r"healing from|received step|healed:|released step")
 

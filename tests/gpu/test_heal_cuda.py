@@ -7,8 +7,9 @@ from datetime import timedelta
 import pytest
 import torch
 
-from torchft_lite.checkpointing import HTTPTransport, _cuda
-from torchft_lite.checkpointing import _decode, _encode
+from torchft_lite.checkpointing import HTTPTransport
+from torchft_lite.serialization import cuda
+from torchft_lite.serialization import decode, encode
 
 pytestmark = [
     pytest.mark.gpu,
@@ -40,18 +41,18 @@ def test_to_host_sees_work_queued_before_it_and_uses_pinned_buffers():
     for _ in range(20):  # keep the current stream busy, then change the tensor at its end
         big = big @ big / 4096
     tensor.mul_(3)
-    (host,) = _cuda.to_host([tensor])
+    (host,) = cuda.to_host([tensor])
     assert host.device.type == "cpu" and host.is_pinned()
     assert torch.equal(host, torch.full((1 << 22,), 3.0))
-    assert _cuda.recovery_stream(tensor.device) != torch.cuda.current_stream()
+    assert cuda.recovery_stream(tensor.device) != torch.cuda.current_stream()
 
 
 def test_to_device_fills_targets_and_returns_when_the_copies_are_done():
     target = torch.zeros(1 << 22, device="cuda")
-    buffer = _cuda.host_buffer(target)
+    buffer = cuda.host_buffer(target)
     assert buffer.is_pinned()
     buffer.fill_(7.0)
-    _cuda.to_device([(buffer, target)])
+    cuda.to_device([(buffer, target)])
     assert torch.equal(target.cpu(), torch.full((1 << 22,), 7.0))
 
 
@@ -68,19 +69,19 @@ def test_an_http_heal_of_gpu_state_lands_in_the_gpu_targets():
 
 def test_encode_reads_gpu_tensors_through_the_recovery_stream():
     state = {"w": torch.arange(10, dtype=torch.float32, device="cuda")}
-    step, decoded = _decode.decode_bytes(_encode.encode_to_bytes(1, state))
+    step, decoded = decode.decode_bytes(encode.encode_to_bytes(1, state))
     assert step == 1 and torch.equal(decoded["w"], torch.arange(10, dtype=torch.float32))
 
 
 def test_a_heal_into_gpu_targets_goes_through_the_staging_ring_not_a_host_copy_per_tensor(monkeypatch):
-    # 256 MiB of GPU state through the ring of pinned slots (torchft_lite.checkpointing._staging): the
+    # 256 MiB of GPU state through the ring of pinned slots (torchft_lite.serialization.staging): the
     # receiver pins the ring once, never a host buffer per tensor, and the targets hold the sender's bytes.
-    from torchft_lite.checkpointing import _decode, _staging
+    from torchft_lite.serialization import decode, staging
 
     def per_tensor_buffer(target):
         raise AssertionError(f"a pinned host buffer of {tuple(target.shape)} was allocated for a GPU target")
 
-    monkeypatch.setattr(_decode._cuda, "host_buffer", per_tensor_buffer)
+    monkeypatch.setattr(decode._cuda, "host_buffer", per_tensor_buffer)
     source = {f"w{i}": torch.randn(16 << 20, device="cuda") for i in range(4)}
     source["step"] = 5
     local = {f"w{i}": torch.zeros(16 << 20, device="cuda") for i in range(4)}
@@ -88,5 +89,5 @@ def test_a_heal_into_gpu_targets_goes_through_the_staging_ring_not_a_host_copy_p
     received = heal(source, local, 5, num_chunks=4)
     for i in range(4):
         assert received[f"w{i}"] is local[f"w{i}"] and torch.equal(local[f"w{i}"], source[f"w{i}"])
-    ring = _staging.pinned_ring()
+    ring = staging.pinned_ring()
     assert ring.free() == ring.slots  # every slot came back

@@ -26,10 +26,10 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")  # as lighthouse/__main__
 
 import lighthouse.server as lighthouse_server  # noqa: E402
 from lighthouse.config import LighthouseConfig  # noqa: E402
-from lighthouse.rpc import engines  # noqa: E402
-from lighthouse.rpc.h2grpc import GrpcServer  # noqa: E402
-from lighthouse.rpc.limits import ServerLimits  # noqa: E402
-from lighthouse.rpc.loop import new_event_loop  # noqa: E402
+from torchft_lite.rpc import engines  # noqa: E402
+from torchft_lite.rpc.h2grpc import GrpcServer  # noqa: E402
+from torchft_lite.rpc.limits import ServerLimits  # noqa: E402
+from torchft_lite.rpc.loop import new_event_loop  # noqa: E402
 
 IDLE_TIMEOUT = 3.0
 REQUEST_TIMEOUT = 3.0

@@ -1,6 +1,6 @@
 """A raw HTTP/2 connection for tests that must send what no real client would: floods, resets, trickles.
 
-Frames are built with the server's own ``lighthouse.rpc.h2grpc.wire`` helpers;
+Frames are built with the server's own ``torchft_lite.rpc.h2grpc.wire`` helpers;
 what the server sends back is parsed into :class:`Frame` tuples, and header
 blocks are decoded with one HPACK decoder per connection (either engine may
 compress its answers).
@@ -15,7 +15,7 @@ from typing import Callable, NamedTuple
 
 import hpack
 
-from lighthouse.rpc.h2grpc import wire
+from torchft_lite.rpc.h2grpc import wire
 from tests.conftest import WAIT
 
 

@@ -7,7 +7,7 @@ gradients (both gathered inside the group, for the test's eyes only), the
 step's participants and this rank's (group, rank), to
 ``OUT/g{group}r{rank}.pt`` (tensors and numbers only: ``weights_only`` loads it).
 
-Run by ``torchft_lite.local_cluster.ReplicaGroup`` (direct mode, torchrun's environment).
+Run by ``torchft_lite.cluster.local.ReplicaGroup`` (direct mode, torchrun's environment).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from torchft_lite.local_cluster import free_port, stop_tree
+from torchft_lite.cluster.local import free_port, stop_tree
 
 __all__ = ["SingleNodeSlurm"]
 

@@ -12,9 +12,9 @@ import pytest
 
 from benchmarks._h2_client import H2CallError, H2CallTimeout, H2Channel
 from benchmarks._h2_wire import DEFAULT_WINDOW
-from lighthouse.rpc.h2grpc import GrpcServer
-from lighthouse.rpc.h2grpc.connection import H2Connection
-from lighthouse.protocol import torchft_pb2 as pb
+from torchft_lite.rpc.h2grpc import GrpcServer
+from torchft_lite.rpc.h2grpc.connection import H2Connection
+from torchft_lite.rpc.protocol import torchft_pb2 as pb
 from tests.conftest import WAIT, running_lighthouse
 
 pytestmark = pytest.mark.integration

@@ -38,7 +38,7 @@ def browser():
 def form_quorum(lighthouse: BackgroundLighthouse, members: dict[str, tuple[int, str]]) -> None:
     import asyncio
 
-    from lighthouse.client import LighthouseClient
+    from torchft_lite.rpc.lighthouse_client import LighthouseClient
 
     async def join():
         async with LighthouseClient(f"127.0.0.1:{lighthouse.grpc_port}") as client:
@@ -163,7 +163,7 @@ def test_dashboard_shows_straggler_scores_and_an_eviction(browser, tmp_path):
     import asyncio
     import json
 
-    from lighthouse.client import LighthouseClient
+    from torchft_lite.rpc.lighthouse_client import LighthouseClient
 
     async def rounds(port: int) -> None:
         async with LighthouseClient(f"127.0.0.1:{port}") as client:

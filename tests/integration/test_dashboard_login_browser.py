@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lighthouse.rpc.access import Access
+from torchft_lite.rpc.access import Access
 from lighthouse.thread import BackgroundLighthouse
 from tests.conftest import lighthouse_config
 from tests.integration.test_dashboard_browser import browser, form_quorum  # noqa: F401 (browser: a fixture)

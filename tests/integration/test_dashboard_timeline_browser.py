@@ -17,7 +17,7 @@ import pytest
 from lighthouse.thread import BackgroundLighthouse
 from tests.conftest import lighthouse_config, wait_until_sync
 from tests.integration.test_dashboard_browser import browser  # noqa: F401  (the fixture)
-from torchft_lite.local_cluster import ReplicaGroup, job_access
+from torchft_lite.cluster.local import ReplicaGroup, job_access
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser, pytest.mark.slow]
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from torchft_lite.local_cluster import LighthouseProcess, ReplicaGroup
+from torchft_lite.cluster.local import LighthouseProcess, ReplicaGroup
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -15,7 +15,7 @@ import pytest
 
 from tests.integration.test_fault_tolerant_ddp import SCRIPT, WAIT, read_reports, wait_for
 from torchft_lite.durable._layout import Layout
-from torchft_lite.local_cluster import LighthouseProcess, ReplicaGroup
+from torchft_lite.cluster.local import LighthouseProcess, ReplicaGroup
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -113,7 +113,7 @@ def test_whole_job_killed_resumes_bit_identically(tmp_path, lighthouse_dies):
 
 
 def test_sigterm_saves_the_only_copy_before_leaving_and_a_restart_resumes_from_it(tmp_path):
-    from torchft_lite.exit_codes import EXIT_CODE_PREEMPTED
+    from torchft_lite.cluster.exit_codes import EXIT_CODE_PREEMPTED
 
     report, checkpoints = tmp_path / "report.jsonl", tmp_path / "checkpoints"
     lighthouse = LighthouseProcess(min_replicas=1, join_timeout=5.0, startup_grace=0.0,
@@ -141,7 +141,7 @@ def test_sigterm_saves_the_only_copy_before_leaving_and_a_restart_resumes_from_i
 
 
 def test_a_checkpoint_of_another_model_is_fatal_with_the_documented_exit_code(tmp_path):
-    from torchft_lite.exit_codes import EXIT_CODE_FATAL
+    from torchft_lite.cluster.exit_codes import EXIT_CODE_FATAL
 
     checkpoints = tmp_path / "checkpoints"
     lighthouse = LighthouseProcess(min_replicas=1, join_timeout=5.0, startup_grace=0.0,

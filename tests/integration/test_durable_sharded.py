@@ -36,8 +36,8 @@ EVERY, SAVED, STEPS = 2, 4, 5
 
 def digests(state: dict) -> dict[str, str]:
     """This rank's local tensors (a DTensor's shard) by path, hashed."""
-    from torchft_lite.checkpointing._encode import flatten
-    from torchft_lite.checkpointing._format import byte_view, format_path
+    from torchft_lite.serialization.encode import flatten
+    from torchft_lite.serialization.spec import byte_view, format_path
 
     flat = flatten(state)
     return {format_path(path): hashlib.sha256(byte_view(t.detach().contiguous())).hexdigest()[:16]

@@ -15,7 +15,7 @@ import pytest
 from tests.integration.test_fault_tolerant_ddp import (
     assert_identical_per_step, cluster, read_reports, steps_of, wait_for,
 )
-from torchft_lite.watchdog import EXIT_CODE_PREEMPTED
+from torchft_lite.health.watchdog import EXIT_CODE_PREEMPTED
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -96,8 +96,8 @@ def test_a_flapping_member_never_stops_the_survivor(tmp_path):
 
 
 def test_watchdog_exits_a_group_stuck_in_quorum_for_rescheduling(tmp_path):
-    from torchft_lite.local_cluster import LighthouseProcess, ReplicaGroup
-    from torchft_lite.watchdog import EXIT_CODE_RESCHEDULE
+    from torchft_lite.cluster.local import LighthouseProcess, ReplicaGroup
+    from torchft_lite.health.watchdog import EXIT_CODE_RESCHEDULE
 
     from tests.integration.test_fault_tolerant_ddp import SCRIPT, WAIT
 

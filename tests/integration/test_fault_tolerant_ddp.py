@@ -1,7 +1,7 @@
 """End to end: real lighthouse, real gloo, several training processes per test.
 
 Each test runs ``examples/train_ddp.py`` replica groups (see
-``torchft_lite.local_cluster``) and reads their per-step reports: one JSON line
+``torchft_lite.cluster.local``) and reads their per-step reports: one JSON line
 per committed step with a checksum of the parameters. Bit-identical
 parameters across groups at every common step is the core invariant.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from torchft_lite.local_cluster import LighthouseProcess, ReplicaGroup
+from torchft_lite.cluster.local import LighthouseProcess, ReplicaGroup
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -224,7 +224,7 @@ def test_late_group_heals_from_two_up_to_date_groups_at_once(tmp_path):
 
 
 def test_a_group_with_nan_gradients_is_left_out_and_every_group_stays_identical_and_finite(tmp_path):
-    """The non-finite guard (torchft_lite.health), end to end, with three groups: group 0 poisons two steps'
+    """The non-finite guard (torchft_lite.health.nonfinite), end to end, with three groups: group 0 poisons two steps'
     loss with NaN (``--inject-nan-at``, fewer than the 3 in a row that would end it); its gradients are left
     out, the three groups commit the same steps, and nothing is NaN."""
     with cluster(tmp_path, min_replicas=3, join_timeout=30.0) as (_, add, report):

@@ -1,4 +1,4 @@
-"""Replica fingerprints end to end (torchft_lite.fingerprint): real lighthouse, gloo, ``examples/train_ddp.py``.
+"""Replica fingerprints end to end (torchft_lite.health.fingerprint): real lighthouse, gloo, ``examples/train_ddp.py``.
 
 A bit flipped in one group's parameters (``--inject-bitflip-at``) is found at the next fingerprint step; with
 three groups the flipped one heals from the other two and every group ends identical; with two nobody can
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from tests.integration.test_fault_tolerant_ddp import WAIT, cluster, read_reports, steps_of
-from torchft_lite.exit_codes import EXIT_CODE_DIVERGED
+from torchft_lite.cluster.exit_codes import EXIT_CODE_DIVERGED
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

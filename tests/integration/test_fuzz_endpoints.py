@@ -45,13 +45,13 @@ import pytest
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
-from lighthouse.rpc.h2grpc import wire
-from lighthouse.protocol import torchft_pb2 as pb
+from torchft_lite.rpc.h2grpc import wire
+from torchft_lite.rpc.protocol import torchft_pb2 as pb
 from lighthouse.server import MAX_REPLICA_ID_LEN, LighthouseServer
 from lighthouse.validation import STEP_LIMIT, member_problem, replica_id_problem
-from lighthouse.rpc.loop import new_event_loop
+from torchft_lite.rpc.loop import new_event_loop
 from tests.conftest import WAIT, FakeManager, lighthouse_config
-from torchft_lite.manager_server import ManagerServer, ManagerServerConfig
+from torchft_lite.group_server.server import ManagerServer, ManagerServerConfig
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

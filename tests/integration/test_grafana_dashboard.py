@@ -12,7 +12,7 @@ import pytest
 
 from lighthouse.thread import BackgroundLighthouse
 from tests.conftest import WAIT, lighthouse_config, wait_until_sync
-from torchft_lite.local_cluster import ReplicaGroup, job_access
+from torchft_lite.cluster.local import ReplicaGroup, job_access
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -21,13 +21,13 @@ import aiohttp
 import grpc
 import pytest
 
-from lighthouse.client import LighthouseClient
-from lighthouse.protocol import torchft_pb2 as pb
-from lighthouse.rpc.access import TOKEN_ENV, Access
+from torchft_lite.rpc.lighthouse_client import LighthouseClient
+from torchft_lite.rpc.protocol import torchft_pb2 as pb
+from torchft_lite.rpc.access import TOKEN_ENV, Access
 from tests.conftest import WAIT, non_loopback_address, running_lighthouse, wait_until
-from torchft_lite._manager_client import ManagerClient
+from torchft_lite.group_server.client import ManagerClient
 from torchft_lite.errors import ManagerError, QuorumError
-from torchft_lite.manager_server import EXIT_CODE_KILLED, ManagerServer, ManagerServerConfig
+from torchft_lite.group_server.server import EXIT_CODE_KILLED, ManagerServer, ManagerServerConfig
 
 pytestmark = pytest.mark.integration
 
@@ -210,8 +210,8 @@ def test_kill_and_forged_calls_to_a_manager_server_without_the_token_are_refused
 
 VICTIM = """
 import asyncio, sys
-from lighthouse.rpc.access import Access
-from torchft_lite.manager_server import ManagerServer, ManagerServerConfig
+from torchft_lite.rpc.access import Access
+from torchft_lite.group_server.server import ManagerServer, ManagerServerConfig
 
 async def main():
     server = ManagerServer(ManagerServerConfig(replica_id="victim", lighthouse_addr=sys.argv[1], hostname="127.0.0.1",

@@ -12,7 +12,7 @@ Each test shows, for one attack (issue 16):
 
 grpcio lacks some limits (a budget of reset streams, SETTINGS frames per window, a deadline for a
 trickling request body, a header cap before its SETTINGS are acknowledged:
-``lighthouse.rpc.limits.grpcio_options`` lists them); for those its test asserts the first two points
+``torchft_lite.rpc.limits.grpcio_options`` lists them); for those its test asserts the first two points
 only (measured on 2 cores, its legitimate p99 stayed under 40 ms through all of them). The lighthouse runs in its own process (tests/integration/flood_lighthouse.py, with
 the idle and request deadlines shortened to seconds); the attacker runs on this test's event loop and the
 legitimate client on a thread of its own.
@@ -35,10 +35,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from lighthouse.client import LighthouseClient, LighthouseError
-from lighthouse.protocol import torchft_pb2 as pb
-from lighthouse.rpc.access import Access
-from lighthouse.rpc.h2grpc import wire
+from torchft_lite.rpc.lighthouse_client import LighthouseClient, LighthouseError
+from torchft_lite.rpc.protocol import torchft_pb2 as pb
+from torchft_lite.rpc.access import Access
+from torchft_lite.rpc.h2grpc import wire
 from tests.conftest import WAIT, wait_until_sync
 from tests.integration.flood_lighthouse import IDLE_TIMEOUT, REQUEST_TIMEOUT
 from tests.integration.h2_raw import RawH2, call_frames, request_headers

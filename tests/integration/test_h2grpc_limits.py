@@ -13,8 +13,8 @@ import contextlib
 import grpc
 import pytest
 
-from lighthouse.rpc.h2grpc import GrpcServer, wire
-from lighthouse.rpc.limits import ServerLimits
+from torchft_lite.rpc.h2grpc import GrpcServer, wire
+from torchft_lite.rpc.limits import ServerLimits
 from tests.conftest import WAIT, wait_until
 from tests.integration.h2_raw import RawH2, call_frames, request_headers
 

@@ -7,7 +7,7 @@ import struct
 import grpc
 import pytest
 
-from lighthouse.rpc.h2grpc import GrpcServer, wire
+from torchft_lite.rpc.h2grpc import GrpcServer, wire
 from tests.conftest import WAIT, wait_until
 
 pytestmark = pytest.mark.integration
@@ -285,7 +285,7 @@ def test_wildcard_bind_accepts_ipv4_and_ipv6_clients():
     """'[::]' (the lighthouse's default bind) must not refuse 127.0.0.1: asyncio alone makes it IPv6-only."""
     import socket
 
-    from lighthouse.rpc.h2grpc import GrpcServer
+    from torchft_lite.rpc.h2grpc import GrpcServer
 
     async def scenario():
         server = GrpcServer()

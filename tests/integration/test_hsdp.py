@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.integration.test_fault_tolerant_ddp import WAIT, assert_identical_per_step, read_reports, steps_of, wait_for
-from torchft_lite.local_cluster import LighthouseProcess, ReplicaGroup
+from torchft_lite.cluster.local import LighthouseProcess, ReplicaGroup
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -15,7 +15,8 @@ from datetime import timedelta
 import pytest
 import torch
 
-from torchft_lite.checkpointing import _encode, _prefault, _streams
+from torchft_lite.checkpointing import _streams
+from torchft_lite.serialization import encode, prefault
 from tests.conftest import WAIT
 
 pytestmark = pytest.mark.integration
@@ -119,13 +120,13 @@ def test_fresh_tensors_are_populated_before_the_socket_writes_and_in_place_ones_
                                                                                         monkeypatch):
     monkeypatch.setattr(_streams, "BYTES_PER_STREAM", 2 * MiB)
     populated: list[tuple[int, int]] = []
-    real_populate = _prefault.populate
+    real_populate = prefault.populate
 
     def counting(address: int, length: int) -> bool:
         populated.append((address, length))
         return real_populate(address, length)
 
-    monkeypatch.setattr(_prefault, "populate", counting)
+    monkeypatch.setattr(prefault, "populate", counting)
     sent = big_state()
     mine = big_state(step=1)  # the receiver's own state, of the same layout
     server = make_transport()
@@ -133,14 +134,14 @@ def test_fresh_tensors_are_populated_before_the_socket_writes_and_in_place_ones_
     server.send_checkpoint([1, 2], 5, sent, LONG)
     got = fresh.recv_checkpoint(0, server.metadata(), 5, LONG)
     deadline = time.monotonic() + 30  # a populating thread may still be inside the call it claimed a block for
-    while _prefault.supported() and len(populated) < 8 and time.monotonic() < deadline:
+    while prefault.supported() and len(populated) < 8 and time.monotonic() < deadline:
         time.sleep(0.01)
     blocks_populated = len(populated)
     mine_got = in_place.recv_checkpoint(0, server.metadata(), 5, LONG)
     server.disallow_checkpoint()
     assert_same(got, sent)
     assert mine_got["model"]["w0"] is mine["model"]["w0"] and torch.equal(mine["model"]["w0"], sent["model"]["w0"])
-    if not _prefault.supported():
+    if not prefault.supported():
         pytest.skip("this kernel has no MADV_POPULATE_WRITE: the receive above is checked, nothing populated")
     # every 1 MiB checksum block of the eight fresh 1 MiB tensors (the 24 KiB one is left to fault), once each,
     # by the populating threads or the writes, whichever got there first
@@ -206,7 +207,7 @@ def scripted(threads):
 
 def test_a_source_that_serves_no_header_alone_is_read_whole(make_transport, scripted):
     sent = big_state()
-    blob = _encode.encode_to_bytes(5, sent)
+    blob = encode.encode_to_bytes(5, sent)
     source = scripted(lambda path, query: response(200, blob) if path == "/checkpoint/5"
                       else response(404, b"Not Found"))  # the whole encoding, and no other route
     assert_same(make_transport().recv_checkpoint(0, source.url, 5, LONG), sent)
@@ -215,7 +216,7 @@ def test_a_source_that_serves_no_header_alone_is_read_whole(make_transport, scri
 
 def test_a_source_that_answers_everything_to_the_header_request_is_read_from_that_answer(make_transport, scripted):
     sent = big_state()
-    blob = _encode.encode_to_bytes(5, sent)
+    blob = encode.encode_to_bytes(5, sent)
     source = scripted(lambda path, query: response(200, blob))  # whatever was asked
     assert_same(make_transport().recv_checkpoint(0, source.url, 5, LONG), sent)
     assert [path for path in source.paths if path.startswith("GET")] == ["GET /checkpoint/5/header"]
@@ -224,7 +225,7 @@ def test_a_source_that_answers_everything_to_the_header_request_is_read_from_tha
 def test_a_source_that_advertises_no_streams_gets_one(make_transport, scripted, monkeypatch):
     monkeypatch.setattr(_streams, "BYTES_PER_STREAM", MiB)
     sent = big_state()
-    encoded = _encode.encode(5, _encode.flatten(sent))
+    encoded = encode.encode(5, encode.flatten(sent))
 
     def answer(path: str, query: dict) -> bytes:
         if path == "/checkpoint/5/header":

@@ -23,8 +23,10 @@ import pytest
 import torch
 
 from tests.conftest import WAIT
-from torchft_lite.checkpointing import HTTPTransport, _checksum, _http_receive
-from torchft_lite.checkpointing import _encode, _format, _header_difference
+from torchft_lite.checkpointing import HTTPTransport, _http_receive
+from torchft_lite.serialization import checksum
+from torchft_lite.checkpointing import _header_difference
+from torchft_lite.serialization import encode, spec
 
 pytestmark = pytest.mark.integration
 
@@ -50,13 +52,13 @@ def patient(monkeypatch):
 def checksum_passes(monkeypatch):
     """How many times a server summed its whole snapshot for ``/checksums``."""
     calls = []
-    honest = _encode.EncodedStateDict.packed_checksums
+    honest = encode.EncodedStateDict.packed_checksums
 
     def counting(self, *args, **kwargs):
         calls.append(self.step)
         return honest(self, *args, **kwargs)
 
-    monkeypatch.setattr(_encode.EncodedStateDict, "packed_checksums", counting)
+    monkeypatch.setattr(encode.EncodedStateDict, "packed_checksums", counting)
     return calls
 
 
@@ -74,7 +76,7 @@ def state_dict() -> dict:
 
 def digest(step: int, state) -> str:
     """Of the whole encoding: every tensor's bytes, dtype and shape, and every non-tensor leaf."""
-    return hashlib.sha256(_encode.encode_to_bytes(step, state)).hexdigest()
+    return hashlib.sha256(encode.encode_to_bytes(step, state)).hexdigest()
 
 
 def sources(*servers: HTTPTransport) -> list[tuple[int, str]]:
@@ -95,25 +97,25 @@ def release_all(threads, *servers: HTTPTransport) -> None:
         released.result(WAIT)
 
 
-def layout(state) -> tuple[int, _format.Blocks]:
+def layout(state) -> tuple[int, spec.Blocks]:
     """``(bytes of the prefix and header, the checksum blocks)`` of ``state``'s encoding."""
-    blob = _encode.encode_to_bytes(5, state)
-    length, crc = _format.unpack_prefix(blob[:_format.PREFIX_SIZE])
-    header_end = _format.PREFIX_SIZE + length
-    return header_end, _format.parse_header(blob[_format.PREFIX_SIZE:header_end], crc).blocks
+    blob = encode.encode_to_bytes(5, state)
+    length, crc = spec.unpack_prefix(blob[:spec.PREFIX_SIZE])
+    header_end = spec.PREFIX_SIZE + length
+    return header_end, spec.parse_header(blob[spec.PREFIX_SIZE:header_end], crc).blocks
 
 
-def answer_bytes(blocks: _format.Blocks, ranges) -> int:
+def answer_bytes(blocks: spec.Blocks, ranges) -> int:
     """Bytes of the answers to data requests for ``ranges``: the data and one sum per block."""
-    return sum(end - start + len(blocks.covering(start, end)) * _checksum.SUM_BYTES for start, end in ranges)
+    return sum(end - start + len(blocks.covering(start, end)) * checksum.SUM_BYTES for start, end in ranges)
 
 
-def primary_ranges(blocks: _format.Blocks, sources: int) -> list[tuple[int, int]]:
+def primary_ranges(blocks: spec.Blocks, sources: int) -> list[tuple[int, int]]:
     """The ranges the primary serves unless a secondary fails: range ``i`` goes to source ``i % sources``."""
     return blocks.split(sources)[::sources]
 
 
-def span(blocks: _format.Blocks, block: int) -> tuple[int, int]:
+def span(blocks: spec.Blocks, block: int) -> tuple[int, int]:
     start, end, _ = blocks.spans[block]
     return start, end
 
@@ -180,7 +182,7 @@ def test_a_secondary_that_differs_in_a_block_it_served_is_replaced_by_the_primar
     refetched = [(block_start, block_end) for block_start, block_end, _ in blocks.spans
                  if block_end - block_start == 757120]
     assert first.statistics().bytes_served == (header + answer_bytes(blocks, primary_ranges(blocks, 2))
-                                               + len(blocks) * _checksum.SUM_BYTES  # its /checksums
+                                               + len(blocks) * checksum.SUM_BYTES  # its /checksums
                                                + answer_bytes(blocks, refetched))
     release_all(threads, first, second)
 
@@ -223,7 +225,7 @@ def test_a_secondary_whose_batchnorm_statistics_differ_yields_the_primarys(make_
     statistics = [i for i, (_, _, tensor) in enumerate(blocks.spans) if tensor in (5, 6)]  # running mean, var
     refetched = [(blocks.spans[statistics[0]][0], blocks.spans[statistics[-1]][1])]  # adjacent: one range
     assert first.statistics().bytes_served == (header + answer_bytes(blocks, primary_ranges(blocks, 2))
-                                               + len(blocks) * _checksum.SUM_BYTES + answer_bytes(blocks, refetched))
+                                               + len(blocks) * checksum.SUM_BYTES + answer_bytes(blocks, refetched))
     release_all(threads, first, second)
 
 
@@ -276,7 +278,7 @@ def test_of_three_sources_the_diverged_one_is_named_and_its_blocks_fetched_again
     header, blocks = layout(sent)
     refetched = [(start, end) for start, end, _ in blocks.spans if end - start == 757120]
     assert servers[0].statistics().bytes_served == (header + answer_bytes(blocks, primary_ranges(blocks, 3))
-                                                    + len(blocks) * _checksum.SUM_BYTES
+                                                    + len(blocks) * checksum.SUM_BYTES
                                                     + answer_bytes(blocks, refetched))
     release_all(threads, *servers)
 
@@ -416,7 +418,7 @@ def test_a_secondary_whose_bytes_fail_its_own_checksums_is_replaced_by_the_prima
     [warning] = warnings()
     assert re.search(rf"replica 1 \(\S+\): 1 blocks \({end - start} bytes\), first tensor user\.big", warning), warning
     assert first.statistics().bytes_served == (header + answer_bytes(blocks, primary_ranges(blocks, 2))
-                                               + len(blocks) * _checksum.SUM_BYTES
+                                               + len(blocks) * checksum.SUM_BYTES
                                                + answer_bytes(blocks, [(start, end)]))
     release_all(threads, first, second)
 
@@ -455,12 +457,12 @@ def test_checksums_are_every_blocks_sum_and_leave_the_session_open(make_transpor
     base = f"{server.metadata()}/5"
     status, body = request(f"{base}/checksums?session=s1", token="s3cret")
     assert status == 200
-    blob = _encode.encode_to_bytes(5, sent)
-    header_length, _ = _format.unpack_prefix(blob[:_format.PREFIX_SIZE])
-    data_end = _format.PREFIX_SIZE + header_length + sum(t.numel() * t.element_size()
-                                                      for t in _encode.flatten(sent).tensors)
+    blob = encode.encode_to_bytes(5, sent)
+    header_length, _ = spec.unpack_prefix(blob[:spec.PREFIX_SIZE])
+    data_end = spec.PREFIX_SIZE + header_length + sum(t.numel() * t.element_size()
+                                                      for t in encode.flatten(sent).tensors)
     assert body == blob[data_end:]  # the trailer a whole-stream receiver gets
-    assert len(_checksum.unpack(body)) == 6 + len(_encode.flatten(sent).tensors) - 1  # big spans six blocks
+    assert len(checksum.unpack(body)) == 6 + len(encode.flatten(sent).tensors) - 1  # big spans six blocks
     assert server.statistics().receivers_finished == 0  # asking for sums finishes nothing
     assert request(f"{base}/done?session=s1&ok=1", token="s3cret", method="POST")[0] == 200
     assert server.statistics().receivers_finished == 1
@@ -500,10 +502,10 @@ def test_checksums_of_a_released_step_are_refused(make_transport):
 # ---------------------------------------------------------------- describing a header difference
 
 
-def header_of(step: int, state: dict) -> _format.Header:
-    blob = _encode.encode_to_bytes(step, state)
-    length, crc = _format.unpack_prefix(blob[:_format.PREFIX_SIZE])
-    return _format.parse_header(blob[_format.PREFIX_SIZE:_format.PREFIX_SIZE + length], crc)
+def header_of(step: int, state: dict) -> spec.Header:
+    blob = encode.encode_to_bytes(step, state)
+    length, crc = spec.unpack_prefix(blob[:spec.PREFIX_SIZE])
+    return spec.parse_header(blob[spec.PREFIX_SIZE:spec.PREFIX_SIZE + length], crc)
 
 
 @pytest.mark.parametrize("other, expected", [

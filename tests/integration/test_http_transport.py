@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from torchft_lite.checkpointing import HTTPTransport
-from torchft_lite.checkpointing import _decode, _encode, _format
+from torchft_lite.serialization import decode, encode, spec
 from torchft_lite.checkpointing import _http_server, _http_socket
 from torchft_lite.errors import CheckpointError, CheckpointHTTPError, CheckpointTimeout, CheckpointTransferError
 from tests.conftest import WAIT, wait_until_sync
@@ -40,7 +40,7 @@ def state_dict(big_elements: int = 1000) -> dict:
 
 
 def digest(step: int, state) -> str:
-    return hashlib.sha256(_encode.encode_to_bytes(step, state)).hexdigest()
+    return hashlib.sha256(encode.encode_to_bytes(step, state)).hexdigest()
 
 
 def test_a_request_before_publish_is_held_then_served(make_transport, threads, caplog):
@@ -110,7 +110,7 @@ def test_done_reports_carry_the_token_and_release_a_source_that_served_nothing(m
 
 def test_bytes_corrupted_in_transit_fail_the_receive_and_are_reported(make_transport, monkeypatch, caplog):
     caplog.set_level(logging.INFO, logger="torchft_lite.checkpointing.http_transport")
-    honest = _encode.EncodedStateDict.body
+    honest = encode.EncodedStateDict.body
 
     def corrupting(self, *args, **kwargs):
         pieces, length = honest(self, *args, **kwargs)
@@ -124,7 +124,7 @@ def test_bytes_corrupted_in_transit_fail_the_receive_and_are_reported(make_trans
 
         return damaged(), length
 
-    monkeypatch.setattr(_encode.EncodedStateDict, "body", corrupting)
+    monkeypatch.setattr(encode.EncodedStateDict, "body", corrupting)
     server, client = make_transport(), make_transport()
     server.send_checkpoint([1], 5, state_dict(), LONG)
     with pytest.raises(CheckpointTransferError, match="checksum mismatch"):
@@ -233,7 +233,7 @@ def test_a_receiver_that_read_everything_need_not_report(make_transport, threads
     url = server.metadata() + "/5?session=silent"
     with urllib.request.urlopen(url, timeout=WAIT) as response:
         blob = response.read()
-    assert _decode.decode_bytes(blob)[0] == 5
+    assert decode.decode_bytes(blob)[0] == 5
     threads.submit(server.disallow_checkpoint).result(WAIT)  # every byte was written: no hour-long wait
 
 
@@ -301,11 +301,12 @@ def test_shutdown_answers_held_requests_and_is_idempotent(make_transport, thread
 RECEIVER = textwrap.dedent("""
     import hashlib, sys
     from datetime import timedelta
-    from torchft_lite.checkpointing import HTTPTransport, _encode
+    from torchft_lite.checkpointing import HTTPTransport
+    from torchft_lite.serialization import encode
     transport = HTTPTransport(timedelta(seconds=60), num_chunks=2, hostname="127.0.0.1", bind_host="127.0.0.1")
     try:
         state = transport.recv_checkpoint(0, sys.argv[1], 5, timedelta(seconds=60))
-        print(hashlib.sha256(_encode.encode_to_bytes(5, state)).hexdigest())
+        print(hashlib.sha256(encode.encode_to_bytes(5, state)).hexdigest())
     finally:
         transport.shutdown()
 """)
@@ -368,8 +369,8 @@ def test_mutating_right_after_disallow_leaves_what_was_served_intact(make_transp
         received += chunk
     sock.close()
     body = bytes(received).split(b"\r\n\r\n", 1)[1]
-    step, state = _decode.decode_bytes(body)  # checks every block's checksum too
-    assert hashlib.sha256(_encode.encode_to_bytes(step, state)).hexdigest() == expected
+    step, state = decode.decode_bytes(body)  # checks every block's checksum too
+    assert hashlib.sha256(encode.encode_to_bytes(step, state)).hexdigest() == expected
 
 
 @pytest.mark.parametrize("num_chunks", [0, 4])
@@ -426,7 +427,7 @@ def ok_head(length: int) -> bytes:
 
 @pytest.mark.parametrize("cut", [10, 200, -1000, -1])
 def test_a_truncated_stream_is_detected(make_transport, threads, cut):
-    blob = _encode.encode_to_bytes(5, state_dict(big_elements=10_000))
+    blob = encode.encode_to_bytes(5, state_dict(big_elements=10_000))
     fake = FakeServer(threads, ok_head(len(blob)), blob[:cut])  # declares all, sends less, closes
     try:
         with pytest.raises(CheckpointTransferError, match="truncated"):
@@ -437,8 +438,8 @@ def test_a_truncated_stream_is_detected(make_transport, threads, cut):
 
 @pytest.mark.parametrize("where", ["data", "header"])
 def test_a_corrupted_stream_is_detected(make_transport, threads, where):
-    blob = bytearray(_encode.encode_to_bytes(5, state_dict(big_elements=10_000)))
-    blob[-100 if where == "data" else _format.PREFIX_SIZE + 5] ^= 0x40
+    blob = bytearray(encode.encode_to_bytes(5, state_dict(big_elements=10_000)))
+    blob[-100 if where == "data" else spec.PREFIX_SIZE + 5] ^= 0x40
     fake = FakeServer(threads, ok_head(len(blob)), bytes(blob))
     try:
         with pytest.raises(CheckpointTransferError, match="checksum mismatch"):

@@ -13,8 +13,9 @@ from datetime import timedelta
 import pytest
 import torch
 
-from lighthouse.rpc.access import Access
-from torchft_lite.checkpointing import HTTPTransport, _encode, _http_server
+from torchft_lite.rpc.access import Access
+from torchft_lite.checkpointing import HTTPTransport, _http_server
+from torchft_lite.serialization import encode
 from torchft_lite.errors import CheckpointHTTPError
 from tests.conftest import WAIT, non_loopback_address, wait_until_sync
 
@@ -29,7 +30,7 @@ def state_dict() -> dict:
 
 
 def same(received, sent, step: int = 5) -> bool:
-    return _encode.encode_to_bytes(step, received) == _encode.encode_to_bytes(step, sent)
+    return encode.encode_to_bytes(step, received) == encode.encode_to_bytes(step, sent)
 
 
 def call(url: str, method: str = "GET", headers: dict | None = None) -> tuple[int, bytes, dict]:

@@ -8,7 +8,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from torchft_lite.checkpointing import _encode
+from torchft_lite.serialization import encode
 from torchft_lite.checkpointing import http_transport_bench
 from tests.conftest import WAIT
 
@@ -53,7 +53,7 @@ def test_dtensors_heal_as_local_shards_onto_the_receivers_own_tensors(make_trans
         assert got_value._spec == sent_value._spec
         assert torch.equal(got_value._local_tensor, sent_value._local_tensor)
     # Only the local shards travelled: the served bytes are about their size, not the global tensors'.
-    shard_bytes = sum(t.numel() * t.element_size() for t in _encode.flatten(sent).tensors)
+    shard_bytes = sum(t.numel() * t.element_size() for t in encode.flatten(sent).tensors)
     assert shard_bytes <= server.statistics().bytes_served < 1.1 * shard_bytes
 
 

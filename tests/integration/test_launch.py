@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from torchft_lite.launch import exit_code_of
-from torchft_lite.local_cluster import stop_tree
+from torchft_lite.cluster.local import stop_tree
 
 pytestmark = [pytest.mark.integration]
 

@@ -5,7 +5,7 @@ the step are complete, and before it votes it is stopped (SIGSTOP) or cut off
 from everyone for longer than the lighthouse's heartbeat timeout. The
 lighthouse declares it gone and the survivor goes on without it. When the
 group wakes up, its ranks would all vote yes: only the lease fence
-(``torchft_lite._lease_fence``) stops it from committing a step that its peers
+(``torchft_lite.group_server.lease_fence``) stops it from committing a step that its peers
 may have redone without it (a fork). Behind, it heals at the next quorum, and
 every step the groups share holds identical parameters.
 """
@@ -21,7 +21,7 @@ import pytest
 from tests.integration.test_fault_tolerant_ddp import (
     SCRIPT, assert_identical_per_step, cluster, read_reports, steps_of, wait_for,
 )
-from torchft_lite.local_cluster import LighthouseProcess, ReplicaGroup
+from torchft_lite.cluster.local import LighthouseProcess, ReplicaGroup
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -10,7 +10,7 @@ import logging
 import grpc
 import pytest
 
-from lighthouse.client import LighthouseClient, LighthouseError
+from torchft_lite.rpc.lighthouse_client import LighthouseClient, LighthouseError
 from lighthouse.fencing import QuorumIdStore
 from lighthouse.server import LighthouseServer
 from tests.conftest import WAIT, lighthouse_config, wait_until

@@ -6,9 +6,9 @@ import socket
 import grpc
 import pytest
 
-from lighthouse.client import LighthouseClient, LighthouseError, LighthouseTimeout
+from torchft_lite.rpc.lighthouse_client import LighthouseClient, LighthouseError, LighthouseTimeout
 from lighthouse.config import LighthouseConfig
-from lighthouse.protocol import torchft_pb2 as pb
+from torchft_lite.rpc.protocol import torchft_pb2 as pb
 from lighthouse.server import LighthouseServer
 from tests.conftest import WAIT, running_lighthouse, wait_until
 

@@ -6,7 +6,7 @@ import json
 import aiohttp
 import pytest
 
-from lighthouse.client import LighthouseClient
+from torchft_lite.rpc.lighthouse_client import LighthouseClient
 from tests.conftest import WAIT, FakeManager, running_lighthouse
 
 pytestmark = pytest.mark.integration

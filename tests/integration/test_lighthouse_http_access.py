@@ -8,8 +8,8 @@ from http.cookies import SimpleCookie
 import aiohttp
 import pytest
 
-from lighthouse.client import LighthouseClient
-from lighthouse.rpc.access import Access
+from torchft_lite.rpc.lighthouse_client import LighthouseClient
+from torchft_lite.rpc.access import Access
 from tests.conftest import WAIT, FakeManager, non_loopback_address, running_lighthouse, wait_until
 
 pytestmark = pytest.mark.integration

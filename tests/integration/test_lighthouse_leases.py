@@ -8,8 +8,8 @@ import contextlib
 import grpc
 import pytest
 
-from lighthouse.client import LighthouseClient
-from lighthouse.protocol import torchft_pb2 as pb
+from torchft_lite.rpc.lighthouse_client import LighthouseClient
+from torchft_lite.rpc.protocol import torchft_pb2 as pb
 from lighthouse.server import LighthouseServer
 from tests.conftest import lighthouse_config, running_lighthouse, wait_until
 

@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from lighthouse.client import LighthouseClient
+from torchft_lite.rpc.lighthouse_client import LighthouseClient
 from lighthouse.server import LighthouseServer
 from tests.conftest import WAIT, lighthouse_config, wait_until
 

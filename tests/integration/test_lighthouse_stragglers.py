@@ -10,8 +10,8 @@ import re
 import aiohttp
 import pytest
 
-from lighthouse.client import LighthouseClient
-from lighthouse.protocol import torchft_pb2 as pb
+from torchft_lite.rpc.lighthouse_client import LighthouseClient
+from torchft_lite.rpc.protocol import torchft_pb2 as pb
 from tests.conftest import WAIT, running_lighthouse
 
 pytestmark = pytest.mark.integration

@@ -17,10 +17,10 @@ import pytest
 from prometheus_client import generate_latest
 
 from lighthouse import fencing
-from lighthouse.client import LighthouseClient
+from torchft_lite.rpc.lighthouse_client import LighthouseClient
 from lighthouse.fencing import QuorumIdStore
 from lighthouse.metrics import build_registry
-from lighthouse.protocol import torchft_pb2 as pb
+from torchft_lite.rpc.protocol import torchft_pb2 as pb
 from lighthouse.server import LighthouseServer
 from lighthouse.validation import MAX_DATA_BYTES, STEP_LIMIT
 from tests.conftest import WAIT, running_lighthouse

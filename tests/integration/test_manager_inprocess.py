@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch.distributed import TCPStore
 
-from lighthouse.protocol import torchft_pb2 as pb
+from torchft_lite.rpc.protocol import torchft_pb2 as pb
 from lighthouse.thread import BackgroundLighthouse
 from tests.conftest import lighthouse_config, wait_until_sync
 from torchft_lite.checkpointing import CheckpointTransport
@@ -638,7 +638,7 @@ def test_a_preemption_signal_during_the_quorum_leaves_with_143_instead_of_raisin
     import os
     import signal
 
-    from torchft_lite.exit_codes import EXIT_CODE_PREEMPTED
+    from torchft_lite.cluster.exit_codes import EXIT_CODE_PREEMPTED
 
     # min_replicas=2 and one Manager: its quorum stays in flight until the signal abandons it
     with BackgroundLighthouse(lighthouse_config(min_replicas=2, join_timeout=1.0)) as lh:

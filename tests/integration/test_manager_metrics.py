@@ -1,4 +1,4 @@
-"""A trainer's /metrics server (torchft_lite.metrics, _metrics_server) on port 0: opt-in by environment, the job
+"""A trainer's /metrics server (torchft_lite.metrics.registry, _metrics_server) on port 0: opt-in by environment, the job
 token or loopback-only as every other server of a job, HTTPS with the job's certificate, gone at shutdown; and
 one real ``examples/train_ddp.py`` group scraped while it trains."""
 
@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 
 from benchmarks._throwaway_pki import make_pki, openssl_missing
-from lighthouse.rpc.access import Access
-from lighthouse.rpc.tls import TlsSettings
+from torchft_lite.rpc.access import Access
+from torchft_lite.rpc.tls import TlsSettings
 from tests.conftest import WAIT, non_loopback_address, wait_until_sync
 from tests.unit.torchft_lite.test_manager import Replica, replicas  # noqa: F401  (the fixture)
-from torchft_lite.metrics import ManagerMetrics, metrics_from_env
+from torchft_lite.metrics.registry import ManagerMetrics, metrics_from_env
 from torchft_lite.testing import InMemoryLighthouse
 
 pytestmark = pytest.mark.integration
@@ -75,7 +75,7 @@ def test_the_variable_makes_the_manager_serve_its_metrics_until_it_shuts_down(re
     for name in ("TORCHFT_LITE_TOKEN", "TORCHFT_LITE_TOKEN_FILE", "TORCHFT_LITE_INSECURE", "TORCHFT_LITE_TLS_CERT",
                  "TORCHFT_LITE_TLS_KEY", "TORCHFT_LITE_TLS_CA"):
         monkeypatch.delenv(name, raising=False)
-    with caplog.at_level(logging.INFO, logger="torchft_lite.metrics"):
+    with caplog.at_level(logging.INFO, logger="torchft_lite.metrics.registry"):
         group = replicas(InMemoryLighthouse(), "solo", 1.0)
     server = group.manager.metrics.server
     assert server.port > 0 and any(server.url in r.getMessage() for r in caplog.records)  # the port is logged
@@ -147,7 +147,7 @@ def test_with_the_jobs_certificate_it_serves_https_only(solo, tmp_path):
 @pytest.mark.slow
 def test_a_real_trainer_serves_its_steps_while_it_trains(tmp_path: Path):
     from tests.integration.test_fault_tolerant_ddp import cluster, wait_for
-    from torchft_lite.local_cluster import job_access
+    from torchft_lite.cluster.local import job_access
 
     with cluster(tmp_path, min_replicas=1) as (_, add, _report):
         group = add(0, 1, steps=200, sleep=0.1, env={"TORCHFT_LITE_METRICS_PORT": "0"})

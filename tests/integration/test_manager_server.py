@@ -7,11 +7,11 @@ import contextlib
 
 import pytest
 
-from lighthouse.client import LighthouseClient, LighthouseTimeout
+from torchft_lite.rpc.lighthouse_client import LighthouseClient, LighthouseTimeout
 from tests.conftest import running_lighthouse, wait_until
-from torchft_lite._manager_client import ManagerClient
+from torchft_lite.group_server.client import ManagerClient
 from torchft_lite.errors import ManagerError, QuorumError
-from torchft_lite.manager_server import ManagerServer, ManagerServerConfig
+from torchft_lite.group_server.server import ManagerServer, ManagerServerConfig
 
 pytestmark = pytest.mark.integration
 

@@ -27,7 +27,7 @@ from benchmarks._chaos_faults import BridgedHosts
 from benchmarks._throwaway_pki import make_pki, openssl_missing
 from tests.integration.cluster_jobs import (REPO, assert_identical_per_step, kill_and_rejoin, read_reports,
                                             wait_for_rows)
-from torchft_lite.local_cluster import LighthouseProcess, ReplicaGroup, job_access
+from torchft_lite.cluster.local import LighthouseProcess, ReplicaGroup, job_access
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

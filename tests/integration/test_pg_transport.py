@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from torchft_lite.checkpointing import _encode
+from torchft_lite.serialization import encode
 from torchft_lite.checkpointing.pg_transport import PGTransport
 from torchft_lite.errors import CheckpointTimeout, CheckpointTransferError
 from tests.conftest import WAIT
@@ -51,7 +51,7 @@ def sharded_state(seed: int) -> dict:
 
 
 def digest(step: int, state) -> str:
-    return hashlib.sha256(_encode.encode_to_bytes(step, state)).hexdigest()
+    return hashlib.sha256(encode.encode_to_bytes(step, state)).hexdigest()
 
 
 def gloo_group(store: dist.Store, prefix: str, rank: int) -> dist.ProcessGroup:

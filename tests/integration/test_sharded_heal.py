@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from tests.conftest import WAIT
 from tests.integration.spawned import run_spawned
-from torchft_lite.checkpointing._format import byte_view
+from torchft_lite.serialization.spec import byte_view
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -81,8 +81,8 @@ def train_step(model, optimizer, seed: int) -> None:
 
 
 def local_digests(state: dict) -> dict[str, str]:
-    from torchft_lite.checkpointing._encode import flatten
-    from torchft_lite.checkpointing._format import format_path
+    from torchft_lite.serialization.encode import flatten
+    from torchft_lite.serialization.spec import format_path
 
     flat = flatten(state)
     return {format_path(path): digest(tensor) for path, tensor in zip(flat.paths, flat.tensors)}
@@ -99,7 +99,7 @@ def heal(group: int, rank: int, port: int, kind: str) -> dict:
     from torch.distributed.tensor import DTensor
 
     from torchft_lite.checkpointing import HTTPTransport
-    from torchft_lite.checkpointing._encode import flatten
+    from torchft_lite.serialization.encode import flatten
     from torchft_lite.checkpointing.pg_transport import PGTransport
 
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=LONG)

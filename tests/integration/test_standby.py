@@ -1,4 +1,4 @@
-"""The standby trainer (torchft_lite.standby) and ReplicaGroup's use of it: warm, then the script on go.
+"""The standby trainer (torchft_lite.cluster.standby) and ReplicaGroup's use of it: warm, then the script on go.
 
 The scripts here are tiny and the preload light (``json``), so each process is cheap; the real preload
 (torch, torch._dynamo, the library) is what the recovery benchmark's smoke run exercises.
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from torchft_lite.local_cluster import ReplicaGroup
-from torchft_lite.standby import READY, go_line
+from torchft_lite.cluster.local import ReplicaGroup
+from torchft_lite.cluster.standby import READY, go_line
 
 pytestmark = pytest.mark.integration
 
@@ -34,7 +34,7 @@ sys.exit(int(os.environ.get("STANDBY_TEST_EXIT", "0")))
 
 
 def standby(script: Path, *args: str, env: dict[str, str], stderr) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "torchft_lite.standby", "--preload", "json", str(script), *args],
+    return subprocess.Popen([sys.executable, "-m", "torchft_lite.cluster.standby", "--preload", "json", str(script), *args],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, env=env, bufsize=0)
 
 
@@ -98,7 +98,7 @@ def test_no_go_or_a_malformed_one_runs_nothing(script, tmp_path, message, code):
 
 
 def test_a_missing_script_is_refused_before_warming(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "torchft_lite.standby", "--preload", "json",
+    done = subprocess.run([sys.executable, "-m", "torchft_lite.cluster.standby", "--preload", "json",
                            str(tmp_path / "nope.py")], capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
     assert done.returncode == 2 and "no such training script" in done.stderr
 

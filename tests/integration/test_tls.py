@@ -1,4 +1,4 @@
-"""TLS on every server of a job (lighthouse.rpc.tls): clients that trust the CA are served, others get nothing.
+"""TLS on every server of a job (torchft_lite.rpc.tls): clients that trust the CA are served, others get nothing.
 
 A throwaway CA signs a certificate for 127.0.0.1/::1/localhost (made with the
 openssl CLI); a second CA, which signed nothing of this job, stands for a
@@ -23,15 +23,15 @@ import pytest
 import torch
 
 from benchmarks._throwaway_pki import make_pki, openssl_missing
-from lighthouse.client import LighthouseClient
-from lighthouse.protocol import torchft_pb2 as pb
-from lighthouse.rpc.access import TOKEN_ENV, Access
-from lighthouse.rpc.tls import TlsSettings
+from torchft_lite.rpc.lighthouse_client import LighthouseClient
+from torchft_lite.rpc.protocol import torchft_pb2 as pb
+from torchft_lite.rpc.access import TOKEN_ENV, Access
+from torchft_lite.rpc.tls import TlsSettings
 from tests.conftest import WAIT, running_lighthouse, wait_until
-from torchft_lite._manager_client import ManagerClient
-from torchft_lite.checkpointing import _encode
+from torchft_lite.group_server.client import ManagerClient
+from torchft_lite.serialization import encode
 from torchft_lite.errors import CheckpointError, CheckpointURLError, ConfigError
-from torchft_lite.manager_server import ManagerServer, ManagerServerConfig
+from torchft_lite.group_server.server import ManagerServer, ManagerServerConfig
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(openssl_missing() is not None, reason=str(openssl_missing()))]
@@ -237,7 +237,7 @@ def state_dict() -> dict:
 
 
 def same(received, sent, step: int) -> bool:
-    return _encode.encode_to_bytes(step, received) == _encode.encode_to_bytes(step, sent)
+    return encode.encode_to_bytes(step, received) == encode.encode_to_bytes(step, sent)
 
 
 def test_a_heal_over_tls_is_bit_identical(make_transport, pki):

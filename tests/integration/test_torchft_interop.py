@@ -14,7 +14,7 @@ from datetime import timedelta
 import pytest
 
 from benchmarks import torchft_ref
-from lighthouse.client import LighthouseClient
+from torchft_lite.rpc.lighthouse_client import LighthouseClient
 from lighthouse.thread import BackgroundLighthouse
 from tests.conftest import lighthouse_config, needs_torchft
 
@@ -104,7 +104,7 @@ def test_our_managers_train_on_torchfts_lighthouse(tmp_path):
     import time
     from pathlib import Path
 
-    from torchft_lite.local_cluster import ReplicaGroup
+    from torchft_lite.cluster.local import ReplicaGroup
 
     server = native.LighthouseServer(bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=10000)
     script = Path(__file__).resolve().parents[2] / "examples" / "train_ddp.py"

@@ -55,7 +55,7 @@ try:
 finally:
     manager.shutdown()
 print(" ".join(sorted(m for m in sys.modules if m == "lighthouse" or m.startswith("lighthouse."))))
-print(" ".join(sorted(m for m in ("prometheus_client", "torchft_lite.metrics") if m in sys.modules)))
+print(" ".join(sorted(m for m in ("prometheus_client", "torchft_lite.metrics.registry") if m in sys.modules)))
 print("hpack" in sys.modules)
 """
 
@@ -74,10 +74,10 @@ def test_a_training_step_loads_no_lighthouse_server_code():
     assert lines[-2] == "", f"a trainer that exports no metrics imported {lines[-2]}: imports a restart waits for"
     # Its HPACK decoder (60-80 ms to import) is for peers' calls, and no peer called a one-rank group's server.
     assert lines[-1] == "False", "a ManagerServer nobody connected to imported hpack"
-    assert "lighthouse.client" in loaded and "lighthouse.rpc.h2grpc" in loaded  # the probe did run a ManagerServer
+    assert "torchft_lite.rpc.lighthouse_client" in loaded and "torchft_lite.rpc.h2grpc" in loaded  # the probe did run a ManagerServer
     assert server_modules(loaded) == [], loaded
 
 
 def test_the_check_sees_server_modules():
-    loaded = ["lighthouse", "lighthouse.client", "lighthouse.rpc.h2grpc.wire", "lighthouse.server", "lighthouse.view"]
+    loaded = ["lighthouse", "torchft_lite.rpc.lighthouse_client", "torchft_lite.rpc.h2grpc.wire", "lighthouse.server", "lighthouse.view"]
     assert server_modules(loaded) == ["lighthouse.server", "lighthouse.view"]

@@ -1,6 +1,6 @@
 """The cluster recipes' files, checked offline: the Kubernetes manifests against the Kubernetes schemas,
 every environment variable a recipe sets against what the project reads, and the failure policies
-against ``torchft_lite.exit_codes``."""
+against ``torchft_lite.cluster.exit_codes``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from torchft_lite import exit_codes
+from torchft_lite.cluster import exit_codes
 
 kubernetes_validate = pytest.importorskip(
     "kubernetes_validate", reason="skipped: kubernetes-validate is not installed (the dev extra has it)")

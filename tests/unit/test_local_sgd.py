@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from torchft_lite._diloco_fragment import _buckets
+from torchft_lite.local_sgd import _buckets
 from torchft_lite.local_sgd import DiLoCo, LocalSGD, extract_local_tensor
 from torchft_lite.work import DoneWork
 

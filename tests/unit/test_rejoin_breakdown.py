@@ -98,7 +98,7 @@ def test_the_timeline_notes_marks_log_events_and_writes_one_line(tmp_path):
         logger.info("[g0:abc/0 step=0 quorum=-1] quorum 3: reconfigured as replica 1 of 2 (1 up to date) in 0.01s")
         logger.info("[g0:abc/0 step=0 quorum=3] healing from replica 0 (http://x) to step 12")
         logger.info("[g0:abc/0 step=0 quorum=3] healed: 0.9 MB in 0.01s (90 MB/s) from replica(s) 0")
-        logging.getLogger("torchft_lite.manager_server").info("[g0:abc] quorum 3 at step 0: 2 member(s)")
+        logging.getLogger("torchft_lite.group_server.server").info("[g0:abc] quorum 3 at step 0: 2 member(s)")
         logging.getLogger("torchft_lite.manager").info("unrelated line")
         timeline.step_finished(type("Report", (), {"committed": False})())  # not committed: not kept
         timeline.first_commit(group=1, rank=0, step=13)

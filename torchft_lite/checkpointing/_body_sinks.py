@@ -6,8 +6,8 @@ aborts its connection.
 
 * :class:`EncodedSink`: a whole encoding (or, for a striped heal, the
   primary's prefix and header alone): it validates the header as soon as it
-  is in, then hands the data to a ``TensorWriter`` (``_decode``), which lands
-  bytes meant for GPU tensors through a ring of pinned slots (``_staging``);
+  is in, then hands the data to a ``TensorWriter`` (``serialization.decode``), which lands
+  bytes meant for GPU tensors through a ring of pinned slots (``serialization.staging``);
 * :class:`DataSink`: a block-aligned data range and its blocks' sums, into
   the ``TensorWriter`` a striped heal shares between its streams;
 * :class:`BytesSink`: a small answer (another replica's header, the
@@ -18,9 +18,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from torchft_lite.checkpointing._decode import TensorWriter
-from torchft_lite.checkpointing._staging import Stager
-from torchft_lite.checkpointing._format import PREFIX_SIZE, Path, parse_header, unpack_prefix
+from torchft_lite.serialization.decode import TensorWriter
+from torchft_lite.serialization.staging import Stager
+from torchft_lite.serialization.spec import PREFIX_SIZE, Path, parse_header, unpack_prefix
 from torchft_lite.errors import CheckpointTransferError
 
 __all__ = ["BytesSink", "DataSink", "EncodedSink"]
@@ -79,7 +79,7 @@ class DataSink:
 class EncodedSink:
     """Prefix, header and (unless ``header_only``) data and checksums of one state dict, as a body of ``length``.
 
-    ``stager``: where the bytes of the targets it takes land (``_staging``: GPU targets, through pinned slots).
+    ``stager``: where the bytes of the targets it takes land (``serialization.staging``: GPU targets, through pinned slots).
 
     ``header_only`` None: whichever the body holds, the header alone or the
     whole encoding (a source that serves no separate header sends it all);

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torchft_lite.checkpointing._format import (
+from torchft_lite.serialization.spec import (
     PREFIX_SIZE, Header, Path, decode_key, decode_tree, format_path, parse_header, unpack_prefix,
 )
 from torchft_lite.errors import CheckpointTransferError

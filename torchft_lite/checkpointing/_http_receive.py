@@ -29,13 +29,14 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from lighthouse.rpc.tls import TlsSettings
-from torchft_lite.checkpointing import _checksum, _http_client, _streams
+from torchft_lite.rpc.tls import TlsSettings
+from torchft_lite.checkpointing import _http_client, _streams
+from torchft_lite.serialization import checksum
 from torchft_lite.checkpointing._body_sinks import BytesSink, DataSink, EncodedSink
-from torchft_lite.checkpointing._decode import TensorWriter
-from torchft_lite.checkpointing._format import MAX_HEADER_BYTES, PREFIX_SIZE, Path
+from torchft_lite.serialization.decode import TensorWriter
+from torchft_lite.serialization.spec import MAX_HEADER_BYTES, PREFIX_SIZE, Path
 from torchft_lite.checkpointing._header_difference import encoded_header_difference
-from torchft_lite.checkpointing._staging import Stager, stager_for
+from torchft_lite.serialization.staging import Stager, stager_for
 from torchft_lite.errors import (
     CheckpointError, CheckpointHTTPError, CheckpointTransferError, CheckpointURLError, CheckpointURLTimeout,
 )
@@ -68,7 +69,7 @@ class _Heal:
     joined: set[str] = field(default_factory=set)
     """The sources that have counted this session."""
     stager: Stager | None = None
-    """Where bytes meant for GPU targets land (``_staging``); abandoned when the heal fails, so its slots return."""
+    """Where bytes meant for GPU targets land (``serialization.staging``); abandoned when the heal fails, so its slots return."""
 
 
 @dataclass
@@ -371,9 +372,9 @@ class Receiver:
                 served_by.update(dict.fromkeys(blocks.covering(part.start, part.end), part.source))
         if not served_by:
             return
-        answer = await self._get_bytes(heal, heal.urls[0], "/checksums", len(blocks) * _checksum.SUM_BYTES,
+        answer = await self._get_bytes(heal, heal.urls[0], "/checksums", len(blocks) * checksum.SUM_BYTES,
                                        exact=True)
-        differing = await asyncio.to_thread(writer.blocks_differing_from, _checksum.unpack(answer), sorted(served_by))
+        differing = await asyncio.to_thread(writer.blocks_differing_from, checksum.unpack(answer), sorted(served_by))
         if not differing:
             return
         by_source: dict[int, list[int]] = {}

@@ -10,7 +10,7 @@ session with ``?session=<id>``; held requests also pass ``?timeout=<seconds>``):
     POST /checkpoint/{step}/done?ok=1|0          the receiver has finished (also before the step is published)
 
 Every request is checked first against the transport's access policy
-(``lighthouse.rpc.access``: the job token, else loopback peers only): 401 or
+(``torchft_lite.rpc.access``: the job token, else loopback peers only): 401 or
 403, and nothing served. A request for a step not published yet is held until
 it is (or until its timeout: 504). So is one for the step just released: a
 step that did not commit is published again when it is retried (torchft holds
@@ -31,7 +31,7 @@ any other session is a 409 and counts for nothing, so a stray or repeated
 report can never stand in for a receiver that is still to come.
 
 With a TLS context (the job's ``TORCHFT_LITE_TLS_CERT``/``_KEY``, see
-``lighthouse.rpc.tls``) it serves HTTPS only; the transport then advertises an
+``torchft_lite.rpc.tls``) it serves HTTPS only; the transport then advertises an
 ``https://`` URL. The socket and its tuning are ``_http_socket``'s.
 """
 
@@ -49,9 +49,9 @@ from typing import Iterable
 
 from aiohttp import web
 
-from lighthouse.rpc.access import Access
-from lighthouse.rpc.refusals import RefusalLog
-from torchft_lite.checkpointing._encode import EncodedStateDict, FlatStateDict
+from torchft_lite.rpc.access import Access
+from torchft_lite.rpc.refusals import RefusalLog
+from torchft_lite.serialization.encode import EncodedStateDict, FlatStateDict
 from torchft_lite.checkpointing._http_socket import ABORT_GRACE, flushed, tune
 from torchft_lite.checkpointing._http_snapshot import Session, Snapshot
 from torchft_lite.checkpointing._streams import ADVERTISE_HEADER, SERVED_STREAMS

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from torchft_lite.checkpointing._encode import EncodedStateDict, FlatStateDict, encode
+from torchft_lite.serialization.encode import EncodedStateDict, FlatStateDict, encode
 
 __all__ = ["Session", "Snapshot"]
 

@@ -1,7 +1,7 @@
 """The checkpoint server's socket: where it listens, and how a stream's connection is tuned.
 
-``::`` binds through ``lighthouse.rpc.addresses.dual_stack_socket``, as the
-other servers of a trainer do. ``lighthouse.rpc.sites.start_site`` is not
+``::`` binds through ``torchft_lite.rpc.addresses.dual_stack_socket``, as the
+other servers of a trainer do. ``torchft_lite.rpc.sites.start_site`` is not
 used: its runner has aiohttp's default shutdown timeout (the checkpoint server
 gives held requests one second), and it binds every address a host name
 resolves to where this server binds one.
@@ -13,7 +13,7 @@ import asyncio
 import logging
 import socket
 
-from lighthouse.rpc.addresses import dual_stack_socket
+from torchft_lite.rpc.addresses import dual_stack_socket
 
 __all__ = ["QUEUE_BYTES", "SEND_BUFFER_BYTES", "flushed", "listen", "tune"]
 

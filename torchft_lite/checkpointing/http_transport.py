@@ -31,11 +31,11 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Coroutine, Sequence, TypeVar
 
-from lighthouse.rpc.access import Access
-from lighthouse.rpc.tls import TlsSettings
-from torchft_lite._control_plane import control_plane
-from torchft_lite.checkpointing._decode import targets_of
-from torchft_lite.checkpointing._encode import FlatStateDict, flatten
+from torchft_lite.rpc.access import Access
+from torchft_lite.rpc.tls import TlsSettings
+from torchft_lite.rpc.loop import control_plane
+from torchft_lite.serialization.decode import targets_of
+from torchft_lite.serialization.encode import FlatStateDict, flatten
 from torchft_lite.checkpointing._http_receive import DONE_TIMEOUT, Receiver
 from torchft_lite.checkpointing._http_socket import ABORT_GRACE, listen
 from torchft_lite.checkpointing.transport import CheckpointTransport
@@ -79,21 +79,21 @@ class HTTPTransport(CheckpointTransport[T]):
             the source's 4 and one per two usable CPUs; a small state dict
             keeps one). Fresh tensors a
             receive allocates have their pages populated on two threads
-            ahead of the writes, whatever the streams (``_prefault``).
+            ahead of the writes, whatever the streams (``serialization.prefault``).
         hostname: advertised in :meth:`metadata`; defaults to ``socket.gethostname()``.
         bind_host: the address the server listens on ("::" is dual-stack).
         port: the port to listen on; 0 picks a free one.
         token: the job token, as ``access=Access(token)`` (kept for callers of
             earlier versions; pass one of ``token`` and ``access``).
         access: who may fetch this replica's state dict, and what this
-            transport's receives send (``lighthouse.rpc.access``): with a job
+            transport's receives send (``torchft_lite.rpc.access``): with a job
             token, every request must carry ``Authorization: Bearer <token>``
             (401 without or when wrong, nothing served) and every receive sends
             it; without one, only loopback peers are served (403), unless
             insecure. None: from ``TORCHFT_LITE_TOKEN``/``TORCHFT_LITE_TOKEN_FILE``
             /``TORCHFT_LITE_INSECURE``, so the Manager's own transport follows
             the job's environment.
-        tls: TLS for serving and receiving (``lighthouse.rpc.tls``): with a
+        tls: TLS for serving and receiving (``torchft_lite.rpc.tls``): with a
             certificate the server is HTTPS only and :meth:`metadata` says
             ``https://``; receives use TLS for ``https://`` sources, and for
             every source once any TLS setting is given, checking the source's

@@ -3,7 +3,7 @@
 Per destination rank, in order (tags keep the messages apart from other traffic)::
 
     tag 1   int64[3]  (_MAGIC, header bytes, bucket bytes)
-    tag 2   uint8[n]  prefix + JSON header (see ``_format``)
+    tag 2   uint8[n]  prefix + JSON header (see ``serialization.spec``)
     tag 3+i uint8[]   piece i: the data bytes of one tensor within one bucket
     tag 3+n uint8[]   the block checksums (when the data section is not empty)
 
@@ -30,10 +30,10 @@ from typing import Any, Callable, Protocol, Sequence, TypeVar
 
 import torch
 
-from torchft_lite.checkpointing import _checksum
-from torchft_lite.checkpointing._decode import TensorWriter, targets_of
-from torchft_lite.checkpointing._encode import encode, flatten
-from torchft_lite.checkpointing._format import (
+from torchft_lite.serialization import checksum
+from torchft_lite.serialization.decode import TensorWriter, targets_of
+from torchft_lite.serialization.encode import encode, flatten
+from torchft_lite.serialization.spec import (
     MAX_HEADER_BYTES, PREFIX_SIZE, Header, Path, TensorEntry, byte_view, parse_header, unpack_prefix,
 )
 from torchft_lite.checkpointing.transport import CheckpointTransport
@@ -124,7 +124,7 @@ class PGTransport(CheckpointTransport[T]):
                     _wait(works, deadline, f"piece {index} of step {step} to reach ranks {dst_ranks}")
                     works = []
             if pieces:
-                sums = _checksum.pack([encoded.checksum(block) for block in range(len(encoded.blocks))])
+                sums = checksum.pack([encoded.checksum(block) for block in range(len(encoded.blocks))])
                 trailer = torch.frombuffer(bytearray(sums), dtype=torch.uint8).to(self._device)
                 works.extend(self._pg.send([trailer], dst, _TAG_DATA + len(pieces)) for dst in dst_ranks)
             _wait(works, deadline, f"the header and checksums of step {step} to reach ranks {dst_ranks}")

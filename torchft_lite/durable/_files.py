@@ -1,6 +1,6 @@
 """One state dict in one file, in the heal format, written atomically and read back verified.
 
-A file holds exactly one encoding of ``torchft_lite.checkpointing._format``
+A file holds exactly one encoding of ``torchft_lite.serialization.spec``
 (prefix, JSON header, raw tensor bytes, one sum64 per block), so a durable
 checkpoint is checked the way a heal is: the header's crc32 before anything
 is allocated, then every block's sum. The manifest (``_layout``) also keeps
@@ -23,9 +23,9 @@ from typing import Any, BinaryIO, Callable, Mapping
 
 import torch
 
-from torchft_lite.checkpointing._decode import TensorWriter
-from torchft_lite.checkpointing._encode import FlatStateDict, encode
-from torchft_lite.checkpointing._format import PREFIX_SIZE, parse_header, unpack_prefix
+from torchft_lite.serialization.decode import TensorWriter
+from torchft_lite.serialization.encode import FlatStateDict, encode
+from torchft_lite.serialization.spec import PREFIX_SIZE, parse_header, unpack_prefix
 from torchft_lite.errors import CheckpointError, DurableCheckpointError
 
 __all__ = ["FileRecord", "fsync_directory", "read_state_file", "write_bytes_atomically", "write_state_file"]

@@ -9,7 +9,7 @@ before it is tried; one that does not fit the model is refused with
 ``DurableCheckpointError`` (it is the wrong directory or the wrong model, and
 starting from scratch would silently throw the job's progress away); a
 process that lets it end its training loop exits with ``EXIT_CODE_FATAL``
-(``torchft_lite.exit_codes``).
+(``torchft_lite.cluster.exit_codes``).
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ import logging
 import time
 from typing import Any, Callable
 
-from torchft_lite.checkpointing._decode import decode_bytes, targets_of
-from torchft_lite.checkpointing._format import format_path
+from torchft_lite.serialization.decode import decode_bytes, targets_of
+from torchft_lite.serialization.spec import format_path
 from torchft_lite.durable import _rng
 from torchft_lite.durable._files import read_state_file
 from torchft_lite.durable._layout import CheckpointInfo, Layout, read_manifest
 from torchft_lite.durable._sharded import check_layout
 from torchft_lite.errors import CheckpointError, CheckpointMismatchError, DurableCheckpointError
-from torchft_lite.watchdog import Watchdog
+from torchft_lite.health.watchdog import Watchdog
 
 __all__ = ["GroupAgreement", "Resumer", "check_fits"]
 

@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from torchft_lite.checkpointing import _dtensor
-from torchft_lite.checkpointing._encode import FlatStateDict
-from torchft_lite.checkpointing._format import format_path
+from torchft_lite.serialization import dtensor
+from torchft_lite.serialization.encode import FlatStateDict
+from torchft_lite.serialization.spec import format_path
 from torchft_lite.errors import CheckpointMismatchError
 
 __all__ = ["check_layout", "describe_layout", "layout_of", "sharded_paths"]
@@ -41,9 +41,9 @@ _SHOWN_RANKS = 8
 def layout_of(tensor: torch.Tensor, where: str) -> dict[str, Any] | None:
     """A DTensor's layout as plain data (the heal header's, without the describing rank, plus the local
     shape); None for a plain tensor. Reads no tensor data."""
-    if not _dtensor.is_dtensor(tensor):
+    if not dtensor.is_dtensor(tensor):
         return None
-    local, layout = _dtensor.describe(tensor, where)
+    local, layout = dtensor.describe(tensor, where)
     mesh = {key: value for key, value in layout["mesh"].items() if key != "rank"}
     return {**layout, "mesh": mesh, "local_shape": list(local.shape)}
 

@@ -41,8 +41,8 @@ from typing import Any, Callable
 
 import torch
 
-from torchft_lite._capabilities import Advertises
-from torchft_lite.checkpointing._encode import FlatStateDict, encode_to_bytes, flatten
+from torchft_lite.core.capabilities import Advertises
+from torchft_lite.serialization.encode import FlatStateDict, encode_to_bytes, flatten
 from torchft_lite.durable import _rng
 from torchft_lite.durable._files import (
     FileRecord, fsync_directory, read_state_file, write_bytes_atomically, write_state_file,
@@ -51,7 +51,7 @@ from torchft_lite.durable._layout import CheckpointInfo, Layout
 from torchft_lite.durable._resume import GroupAgreement, Resumer
 from torchft_lite.durable._sharded import sharded_paths
 from torchft_lite.errors import CheckpointError, ConfigError, DurableCheckpointError
-from torchft_lite.watchdog import Watchdog
+from torchft_lite.health.watchdog import Watchdog
 
 __all__ = ["DurableCheckpointer", "DurableCheckpointStatistics"]
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from torchft_lite._manager_settings import HOSTNAME_ENV
+from torchft_lite.core.settings import HOSTNAME_ENV
 from torchft_lite.errors import ConfigError
 
 __all__ = ["RankInfo", "ReconfigureOptions", "Rendezvous", "advertised_host", "make_handle", "plan_rendezvous"]

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from torchft_lite.checkpointing import _checksum
-from torchft_lite.checkpointing import _decode, _encode, _format
+from torchft_lite.serialization import checksum
+from torchft_lite.serialization import decode, encode, spec
 from torchft_lite.errors import CheckpointTransferError
 
 BLOCK = 4096
@@ -12,16 +12,16 @@ STATE = {"a": torch.arange(5000, dtype=torch.float32), "empty": torch.empty(0),
          "b": torch.arange(7, dtype=torch.int64), "c": torch.arange(3, dtype=torch.bfloat16)}
 
 
-def encoded(state: dict = STATE) -> tuple[_format.Header, bytes, bytes]:
+def encoded(state: dict = STATE) -> tuple[spec.Header, bytes, bytes]:
     """``(header, data, trailer)`` of ``state`` with small blocks, so tensors span several."""
-    blob = _encode.encode_to_bytes(3, state, block_bytes=BLOCK)
-    length, crc = _format.unpack_prefix(blob[:_format.PREFIX_SIZE])
-    header = _format.parse_header(blob[_format.PREFIX_SIZE:_format.PREFIX_SIZE + length], crc)
-    data_start = _format.PREFIX_SIZE + length
+    blob = encode.encode_to_bytes(3, state, block_bytes=BLOCK)
+    length, crc = spec.unpack_prefix(blob[:spec.PREFIX_SIZE])
+    header = spec.parse_header(blob[spec.PREFIX_SIZE:spec.PREFIX_SIZE + length], crc)
+    data_start = spec.PREFIX_SIZE + length
     return header, blob[data_start:data_start + header.data_bytes], blob[data_start + header.data_bytes:]
 
 
-def fill_in_place(writer: _decode.TensorWriter, data: bytes, start: int, end: int, piece: int) -> None:
+def fill_in_place(writer: decode.TensorWriter, data: bytes, start: int, end: int, piece: int) -> None:
     """What the HTTP client does: ask for a view of the destination, let "the kernel" write, report."""
     position = start
     while position < end:
@@ -37,20 +37,20 @@ def test_blocks_cut_every_tensor_and_the_trailer_has_one_sum_each():
     assert [(s, e) for s, e, t in spans if t == 0] == [(0, 4096), (4096, 8192), (8192, 12288), (12288, 16384),
                                                       (16384, 20000)]
     assert spans[5:] == [(20000, 20056, 2), (20056, 20062, 3)]  # the empty tensor has no block
-    assert _checksum.unpack(trailer) == [_checksum.sum64(memoryview(data)[s:e]) for s, e, _ in spans]
+    assert checksum.unpack(trailer) == [checksum.sum64(memoryview(data)[s:e]) for s, e, _ in spans]
 
 
 @pytest.mark.parametrize("piece", [1, 333, 1 << 20])
 def test_block_aligned_ranges_filled_in_place_out_of_order_verify(piece):
     header, data, trailer = encoded()
-    writer = _decode.TensorWriter(header)
+    writer = decode.TensorWriter(header)
     ranges = header.blocks.split(3)
     assert len(ranges) == 3 and all(header.blocks.covering(*r) for r in ranges)
     for start, end in reversed(ranges):
         fill_in_place(writer, data, start, end, piece)
-        sums = _checksum.unpack(trailer)
+        sums = checksum.unpack(trailer)
         covered = header.blocks.covering(start, end)
-        writer.expect(start, end, _checksum.pack(sums[covered.start:covered.stop]))
+        writer.expect(start, end, checksum.pack(sums[covered.start:covered.stop]))
     state = writer.finish()
     for name in STATE:
         assert torch.equal(state[name], STATE[name])
@@ -58,7 +58,7 @@ def test_block_aligned_ranges_filled_in_place_out_of_order_verify(piece):
 
 def test_a_buffer_never_spans_two_blocks_or_tensors():
     header, _, _ = encoded()
-    writer = _decode.TensorWriter(header)
+    writer = decode.TensorWriter(header)
     assert len(writer.buffer_at(0, header.data_bytes)) == BLOCK
     assert len(writer.buffer_at(4000, header.data_bytes)) == 96
     assert len(writer.buffer_at(19990, header.data_bytes)) == 10
@@ -67,7 +67,7 @@ def test_a_buffer_never_spans_two_blocks_or_tensors():
 
 def test_a_damaged_byte_fails_its_blocks_checksum_naming_the_tensor_and_bytes():
     header, data, trailer = encoded()
-    writer = _decode.TensorWriter(header)
+    writer = decode.TensorWriter(header)
     damaged = bytearray(data)
     damaged[5000] ^= 1
     fill_in_place(writer, bytes(damaged), 0, len(data), 512)
@@ -79,7 +79,7 @@ def test_a_damaged_byte_fails_its_blocks_checksum_naming_the_tensor_and_bytes():
 def test_swapped_blocks_are_caught():
     """Bytes placed at the wrong block: every block has its own sum."""
     header, data, trailer = encoded()
-    writer = _decode.TensorWriter(header)
+    writer = decode.TensorWriter(header)
     swapped = data[BLOCK:2 * BLOCK] + data[:BLOCK] + data[2 * BLOCK:]
     writer.write(0, swapped)
     writer.expect(0, len(data), trailer)
@@ -89,21 +89,21 @@ def test_swapped_blocks_are_caught():
 
 def test_a_gap_a_repeat_and_a_missing_trailer_are_named():
     header, data, trailer = encoded()
-    gap = _decode.TensorWriter(header)
+    gap = decode.TensorWriter(header)
     gap.write(0, data[:100])
     gap.write(200, data[200:])
     gap.expect(0, len(data), trailer)
     with pytest.raises(CheckpointTransferError, match="truncated"):
         gap.finish()
-    repeat = _decode.TensorWriter(header)
+    repeat = decode.TensorWriter(header)
     repeat.write(0, data)
     with pytest.raises(CheckpointTransferError, match="received twice"):
         repeat.write(0, data[:8])
-    no_sums = _decode.TensorWriter(header)
+    no_sums = decode.TensorWriter(header)
     no_sums.write(0, data)
     with pytest.raises(CheckpointTransferError, match="checksum of tensor a bytes \\[0, 4096\\) never arrived"):
         no_sums.finish()
-    twice = _decode.TensorWriter(header)
+    twice = decode.TensorWriter(header)
     twice.expect(0, len(data), trailer)
     with pytest.raises(CheckpointTransferError, match="arrived twice"):
         twice.expect(0, BLOCK, trailer[:8])
@@ -111,7 +111,7 @@ def test_a_gap_a_repeat_and_a_missing_trailer_are_named():
 
 def test_checksums_for_a_range_off_block_boundaries_or_of_the_wrong_count_are_refused():
     header, data, trailer = encoded()
-    writer = _decode.TensorWriter(header)
+    writer = decode.TensorWriter(header)
     with pytest.raises(CheckpointTransferError, match="block boundaries"):
         writer.expect(0, 1000, trailer[:8])
     with pytest.raises(CheckpointTransferError, match="2 checksums for the 1 blocks"):
@@ -122,7 +122,7 @@ def test_checksums_for_a_range_off_block_boundaries_or_of_the_wrong_count_are_re
 
 def test_bytes_outside_the_data_section_are_refused():
     header, data, _ = encoded()
-    writer = _decode.TensorWriter(header)
+    writer = decode.TensorWriter(header)
     with pytest.raises(CheckpointTransferError, match="outside"):
         writer.buffer_at(len(data), len(data) + 10)
     with pytest.raises(CheckpointTransferError, match="outside"):
@@ -132,21 +132,21 @@ def test_bytes_outside_the_data_section_are_refused():
 def test_sum64_is_the_wrapping_word_sum_with_a_zero_padded_tail():
     words = [2**64 - 1, 5, 2**63]
     raw = b"".join(w.to_bytes(8, "little") for w in words) + b"\x01\x02\x03"
-    assert _checksum.sum64(memoryview(raw)) == (sum(words) + 0x030201) % 2**64
-    assert _checksum.sum64(memoryview(bytearray(raw))[1:]) == _checksum.sum64(memoryview(raw[1:]))  # unaligned
-    assert _checksum.sum64(memoryview(b"")) == 0
+    assert checksum.sum64(memoryview(raw)) == (sum(words) + 0x030201) % 2**64
+    assert checksum.sum64(memoryview(bytearray(raw))[1:]) == checksum.sum64(memoryview(raw[1:]))  # unaligned
+    assert checksum.sum64(memoryview(b"")) == 0
 
 
 def test_blocks_differing_from_a_reference_are_named_by_their_bytes_or_their_senders_sum():
     header, data, trailer = encoded()
-    truth = _checksum.unpack(trailer)
-    writer = _decode.TensorWriter(header)
+    truth = checksum.unpack(trailer)
+    writer = decode.TensorWriter(header)
     damaged = bytearray(data)
     damaged[5000] ^= 1  # block 1 (tensor a bytes [4096, 8192))
     writer.write(0, bytes(damaged[:20000]))  # tensor a, whole; b and c not yet
     sums = list(truth)
     sums[3] ^= 1  # block 3's bytes are right, but its sender vouched for others
-    writer.expect(0, 20000, _checksum.pack(sums[:5]))
+    writer.expect(0, 20000, checksum.pack(sums[:5]))
     assert writer.blocks_differing_from(truth, range(len(truth))) == [1, 3, 5, 6]  # 5 and 6 are incomplete
     assert writer.blocks_differing_from(truth, [0, 2, 4]) == []
     with pytest.raises(CheckpointTransferError, match="2 reference checksums for 7 blocks"):
@@ -155,8 +155,8 @@ def test_blocks_differing_from_a_reference_are_named_by_their_bytes_or_their_sen
 
 def test_blocks_received_again_replace_the_first_delivery_whole_or_partial():
     header, data, trailer = encoded()
-    truth = _checksum.unpack(trailer)
-    writer = _decode.TensorWriter(header)
+    truth = checksum.unpack(trailer)
+    writer = decode.TensorWriter(header)
     damaged = bytearray(data)
     damaged[5000] ^= 1
     writer.write(0, bytes(damaged[:2 * BLOCK]))  # blocks 0 and 1: block 1 wrong
@@ -176,7 +176,7 @@ def test_blocks_received_again_replace_the_first_delivery_whole_or_partial():
 
 def test_a_block_received_again_must_arrive_again_with_its_sum():
     header, data, trailer = encoded()
-    writer = _decode.TensorWriter(header)
+    writer = decode.TensorWriter(header)
     writer.write(0, data)
     writer.expect(0, len(data), trailer)
     writer.receive_again([0])
@@ -201,7 +201,7 @@ def test_blocks_to_fetch_again_travel_as_the_fewest_block_aligned_ranges():
 def test_an_abandoned_writer_does_not_hand_over_its_state_dict():
     # Its finish() can run on a thread that outlives a timed-out receive: it must not copy into the targets then.
     header, data, trailer = encoded()
-    writer = _decode.TensorWriter(header)
+    writer = decode.TensorWriter(header)
     writer.write(0, data)
     writer.expect(0, len(data), trailer)
     writer.abandon()

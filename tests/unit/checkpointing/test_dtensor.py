@@ -15,7 +15,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _MaskPartial, _StridedShard
 
-from torchft_lite.checkpointing import _decode, _encode, _format, _header_difference
+from torchft_lite.checkpointing import _header_difference
+from torchft_lite.serialization import decode, encode, spec
 from torchft_lite.errors import CheckpointError, CheckpointTransferError
 
 
@@ -49,14 +50,14 @@ def assert_same_dtensor(got, sent) -> None:
 
 
 def round_trip(state, targets=None):
-    step, got = _decode.decode_bytes(_encode.encode_to_bytes(3, state), targets)
+    step, got = decode.decode_bytes(encode.encode_to_bytes(3, state), targets)
     assert step == 3
     return got
 
 
 def header_of(blob: bytes) -> dict:
-    length, _ = _format.unpack_prefix(blob[:_format.PREFIX_SIZE])
-    return json.loads(blob[_format.PREFIX_SIZE:_format.PREFIX_SIZE + length])
+    length, _ = spec.unpack_prefix(blob[:spec.PREFIX_SIZE])
+    return json.loads(blob[spec.PREFIX_SIZE:spec.PREFIX_SIZE + length])
 
 
 def test_dtensors_round_trip_as_their_local_shards_with_their_layouts():
@@ -70,8 +71,8 @@ def test_dtensors_round_trip_as_their_local_shards_with_their_layouts():
 
 def test_only_the_local_shards_travel():
     sent = sharded_state()
-    header = header_of(_encode.encode_to_bytes(3, sent))
-    local_bytes = sum(t.numel() * t.element_size() for t in _encode.flatten(sent).tensors)
+    header = header_of(encode.encode_to_bytes(3, sent))
+    local_bytes = sum(t.numel() * t.element_size() for t in encode.flatten(sent).tensors)
     assert header["data_bytes"] == local_bytes == (10 + 5 + 4 + 2) * 4 + 6 * 2 + 3 * 8  # not (40 + 5 + 24 ...)
     assert [entry["shape"] for entry in header["tensors"][:3]] == [[2, 5], [5], [3, 2]]
 
@@ -82,7 +83,7 @@ def test_a_dtensor_of_the_receivers_own_layout_is_received_in_place():
     target = dtensor(torch.zeros(2, 5), own_mesh, [Shard(0)], (8, 5))
     with torch.no_grad():  # to_local() returns the local tensor itself only outside autograd
         local = target.to_local()
-    targets = _decode.targets_of({"w": target, "b": dtensor(torch.zeros(5), own_mesh, [Replicate()], (5,))})
+    targets = decode.targets_of({"w": target, "b": dtensor(torch.zeros(5), own_mesh, [Replicate()], (5,))})
     got = round_trip(sent, targets)
     assert got["w"] is target and got["w"]._local_tensor is local
     assert torch.equal(local, sent["w"].to_local())
@@ -93,7 +94,7 @@ def test_dtensors_land_on_a_mesh_the_receiver_already_has():
     sent = sharded_state()
     own_mesh = mesh([0, 1, 2, 3], ("fsdp",))
     elsewhere = {"other": dtensor(torch.zeros(1), own_mesh, [Shard(0)], (4,))}
-    got = round_trip(sent, _decode.targets_of(elsewhere))
+    got = round_trip(sent, decode.targets_of(elsewhere))
     assert got["w"].device_mesh is own_mesh and got["strided"].device_mesh is own_mesh
     assert got["grid"].device_mesh is not own_mesh  # another layout: a mesh is built for it
     assert_same_dtensor(got["w"], sent["w"])
@@ -102,7 +103,7 @@ def test_dtensors_land_on_a_mesh_the_receiver_already_has():
 def test_a_target_of_another_layout_is_not_used_for_the_layout():
     sent = {"w": dtensor(torch.randn(2, 5), mesh([0, 1, 2, 3]), [Shard(0)], (8, 5))}
     replicated = dtensor(torch.zeros(2, 5), mesh([0, 1, 2, 3]), [Replicate()], (2, 5))
-    got = round_trip(sent, _decode.targets_of({"w": replicated}))
+    got = round_trip(sent, decode.targets_of({"w": replicated}))
     assert got["w"] is not replicated and got["w"].placements == (Shard(0),)
     assert_same_dtensor(got["w"], sent["w"])
 
@@ -110,7 +111,7 @@ def test_a_target_of_another_layout_is_not_used_for_the_layout():
 def test_unsupported_placements_are_refused_naming_the_path():
     masked = dtensor(torch.ones(2), mesh([0, 1]), [_MaskPartial()], (2,))
     with pytest.raises(CheckpointError, match="at model.m: unsupported placement"):
-        _encode.flatten({"model": {"m": masked}})
+        encode.flatten({"model": {"m": masked}})
 
 
 def test_other_tensor_subclasses_are_still_refused():
@@ -118,7 +119,7 @@ def test_other_tensor_subclasses_are_still_refused():
         pass
 
     with pytest.raises(CheckpointError, match="tensor subclasses are not supported"):
-        _encode.flatten({"x": torch.ones(2).as_subclass(Marked)})
+        encode.flatten({"x": torch.ones(2).as_subclass(Marked)})
 
 
 GOOD_LAYOUT = {"mesh": {"device_type": "cpu", "shape": [2], "ranks": [0, 1], "dim_names": ["dp"], "rank": 0},
@@ -144,7 +145,7 @@ def changed(path: str, value) -> dict:
 
 
 def test_the_good_layout_is_good():
-    got = _decode.decode_bytes(with_layout(GOOD_LAYOUT))[1]["w"]
+    got = decode.decode_bytes(with_layout(GOOD_LAYOUT))[1]["w"]
     assert got.placements == (Shard(0),) and got.shape == (4,) and got.device_mesh.mesh.tolist() == [0, 1]
 
 
@@ -167,24 +168,24 @@ def test_the_good_layout_is_good():
 ])
 def test_hostile_layouts_are_rejected(layout, message):
     with pytest.raises(CheckpointTransferError, match=message):
-        _decode.decode_bytes(with_layout(layout))
+        decode.decode_bytes(with_layout(layout))
 
 
 def test_a_malformed_dtensor_node_is_rejected():
     blob = with_layout(GOOD_LAYOUT).replace(b'["dtensor", [0, ', b'["dtensor", [0, 1, ')
-    raw_length = len(blob) - _format.PREFIX_SIZE - 16
-    raw = blob[_format.PREFIX_SIZE:_format.PREFIX_SIZE + raw_length]
+    raw_length = len(blob) - spec.PREFIX_SIZE - 16
+    raw = blob[spec.PREFIX_SIZE:spec.PREFIX_SIZE + raw_length]
     blob = struct.pack("<8sQI", b"TFTLSD02", raw_length, zlib.crc32(raw)) + raw + b"\0" * 16
     with pytest.raises(CheckpointTransferError, match="malformed 'dtensor' node at w"):
-        _decode.decode_bytes(blob)
+        decode.decode_bytes(blob)
 
 
 def test_a_layout_difference_between_two_replicas_headers_is_described():
     def header(placement):
         state = {"w": dtensor(torch.ones(2, 5), mesh([0, 1, 2, 3], ("fsdp",)), [placement], (8, 5))}
-        blob = _encode.encode_to_bytes(3, state)
-        length, crc = _format.unpack_prefix(blob[:_format.PREFIX_SIZE])
-        return _format.parse_header(blob[_format.PREFIX_SIZE:_format.PREFIX_SIZE + length], crc)
+        blob = encode.encode_to_bytes(3, state)
+        length, crc = spec.unpack_prefix(blob[:spec.PREFIX_SIZE])
+        return spec.parse_header(blob[spec.PREFIX_SIZE:spec.PREFIX_SIZE + length], crc)
 
     difference = _header_difference.header_difference(header(Shard(0)), header(Replicate()))
     assert difference == ("value at w: '<DTensor [8, 5] (shard:0) on cpu mesh [4]>' vs "

@@ -1,4 +1,4 @@
-"""The heal format (_format, _encode, _decode): round trips, refusals, and hostile or damaged input."""
+"""The heal format (serialization: spec, encode, decode): round trips, refusals, and hostile or damaged input."""
 
 import datetime
 import json
@@ -9,7 +9,7 @@ import zlib
 import pytest
 import torch
 
-from torchft_lite.checkpointing import _decode, _encode, _format
+from torchft_lite.serialization import decode, encode, spec
 from torchft_lite.errors import CheckpointError, CheckpointTransferError
 
 
@@ -63,7 +63,7 @@ def assert_same(actual, expected, path="") -> None:
 def test_realistic_state_dict_round_trips():
     state = realistic_state_dict()
     state["extra"]["numbers"].append(float("nan"))
-    step, decoded = _decode.decode_bytes(_encode.encode_to_bytes(12, state))
+    step, decoded = decode.decode_bytes(encode.encode_to_bytes(12, state))
     assert step == 12
     assert_same(decoded, state)
     assert math_bits(decoded["extra"]["numbers"][5]) == math_bits(-0.0)
@@ -78,7 +78,7 @@ def test_non_contiguous_and_bfloat16_keep_their_values():
     base = torch.randn(6, 8).to(torch.bfloat16)
     view = base[::2, 1::3]
     assert not view.is_contiguous()
-    _, decoded = _decode.decode_bytes(_encode.encode_to_bytes(0, {"v": view}))
+    _, decoded = decode.decode_bytes(encode.encode_to_bytes(0, {"v": view}))
     assert decoded["v"].is_contiguous() and torch.equal(decoded["v"], view)
 
 
@@ -86,7 +86,7 @@ def test_in_place_target_is_filled_and_returned():
     source = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.ones(3)}
     target_w = torch.nn.Parameter(torch.zeros(2, 3))
     target_b_wrong_shape = torch.zeros(4)
-    _, decoded = _decode.decode_bytes(_encode.encode_to_bytes(3, source),
+    _, decoded = decode.decode_bytes(encode.encode_to_bytes(3, source),
                                       targets={("w",): target_w, ("b",): target_b_wrong_shape})
     assert decoded["w"] is target_w and torch.equal(target_w.detach(), source["w"])
     assert decoded["b"] is not target_b_wrong_shape and torch.equal(decoded["b"], source["b"])
@@ -95,7 +95,7 @@ def test_in_place_target_is_filled_and_returned():
 def test_non_contiguous_target_receives_through_a_buffer():
     target = torch.zeros(3, 2).t()  # shape (2, 3), not contiguous
     source = torch.arange(6, dtype=torch.float32).reshape(2, 3)
-    _, decoded = _decode.decode_bytes(_encode.encode_to_bytes(0, {"x": source}), targets={("x",): target})
+    _, decoded = decode.decode_bytes(encode.encode_to_bytes(0, {"x": source}), targets={("x",): target})
     assert decoded["x"] is target and torch.equal(target, source)
 
 
@@ -112,54 +112,54 @@ class Opaque:
 ])
 def test_unsupported_values_are_named_with_their_path(value, path):
     with pytest.raises(CheckpointError, match=rf"at {path}:"):
-        _encode.flatten(value)
+        encode.flatten(value)
 
 
 def test_a_structure_that_contains_itself_is_refused():
     loop: list = [1]
     loop.append(loop)
     with pytest.raises(CheckpointError, match="contains itself"):
-        _encode.flatten({"loop": loop})
+        encode.flatten({"loop": loop})
 
 
 def test_flatten_reads_no_tensor_data():
-    flat = _encode.flatten({"t": torch.ones(3)})
+    flat = encode.flatten({"t": torch.ones(3)})
     assert flat.paths == (("t",),) and flat.tree == ["dict", [[["str", "t"], ["tensor", 0]]]]
     with pytest.raises(CheckpointError, match="meta tensor"):
-        _encode.flatten({"m": torch.empty(2, device="meta")})
+        encode.flatten({"m": torch.empty(2, device="meta")})
 
 
 def sample_blob() -> bytes:
-    return _encode.encode_to_bytes(5, {"a": torch.arange(100, dtype=torch.float32), "b": [torch.ones(2, 2), "x"]})
+    return encode.encode_to_bytes(5, {"a": torch.arange(100, dtype=torch.float32), "b": [torch.ones(2, 2), "x"]})
 
 
 def test_a_flipped_data_byte_fails_the_checksum_naming_the_tensor():
     blob = bytearray(sample_blob())
     blob[-2 * 8 - 10] ^= 0x01  # inside b.0, the last tensor (two 8-byte checksums follow the data)
     with pytest.raises(CheckpointTransferError, match=r"checksum mismatch in tensor b\.0"):
-        _decode.decode_bytes(bytes(blob))
+        decode.decode_bytes(bytes(blob))
 
 
 def test_a_flipped_header_byte_fails_the_header_checksum():
     blob = bytearray(sample_blob())
-    blob[_format.PREFIX_SIZE + 5] ^= 0x01
+    blob[spec.PREFIX_SIZE + 5] ^= 0x01
     with pytest.raises(CheckpointTransferError, match="header checksum"):
-        _decode.decode_bytes(bytes(blob))
+        decode.decode_bytes(bytes(blob))
 
 
-@pytest.mark.parametrize("cut", [0, 7, _format.PREFIX_SIZE, _format.PREFIX_SIZE + 10, -1, -400])
+@pytest.mark.parametrize("cut", [0, 7, spec.PREFIX_SIZE, spec.PREFIX_SIZE + 10, -1, -400])
 def test_truncated_input_is_a_transfer_error(cut):
     blob = sample_blob()
     with pytest.raises(CheckpointTransferError, match="truncated|declares"):
-        _decode.decode_bytes(blob[:cut])
+        decode.decode_bytes(blob[:cut])
 
 
 def test_a_writer_missing_data_reports_truncation():
     blob = sample_blob()
-    length, crc = _format.unpack_prefix(blob[:_format.PREFIX_SIZE])
-    header = _format.parse_header(blob[_format.PREFIX_SIZE:_format.PREFIX_SIZE + length], crc)
-    writer = _decode.TensorWriter(header)
-    writer.write(0, blob[_format.PREFIX_SIZE + length:-header.trailer_bytes - 8])
+    length, crc = spec.unpack_prefix(blob[:spec.PREFIX_SIZE])
+    header = spec.parse_header(blob[spec.PREFIX_SIZE:spec.PREFIX_SIZE + length], crc)
+    writer = decode.TensorWriter(header)
+    writer.write(0, blob[spec.PREFIX_SIZE + length:-header.trailer_bytes - 8])
     with pytest.raises(CheckpointTransferError, match="truncated"):
         writer.finish()
     with pytest.raises(CheckpointTransferError, match="outside"):
@@ -168,12 +168,12 @@ def test_a_writer_missing_data_reports_truncation():
 
 def test_data_written_in_ranges_out_of_order_assembles():
     state = {"a": torch.randn(1000), "b": torch.arange(77, dtype=torch.int16), "c": torch.zeros(0)}
-    encoded = _encode.encode(9, _encode.flatten(state))
-    length, crc = _format.unpack_prefix(encoded.header[:_format.PREFIX_SIZE])
-    writer = _decode.TensorWriter(_format.parse_header(encoded.header[_format.PREFIX_SIZE:], crc))
+    encoded = encode.encode(9, encode.flatten(state))
+    length, crc = spec.unpack_prefix(encoded.header[:spec.PREFIX_SIZE])
+    writer = decode.TensorWriter(spec.parse_header(encoded.header[spec.PREFIX_SIZE:], crc))
     bounds = [0, 1, 999, 3000, 4001, encoded.data_bytes]
     for start, end in reversed(list(zip(bounds, bounds[1:]))):
-        writer.write(start, b"".join(bytes(_format.byte_view(t)) for t in encoded.data_tensors(start, end)))
+        writer.write(start, b"".join(bytes(spec.byte_view(t)) for t in encoded.data_tensors(start, end)))
     body, _ = encoded.body()
     writer.expect(0, encoded.data_bytes, list(body)[-1])
     assert_same(writer.finish(), state)
@@ -215,12 +215,12 @@ def test_hostile_headers_are_rejected(changes, message):
     header = dict(GOOD_HEADER)
     header.update(changes)
     with pytest.raises(CheckpointTransferError, match=message):
-        _decode.decode_bytes(hostile(header, GOOD_DATA))
+        decode.decode_bytes(hostile(header, GOOD_DATA))
 
 
 def test_the_good_hostile_header_is_good():
     """The baseline the refusals above change one field of."""
-    assert _decode.decode_bytes(hostile(GOOD_HEADER, GOOD_DATA))[1][0].tolist() == [0.0, 0.0]
+    assert decode.decode_bytes(hostile(GOOD_HEADER, GOOD_DATA))[1][0].tolist() == [0.0, 0.0]
 
 
 def test_huge_declared_sizes_are_rejected_before_allocating(monkeypatch):
@@ -231,31 +231,31 @@ def test_huge_declared_sizes_are_rejected_before_allocating(monkeypatch):
     huge = {"dtype": "float64", "shape": [1 << 20, 1 << 20, 1 << 20], "offset": 0, "nbytes": 8 << 60}
     blob = hostile(dict(GOOD_HEADER, data_bytes=8 << 60, tensors=[huge]))
     with pytest.raises(CheckpointTransferError, match="must be an integer|declares"):
-        _decode.decode_bytes(blob)
+        decode.decode_bytes(blob)
     # Consistent with itself but not with what actually follows.
     big = {"dtype": "uint8", "shape": [1 << 40], "offset": 0, "nbytes": 1 << 40}
     with pytest.raises(CheckpointTransferError, match="follow"):
-        _decode.decode_bytes(hostile(dict(GOOD_HEADER, data_bytes=1 << 40, tensors=[big])))
+        decode.decode_bytes(hostile(dict(GOOD_HEADER, data_bytes=1 << 40, tensors=[big])))
     # More checksum blocks than any real checkpoint has: refused before the block table is built.
     many = dict(GOOD_HEADER, data_bytes=1 << 40, tensors=[big], checksum={"algorithm": "sum64", "block_bytes": 4096})
     with pytest.raises(CheckpointTransferError, match="checksum blocks"):
-        _decode.decode_bytes(hostile(many))
+        decode.decode_bytes(hostile(many))
     too_long = struct.pack("<8sQI", b"TFTLSD02", 1 << 62, 0)
     with pytest.raises(CheckpointTransferError, match="exceeds"):
-        _decode.decode_bytes(too_long)
+        decode.decode_bytes(too_long)
 
 
 def test_garbage_and_deep_nesting_are_rejected():
     with pytest.raises(CheckpointTransferError, match="not a torchft_lite checkpoint"):
-        _decode.decode_bytes(b"\x80\x04pickle" + b"\0" * 40)
+        decode.decode_bytes(b"\x80\x04pickle" + b"\0" * 40)
     raw = b"{" * 100_000
     with pytest.raises(CheckpointTransferError, match="not JSON"):
-        _format.parse_header(raw, zlib.crc32(raw))
+        spec.parse_header(raw, zlib.crc32(raw))
     deep = ["list", [["tensor", 0]]]
-    for _ in range(_format.MAX_DEPTH + 2):
+    for _ in range(spec.MAX_DEPTH + 2):
         deep = ["list", [deep]]
     with pytest.raises(CheckpointTransferError, match="deeper"):
-        _decode.decode_bytes(hostile(dict(GOOD_HEADER, tree=deep), GOOD_DATA))
+        decode.decode_bytes(hostile(dict(GOOD_HEADER, tree=deep), GOOD_DATA))
 
 
 @pytest.mark.gpu
@@ -263,7 +263,7 @@ def test_garbage_and_deep_nesting_are_rejected():
 def test_cuda_tensors_arrive_on_cpu_or_in_their_cuda_target():
     source = {"w": torch.randn(3, 4, device="cuda"), "b": torch.randn(4, device="cuda").bfloat16()}
     target = torch.zeros(3, 4, device="cuda")
-    _, decoded = _decode.decode_bytes(_encode.encode_to_bytes(1, source), targets={("w",): target})
+    _, decoded = decode.decode_bytes(encode.encode_to_bytes(1, source), targets={("w",): target})
     assert decoded["w"] is target and torch.equal(target, source["w"])
     assert decoded["b"].device.type == "cpu" and torch.equal(decoded["b"], source["b"].cpu())
 

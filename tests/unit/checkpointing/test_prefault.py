@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from torchft_lite.checkpointing import _decode, _encode, _prefault
+from torchft_lite.serialization import decode, encode, prefault
 
 MiB = 1 << 20
 
@@ -25,34 +25,34 @@ def state(seed: int) -> dict:
 
 
 def test_populating_a_live_tensor_keeps_every_byte():
-    if not _prefault.supported():
+    if not prefault.supported():
         pytest.skip("this kernel (or OS) has no MADV_POPULATE_WRITE; populate() then does nothing")
     tensor = torch.randn(MiB // 4 + 13)
     before = tensor.clone()
     # unaligned at both ends: the pages it shares with its neighbours are populated whole, and left as they were
-    assert _prefault.populate(tensor.data_ptr() + 6, tensor.numel() * 4 - 9)
+    assert prefault.populate(tensor.data_ptr() + 6, tensor.numel() * 4 - 9)
     assert torch.equal(tensor, before)
 
 
 def test_nothing_is_populated_where_it_cannot_be(monkeypatch):
-    assert _prefault.populate(0, 0) is False  # an empty range
-    monkeypatch.setattr(_prefault, "_unsupported", True)
-    assert _prefault.supported() is False
-    assert _prefault.populate(torch.empty(10).data_ptr(), 40) is False
+    assert prefault.populate(0, 0) is False  # an empty range
+    monkeypatch.setattr(prefault, "_unsupported", True)
+    assert prefault.supported() is False
+    assert prefault.populate(torch.empty(10).data_ptr(), 40) is False
 
 
 def blocks_populated(monkeypatch, targets) -> tuple[list[int], dict]:
     calls: list[int] = []
-    real = _prefault.populate
-    monkeypatch.setattr(_prefault, "populate", lambda address, length: calls.append(length) or real(address, length))
+    real = prefault.populate
+    monkeypatch.setattr(prefault, "populate", lambda address, length: calls.append(length) or real(address, length))
     sent = state(5)
-    step, got = _decode.decode_bytes(_encode.encode_to_bytes(5, sent, block_bytes=512 << 10), targets)
+    step, got = decode.decode_bytes(encode.encode_to_bytes(5, sent, block_bytes=512 << 10), targets)
     assert step == 5 and all(torch.equal(got[name], sent[name]) for name in sent)
     return calls, got
 
 
 def test_each_block_of_a_fresh_tensor_is_populated_once(monkeypatch):
-    if not _prefault.supported():
+    if not prefault.supported():
         pytest.skip("this kernel (or OS) has no MADV_POPULATE_WRITE: nothing is populated")
     calls, _ = blocks_populated(monkeypatch, None)
     wait_for(lambda: len(calls) >= 4)  # a populating thread may still be inside the call it claimed a block for
@@ -62,7 +62,7 @@ def test_each_block_of_a_fresh_tensor_is_populated_once(monkeypatch):
 
 def test_tensors_received_in_place_are_not_populated(monkeypatch):
     mine = state(1)
-    calls, got = blocks_populated(monkeypatch, _decode.targets_of(mine))
+    calls, got = blocks_populated(monkeypatch, decode.targets_of(mine))
     assert got["a"] is mine["a"] and calls == []
 
 
@@ -83,11 +83,11 @@ class GatedPopulate:
 
 def test_the_threads_and_the_writes_populate_every_block_exactly_once(monkeypatch):
     fake = GatedPopulate()
-    monkeypatch.setattr(_prefault, "populate", fake)
+    monkeypatch.setattr(prefault, "populate", fake)
     blocks = [(i, 1) for i in range(40)]
     blocks[3] = None  # a block left to fault
-    populator = _prefault.Populator(list(blocks), keep=object())
-    wait_for(lambda: len(fake.calls) == _prefault.POPULATE_THREADS)  # each thread holds one block
+    populator = prefault.Populator(list(blocks), keep=object())
+    wait_for(lambda: len(fake.calls) == prefault.POPULATE_THREADS)  # each thread holds one block
     claimed = [populator.claim(i) for i in range(40)]
     fake.gate.set()
     wait_for(lambda: populator._pending == 0)
@@ -99,24 +99,24 @@ def test_the_threads_and_the_writes_populate_every_block_exactly_once(monkeypatc
 
 def test_the_threads_go_on_after_the_latest_write(monkeypatch):
     fake = GatedPopulate()
-    monkeypatch.setattr(_prefault, "populate", fake)
-    populator = _prefault.Populator([(i, 1) for i in range(100)], keep=object())
-    wait_for(lambda: len(fake.calls) == _prefault.POPULATE_THREADS)
-    assert sorted(fake.calls) == list(range(_prefault.POPULATE_THREADS))  # from the start at first
+    monkeypatch.setattr(prefault, "populate", fake)
+    populator = prefault.Populator([(i, 1) for i in range(100)], keep=object())
+    wait_for(lambda: len(fake.calls) == prefault.POPULATE_THREADS)
+    assert sorted(fake.calls) == list(range(prefault.POPULATE_THREADS))  # from the start at first
     assert populator.claim(50) == (50, 1)  # a second stream writes at block 50: the threads move there
     fake.gate.set()
-    wait_for(lambda: len(fake.calls) >= 2 * _prefault.POPULATE_THREADS)
-    threads = _prefault.POPULATE_THREADS
+    wait_for(lambda: len(fake.calls) >= 2 * prefault.POPULATE_THREADS)
+    threads = prefault.POPULATE_THREADS
     assert sorted(fake.calls[threads:2 * threads]) == list(range(51, 51 + threads))
     populator.stop()
 
 
 def test_a_stopped_populator_takes_no_more_blocks(monkeypatch):
     fake = GatedPopulate()
-    monkeypatch.setattr(_prefault, "populate", fake)
-    populator = _prefault.Populator([(i, 1) for i in range(100)], keep=object())
-    wait_for(lambda: len(fake.calls) == _prefault.POPULATE_THREADS)
+    monkeypatch.setattr(prefault, "populate", fake)
+    populator = prefault.Populator([(i, 1) for i in range(100)], keep=object())
+    wait_for(lambda: len(fake.calls) == prefault.POPULATE_THREADS)
     populator.stop()
     fake.gate.set()
     wait_for(lambda: populator._keep is None)  # the threads left, and let go of the tensors
-    assert len(fake.calls) == _prefault.POPULATE_THREADS
+    assert len(fake.calls) == prefault.POPULATE_THREADS

@@ -15,7 +15,7 @@ import concurrent.futures
 import pytest
 import torch
 
-from torchft_lite.checkpointing import _decode, _staging
+from torchft_lite.serialization import decode, staging
 from torchft_lite.errors import CheckpointTransferError
 from tests.unit.checkpointing.test_decode import encoded, fill_in_place
 
@@ -29,7 +29,7 @@ class RecordingCopier:
     def __init__(self) -> None:
         self.copies: list[int] = []
         self.arrived_at_copy: list[int] = []
-        self.writer: _decode.TensorWriter | None = None
+        self.writer: decode.TensorWriter | None = None
 
     def start(self, source: torch.Tensor, target: torch.Tensor):
         assert source.numel() == target.numel()
@@ -47,9 +47,9 @@ class Staging:
     """A stager over a CPU ring, with a checksum thread of its own (``settle()`` waits for its jobs)."""
 
     def __init__(self, slots: int, slot_bytes: int, copier: RecordingCopier) -> None:
-        self.ring = _staging.StagingRing(slots, slot_bytes, lambda n: torch.empty(n, dtype=torch.uint8))
+        self.ring = staging.StagingRing(slots, slot_bytes, lambda n: torch.empty(n, dtype=torch.uint8))
         self._executor = concurrent.futures.ThreadPoolExecutor(1)
-        self.stager = _staging.Stager(self.ring, copier, takes=lambda tensor: True, executor=self._executor,
+        self.stager = staging.Stager(self.ring, copier, takes=lambda tensor: True, executor=self._executor,
                                       slot_wait=5.0)
 
     def settle(self) -> int:
@@ -57,14 +57,14 @@ class Staging:
         self._executor.submit(lambda: None).result(30)
         return self.ring.free()
 
-    def writer(self, data_of: dict = STATE) -> tuple[_decode.TensorWriter, bytes, bytes]:
+    def writer(self, data_of: dict = STATE) -> tuple[decode.TensorWriter, bytes, bytes]:
         """A writer of ``data_of``'s encoding into zeroed targets, staged here; and that encoding's data and sums."""
         header, data, trailer = encoded(data_of)
         self.targets = targets_like(data_of)
-        return _decode.TensorWriter(header, self.targets, self.stager), data, trailer
+        return decode.TensorWriter(header, self.targets, self.stager), data, trailer
 
 
-def begun(writer: _decode.TensorWriter, data: bytes, start: int, count: int) -> None:
+def begun(writer: decode.TensorWriter, data: bytes, start: int, count: int) -> None:
     """A stream that wrote ``count`` bytes of its range at ``start`` and stopped there (it holds a slot)."""
     view = writer.buffer_at(start, start + 4096)
     view[:count] = data[start:start + count]
@@ -153,7 +153,7 @@ def test_an_abandoned_receive_copies_nothing_more_and_gives_its_slots_back():
 
 
 def test_a_ring_with_every_slot_held_names_what_it_waited_for():
-    ring = _staging.StagingRing(1, 64, lambda n: torch.empty(n, dtype=torch.uint8))
+    ring = staging.StagingRing(1, 64, lambda n: torch.empty(n, dtype=torch.uint8))
     held = ring.acquire(1.0)
     with pytest.raises(CheckpointTransferError, match="no staging slot came free within 0.05s"):
         ring.acquire(0.05)
@@ -163,9 +163,9 @@ def test_a_ring_with_every_slot_held_names_what_it_waited_for():
 
 def test_slots_must_be_whole_words():
     with pytest.raises(ValueError, match="multiple of 8"):
-        _staging.StagingRing(2, 1020, lambda n: torch.empty(n, dtype=torch.uint8))
+        staging.StagingRing(2, 1020, lambda n: torch.empty(n, dtype=torch.uint8))
 
 
 def test_only_gpu_targets_are_staged_by_default():
-    assert _staging.stager_for({("a",): torch.zeros(3)}) is None
-    assert _staging.stager_for({}) is None
+    assert staging.stager_for({("a",): torch.zeros(3)}) is None
+    assert staging.stager_for({}) is None

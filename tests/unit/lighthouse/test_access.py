@@ -6,8 +6,8 @@ import logging
 
 import pytest
 
-from lighthouse.rpc.access import INSECURE_ENV, TOKEN_ENV, TOKEN_FILE_ENV, Access, Refusal, peer_host
-from lighthouse.rpc.refusals import RefusalLog
+from torchft_lite.rpc.access import INSECURE_ENV, TOKEN_ENV, TOKEN_FILE_ENV, Access, Refusal, peer_host
+from torchft_lite.rpc.refusals import RefusalLog
 
 TOKEN = "s3cret-Job_token.42"
 
@@ -155,7 +155,7 @@ def test_refusals_are_counted_by_kind_and_logged_at_most_once_per_interval(caplo
     now = [100.0]
     log = RefusalLog("test server", interval=10.0, clock=lambda: now[0])
     access = Access(TOKEN)
-    caplog.set_level(logging.WARNING, logger="lighthouse.rpc.refusals")
+    caplog.set_level(logging.WARNING, logger="torchft_lite.rpc.refusals")
     for _ in range(500):
         log.note("ipv4:10.0.0.1:1", "/svc/Kill", access.check("ipv4:10.0.0.1:1", f"Bearer wrong-{TOKEN}"))
     log.note("ipv4:10.0.0.2:1", "/svc/Kill", Access().check("ipv4:10.0.0.2:1", None))

@@ -6,7 +6,7 @@ import pytest
 from lighthouse import fencing
 from lighthouse.config import LighthouseConfig
 from lighthouse.fencing import QuorumIdStore, agreed_step
-from lighthouse.rpc.addresses import split_host_port
+from torchft_lite.rpc.addresses import split_host_port
 
 
 class TestQuorumIdStore:

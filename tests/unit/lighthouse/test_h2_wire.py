@@ -3,7 +3,7 @@
 import hpack
 import pytest
 
-from lighthouse.rpc.h2grpc import wire
+from torchft_lite.rpc.h2grpc import wire
 
 
 def test_frame_round_trip():

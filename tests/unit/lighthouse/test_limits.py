@@ -7,10 +7,10 @@ import logging
 
 import pytest
 
-from lighthouse.rpc.h2grpc import wire
-from lighthouse.rpc.h2grpc.guard import ConnectionGuard, FloodMeter, LimitExceeded, SweepState, flood_meters
-from lighthouse.rpc.h2grpc.streams import Stream
-from lighthouse.rpc.limits import LimitLog, ServerLimits, grpcio_options
+from torchft_lite.rpc.h2grpc import wire
+from torchft_lite.rpc.h2grpc.guard import ConnectionGuard, FloodMeter, LimitExceeded, SweepState, flood_meters
+from torchft_lite.rpc.h2grpc.streams import Stream
+from torchft_lite.rpc.limits import LimitLog, ServerLimits, grpcio_options
 
 
 # ------------------------------------------------------------------ ServerLimits
@@ -83,7 +83,7 @@ def test_a_connection_gets_one_meter_per_flood_kind():
 def test_limit_hits_are_all_counted_but_logged_at_most_once_per_interval(caplog):
     now = [0.0]
     log = LimitLog("lighthouse gRPC", interval=10.0, clock=lambda: now[0])
-    with caplog.at_level(logging.WARNING, logger="lighthouse.rpc.limits"):
+    with caplog.at_level(logging.WARNING, logger="torchft_lite.rpc.limits"):
         for _ in range(5):
             log.hit("ping_flood", "ipv4:10.0.0.9:4000", "more than 100 PING frames")
         now[0] = 10.0

@@ -1,4 +1,4 @@
-"""TLS settings (lighthouse.rpc.tls): where they come from, what they turn on, and the errors a bad one gives.
+"""TLS settings (torchft_lite.rpc.tls): where they come from, what they turn on, and the errors a bad one gives.
 
 Certificates are made per module with the openssl CLI (no sockets here; the
 handshakes are in tests/integration/test_tls.py).
@@ -14,7 +14,7 @@ import pytest
 
 from benchmarks._throwaway_pki import make_pki, openssl_missing
 from lighthouse.config import LighthouseConfig
-from lighthouse.rpc.tls import CA_ENV, CERT_ENV, KEY_ENV, TlsSettings
+from torchft_lite.rpc.tls import CA_ENV, CERT_ENV, KEY_ENV, TlsSettings
 
 pytestmark = pytest.mark.skipif(openssl_missing() is not None, reason=str(openssl_missing()))
 

@@ -6,7 +6,7 @@ from datetime import timedelta
 import pytest
 
 import torchft_lite
-from torchft_lite._manager_settings import ManagerSettings, default_advertised_host
+from torchft_lite.core.settings import ManagerSettings, default_advertised_host
 from torchft_lite.errors import ConfigError
 
 
@@ -141,5 +141,5 @@ class TestAdvertisedHost:
         assert self.advertised(["127.0.1.1"], routes={}) == "node7"  # no route to either: nothing better known
 
     def test_the_route_is_looked_up_for_real(self):
-        from torchft_lite._manager_settings import _route_address
+        from torchft_lite.core.settings import _route_address
         assert _route_address("127.0.0.1") == "127.0.0.1"

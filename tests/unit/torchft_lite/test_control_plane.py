@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from torchft_lite._control_plane import control_plane
+from torchft_lite.rpc.loop import control_plane
 
 
 class OwnTimeout(TimeoutError):

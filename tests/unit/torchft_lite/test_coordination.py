@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from lighthouse.protocol import torchft_pb2 as pb
+from torchft_lite.rpc.protocol import torchft_pb2 as pb
 from torchft_lite import coordination
 from torchft_lite.coordination import LighthouseClient, LighthouseServer, Quorum, QuorumMember, Timestamp
 from torchft_lite.errors import QuorumError
@@ -17,9 +17,9 @@ SERVER_SIDE = ("lighthouse.server", "lighthouse.quorum", "lighthouse.http", "lig
 
 def test_importing_it_loads_no_lighthouse_server_code():
     probe = ("import sys, torchft_lite.coordination\n"
-             "print(' '.join(sorted(m for m in sys.modules if m.startswith('lighthouse'))))")
+             "print(' '.join(sorted(m for m in sys.modules if m.startswith(('lighthouse', 'torchft_lite.rpc')))))")
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
-    assert "lighthouse.client" in loaded
+    assert "torchft_lite.rpc.lighthouse_client" in loaded
     assert not set(SERVER_SIDE) & set(loaded), loaded
 
 

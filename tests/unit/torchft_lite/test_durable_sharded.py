@@ -20,8 +20,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from torchft_lite.checkpointing._encode import flatten
-from torchft_lite.checkpointing._format import PREFIX_SIZE, parse_header, unpack_prefix
+from torchft_lite.serialization.encode import flatten
+from torchft_lite.serialization.spec import PREFIX_SIZE, parse_header, unpack_prefix
 from torchft_lite.durable import DurableCheckpointer, read_checkpoint
 from torchft_lite.durable._files import write_state_file
 from torchft_lite.durable._layout import Layout

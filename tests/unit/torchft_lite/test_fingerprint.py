@@ -1,4 +1,4 @@
-"""Replica fingerprints (torchft_lite.fingerprint, _fingerprint_vote): a flipped bit is found by majority and
+"""Replica fingerprints (torchft_lite.health.fingerprint, _fingerprint_vote): a flipped bit is found by majority and
 healed from the majority; with no majority nothing commits and every group stops with its exit code."""
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from tests.unit.torchft_lite.test_manager import Replica, replicas, train  # noqa: F401  (the fixture)
-from torchft_lite._fingerprint_vote import (
+from torchft_lite.health.fingerprint_vote import (
     Advertised, differing_ranks, first_difference, group_fingerprint, parse_fingerprint, vote,
 )
-from torchft_lite._quorum_compute import QuorumMember, compute_quorum_result
+from torchft_lite.group_server.quorum_compute import QuorumMember, compute_quorum_result
 from torchft_lite.errors import ConfigError, StateDivergedError
-from torchft_lite.exit_codes import EXIT_CODE_DIVERGED, exit_code_for
-from torchft_lite.fingerprint import Fingerprinter, fingerprint_of
-from torchft_lite.health import HealthConfig
+from torchft_lite.cluster.exit_codes import EXIT_CODE_DIVERGED, exit_code_for
+from torchft_lite.health.fingerprint import Fingerprinter, fingerprint_of
+from torchft_lite.health.nonfinite import HealthConfig
 from torchft_lite.testing import InMemoryLighthouse
 
 EVERY_2 = HealthConfig(fingerprint_every=2)

@@ -15,8 +15,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from tests.unit.torchft_lite.test_fingerprint import flip_bit, rank_fingerprint
-from torchft_lite._fingerprint_vote import differing_ranks, first_difference, group_fingerprint, parse_fingerprint
-from torchft_lite.fingerprint import fingerprint_of
+from torchft_lite.health.fingerprint_vote import differing_ranks, first_difference, group_fingerprint, parse_fingerprint
+from torchft_lite.health.fingerprint import fingerprint_of
 
 ROWS, COLS = 5, 3  # 5 rows over 2 ranks: uneven shards, as FSDP2 makes them (3 rows and 2)
 
@@ -74,7 +74,7 @@ def test_a_group_folds_its_ranks_shard_fingerprints_and_a_flip_in_one_shard_name
 
 
 def test_the_heal_log_counts_a_ranks_shards_not_the_full_tensors():
-    from torchft_lite._healer import tensor_bytes
+    from torchft_lite.core.healer import tensor_bytes
 
     full = full_weights()
     state = rank_state(1, full)

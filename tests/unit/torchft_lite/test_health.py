@@ -1,4 +1,4 @@
-"""The non-finite guard (torchft_lite.health) on the in-memory fakes: a NaN group is left out of the average
+"""The non-finite guard (torchft_lite.health.nonfinite) on the in-memory fakes: a NaN group is left out of the average
 and everyone commits the same step; all-NaN or a non-finite average commits nothing; K in a row leaves."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 
 from tests.unit.torchft_lite.test_manager import Replica, replicas, train  # noqa: F401  (the fixture)
 from torchft_lite.errors import ConfigError, NonFiniteError
-from torchft_lite.exit_codes import EXIT_CODE_BAD_REPLICA, exit_code_for
-from torchft_lite.health import HealthConfig
+from torchft_lite.cluster.exit_codes import EXIT_CODE_BAD_REPLICA, exit_code_for
+from torchft_lite.health.nonfinite import HealthConfig
 from torchft_lite.testing import InMemoryLighthouse
 
 NAN = float("nan")

@@ -1,10 +1,10 @@
-"""The commit fence: literal times, no network (torchft_lite._lease_fence)."""
+"""The commit fence: literal times, no network (torchft_lite.group_server.lease_fence)."""
 
 from __future__ import annotations
 
 import pytest
 
-from torchft_lite._lease_fence import CLOCK_RATE_BOUND, EVENT_ALLOWANCE, LeaseFence, margin
+from torchft_lite.group_server.lease_fence import CLOCK_RATE_BOUND, EVENT_ALLOWANCE, LeaseFence, margin
 
 T = 2.0  # the lighthouse's heartbeat timeout in these tests
 M = margin(T)

@@ -1,12 +1,12 @@
-"""Jobs started by torchft_lite.local_cluster (make demo, the chaos run, tests) carry one job token."""
+"""Jobs started by torchft_lite.cluster.local (make demo, the chaos run, tests) carry one job token."""
 
 from __future__ import annotations
 
 import pytest
 
-from lighthouse.rpc.access import TOKEN_ENV, TOKEN_FILE_ENV
-from torchft_lite import local_cluster
-from torchft_lite.local_cluster import LighthouseProcess, ReplicaGroup, job_access, job_token_env
+from torchft_lite.rpc.access import TOKEN_ENV, TOKEN_FILE_ENV
+from torchft_lite.cluster import local as local_cluster
+from torchft_lite.cluster.local import LighthouseProcess, ReplicaGroup, job_access, job_token_env
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""Manager metrics (torchft_lite.metrics) on the in-memory fakes: every step's report becomes the values a scrape
+"""Manager metrics (torchft_lite.metrics.registry) on the in-memory fakes: every step's report becomes the values a scrape
 reads, for committed, failed, healed and non-finite steps, fingerprints and the watchdog's sections."""
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from prometheus_client import CollectorRegistry
 from tests.unit.torchft_lite.test_fingerprint import flip_bit
 from tests.unit.torchft_lite.test_manager import Replica, replicas, train  # noqa: F401  (the fixture)
 from torchft_lite.errors import ConfigError, QuorumTimeout
-from torchft_lite.health import HealthConfig
-from torchft_lite.metrics import (GROUP_VOTE, PHASES, TOO_FEW_PARTICIPANTS, ManagerMetrics, MetricsSettings,
+from torchft_lite.health.nonfinite import HealthConfig
+from torchft_lite.metrics.registry import (GROUP_VOTE, PHASES, TOO_FEW_PARTICIPANTS, ManagerMetrics, MetricsSettings,
                                   failure_reason, metrics_from_env)
-from torchft_lite.step_report import StepReport
+from torchft_lite.core.report import StepReport
 from torchft_lite.testing import InMemoryLighthouse
-from torchft_lite.watchdog import WatchdogConfig
+from torchft_lite.health.watchdog import WatchdogConfig
 
 NAN = float("nan")
 

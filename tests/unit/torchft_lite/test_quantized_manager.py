@@ -13,7 +13,7 @@ from torch.distributed import ReduceOp
 
 from torchft_lite.collectives import UnsupportedProcessGroupError, UnsupportedReduceOpError
 from torchft_lite.errors import CollectiveError
-from torchft_lite.health import HealthConfig
+from torchft_lite.health.nonfinite import HealthConfig
 from torchft_lite.manager import Manager
 from torchft_lite.quantization import UnsupportedDtypeError
 from torchft_lite.testing import InMemoryLighthouse, InMemoryProcessGroup

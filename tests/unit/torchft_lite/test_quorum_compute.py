@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from torchft_lite._quorum_compute import QuorumMember, compute_quorum_result, heal_sources_of, member_data
+from torchft_lite.group_server.quorum_compute import QuorumMember, compute_quorum_result, heal_sources_of, member_data
 
 
 def members(*steps: int, failures: int = 0) -> list[QuorumMember]:

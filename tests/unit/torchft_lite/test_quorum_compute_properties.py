@@ -28,7 +28,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from torchft_lite._quorum_compute import QuorumMember, QuorumResult, compute_quorum_result, heal_sources_of, member_data
+from torchft_lite.group_server.quorum_compute import QuorumMember, QuorumResult, compute_quorum_result, heal_sources_of, member_data
 
 INT64 = st.integers(-(2**63), 2**63 - 1)
 steps = st.one_of(st.integers(0, 3), st.integers(0, 3), st.just(0), INT64)

@@ -1,4 +1,4 @@
-"""The Manager's StepReport (torchft_lite.step_report): every step tells its listeners what it did and where
+"""The Manager's StepReport (torchft_lite.core.report): every step tells its listeners what it did and where
 its time went, and group rank 0 advertises its compute time to the lighthouse."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 import torch
 
 from tests.unit.torchft_lite.test_manager import Replica, replicas, train  # noqa: F401  (the fixture)
-from torchft_lite.step_report import StepReport
+from torchft_lite.core.report import StepReport
 from torchft_lite.testing import InMemoryLighthouse
 
 

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from torchft_lite.watchdog import EXIT_CODE_RESCHEDULE, Watchdog, WatchdogConfig
+from torchft_lite.health.watchdog import EXIT_CODE_RESCHEDULE, Watchdog, WatchdogConfig
 
 
 def test_a_section_past_its_timeout_fires_once_with_what_it_waited_for():
@@ -39,7 +39,7 @@ def test_config_from_env():
 
 
 def test_the_default_action_dumps_stacks_and_exits_for_rescheduling():
-    code = ("from torchft_lite.watchdog import Watchdog, WatchdogConfig\n"
+    code = ("from torchft_lite.health.watchdog import Watchdog, WatchdogConfig\n"
             "import time\n"
             "Watchdog(WatchdogConfig(step=0.1), 'g0').begin('step', 'a hung allreduce')\n"
             "time.sleep(60)\n")
@@ -53,7 +53,7 @@ def test_an_exit_that_hangs_behind_a_stuck_thread_is_ended_by_the_backstop():
     """The thread that hung holds the log handler's lock, so the watchdog's own log line blocks: faulthandler's
     timer (armed first, needing neither the GIL nor that lock) still ends the process, with code 1."""
     code = ("import logging, time\n"
-            "import torchft_lite.watchdog as watchdog\n"
+            "import torchft_lite.health.watchdog as watchdog\n"
             "watchdog.EXIT_BACKSTOP_SEC = 1.0\n"
             "logging.basicConfig(level=logging.INFO)\n"
             "logging.getLogger().handlers[0].acquire()  # this thread holds it, then hangs\n"

@@ -10,9 +10,9 @@ import threading
 
 import pytest
 
-from torchft_lite.watchdog import Watchdog, WatchdogConfig
+from torchft_lite.health.watchdog import Watchdog, WatchdogConfig
 
-LOGGER = "torchft_lite.watchdog"
+LOGGER = "torchft_lite.health.watchdog"
 
 
 class FakeClock:

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchft_lite.checkpointing._decode import decode_bytes
-from torchft_lite.checkpointing._encode import encode_to_bytes
+from torchft_lite.serialization.decode import decode_bytes
+from torchft_lite.serialization.encode import encode_to_bytes
 from torchft_lite.durable import DurableCheckpointer
 from torchft_lite.durable._layout import Layout
 from torchft_lite.testing import InMemoryLighthouse, InMemoryProcessGroup
-from torchft_lite.watchdog import WatchdogConfig
+from torchft_lite.health.watchdog import WatchdogConfig
 
 # Calibrated timeouts land on the 300 s floor, far from anything these steps take, and apart from the
 # configured 600 s so a test can tell which one is in force.
@@ -86,7 +86,7 @@ def test_the_calibration_is_saved_and_a_resumed_job_starts_calibrated(tmp_path, 
     # Taken at step 4's commit: 4 quorums ended, steps 1-3 ended (step 4's ends after its commit).
     assert saved["sections"]["quorum"]["count"] == 4 and saved["sections"]["step"]["count"] == 3
 
-    caplog.set_level(logging.INFO, "torchft_lite.watchdog")
+    caplog.set_level(logging.INFO, "torchft_lite.health.watchdog")
     resumed = groups(tmp_path)
     assert resumed.checkpointer.resume() == 4
     assert resumed.manager.watchdog.calibration_state() == saved

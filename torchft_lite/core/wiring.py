@@ -1,0 +1,115 @@
+"""What a Manager is connected to, built once from its settings.
+
+:class:`DefaultWiring` is torchft's arrangement: the group's TCPStore, a
+ManagerServer on group rank 0 whose address the other ranks read from the
+store, and an ``HTTPTransport`` for heals unless the user passed a transport.
+``torchft_lite.testing.InMemoryWiring`` builds the same parts without sockets.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Protocol
+
+from torchft_lite.rpc.loop import ControlPlane
+from torchft_lite.group_server.channel import ClientChannel, GroupChannel, ServerChannel
+from torchft_lite.core.healer import stripes
+from torchft_lite.core.settings import ManagerSettings
+from torchft_lite.errors import ManagerTimeout
+
+__all__ = ["DefaultWiring", "ManagerParts", "ManagerWiring"]
+
+logger = logging.getLogger(__name__)
+MANAGER_ADDR_KEY = "manager_addr"
+REPLICA_ID_KEY = "replica_id"
+
+
+@dataclass
+class ManagerParts:
+    channel: GroupChannel
+    replica_id: str
+    """This incarnation's replica id as the lighthouse knows it (the user's id and a unique suffix)."""
+    transport: Any
+    """The checkpoint transport heals go through."""
+    heal_in_place: bool
+    """Heals land in the live tensors (only the default transport does that)."""
+    keep_alive: Any = None
+    """Whatever must live as long as the Manager (the TCPStore client)."""
+    clock: Callable[[], float] = time.monotonic
+    """Seconds, for the durations the Manager reports (tests move a fake one)."""
+
+    def close(self, control: ControlPlane, log: Callable[..., None], wait: bool) -> None:
+        """Stop serving heals, then stop the channel (and the ManagerServer with it); failures are logged."""
+        try:
+            self.transport.shutdown(wait=wait)
+        except Exception as exc:  # still stop the server below
+            log(logging.WARNING, "checkpoint transport shutdown failed: %s", exc)
+        try:
+            control.run(self.channel.close(), 10.0, "the ManagerServer to stop")
+        except TimeoutError as exc:
+            log(logging.WARNING, "shutdown incomplete: %s", exc)
+
+
+class ManagerWiring(Protocol):
+    def build(self, settings: ManagerSettings, transport: Any, in_place_targets: Callable[[], Any],
+              control: ControlPlane) -> ManagerParts:
+        """Connect one rank's Manager; ``transport`` is the user's, or None for the default."""
+
+
+class DefaultWiring:
+    """TCPStore, ManagerServer on group rank 0, gRPC to it from the other ranks, HTTP heals."""
+
+    def build(self, settings: ManagerSettings, transport: Any, in_place_targets: Callable[[], Any],
+              control: ControlPlane) -> ManagerParts:
+        from torch.distributed import TCPStore
+
+        from torchft_lite.group_server.server import ManagerServer, ManagerServerConfig
+
+        s = settings
+        heal_in_place = transport is None and s.heal_in_place
+        if transport is None:
+            from torchft_lite.checkpointing import HTTPTransport
+
+            # defer_server: the healer warms the server at the second step's vote (off a restart's join path)
+            transport = HTTPTransport(timeout=timedelta(seconds=s.timeout), num_chunks=0, hostname=s.hostname,
+                                      state_dict=in_place_targets if heal_in_place else None, defer_server=True)
+        # Advertised to the quorum: a source waits for every receiver it is told
+        # of, so a group must not offer to stripe unless its transport does.
+        heal_sources = s.heal_sources if stripes(transport) else 1
+        if heal_sources < s.heal_sources:
+            logger.warning("heal_sources=%d, but the checkpoint transport %s does not stripe: healing from one source",
+                           s.heal_sources, type(transport).__name__)
+        store = TCPStore(s.store_host, s.store_port, is_master=False, wait_for_workers=False,
+                         timeout=timedelta(seconds=s.connect_timeout))
+        prefix = f"torchft_lite/{s.restart_count}/"
+        channel: GroupChannel
+        if s.group_rank == 0:
+            suffix = uuid.uuid4().hex[:12]
+            replica_id = f"{s.replica_id}:{suffix}" if s.replica_id else suffix
+            server = ManagerServer(ManagerServerConfig(
+                replica_id=replica_id, lighthouse_addr=s.lighthouse_addr or "", hostname=s.hostname,
+                store_address=s.store_address, world_size=s.group_world_size, bind=f"[::]:{s.port}",
+                heartbeat_interval=s.heartbeat_interval, connect_timeout=s.connect_timeout,
+                quorum_timeout=s.quorum_timeout, quorum_retries=s.quorum_retries, heal_sources=heal_sources,
+                lease_timeout=s.lease_timeout,
+            ))
+            control.run(server.start(), s.connect_timeout, "the ManagerServer to start")
+            store.set(prefix + MANAGER_ADDR_KEY, server.address())
+            store.set(prefix + REPLICA_ID_KEY, replica_id)
+            channel = ServerChannel(server, s.group_world_size)
+        else:
+            try:
+                address = store.get(prefix + MANAGER_ADDR_KEY).decode()
+                replica_id = store.get(prefix + REPLICA_ID_KEY).decode()
+            except RuntimeError as exc:  # the store's own timeout (DistStoreError)
+                raise ManagerTimeout(
+                    f"group rank {s.group_rank}: group rank 0 did not publish its ManagerServer address in the "
+                    f"TCPStore at {s.store_address} within {s.connect_timeout:.0f}s"
+                ) from exc
+            channel = ClientChannel(address, s.group_rank, s.group_world_size)
+        return ManagerParts(channel=channel, replica_id=replica_id, transport=transport, heal_in_place=heal_in_place,
+                            keep_alive=store)
