@@ -32,7 +32,7 @@ help:
 	@echo "make bench-checkpoint  run benchmarks/checkpoint_bench.py (durable checkpoint overhead: ours, DCP async_save, torch.save)"
 	@echo "make bench-health  run benchmarks/health_bench.py (non-finite guard and fingerprint cost per step, 100 MB and 1 GB)"
 	@echo "make bench-diloco  run benchmarks/diloco_bench.py (DDP vs DiLoCo over a modelled slow link: bytes, wall time, loss)"
-	@echo "make dashboard-screenshot  the README's picture of the dashboard's timeline: a real job, a group killed and healed"
+	@echo "make dashboard-screenshot  the front page's picture of the dashboard's timeline: a real job, a group killed and healed"
 	@echo "make gpu-check  on a GPU machine, no venv: tests/gpu, 3 groups on one GPU with a kill, the CUDA heal; one table"
 	@echo "make gpu-wheels download into .whl/ the wheels gpu-check installs there (a GPU machine without a network)"
 
@@ -98,7 +98,7 @@ compat: $(STAMP)
 	  echo "note: $(TORCHFT_SPEC) unavailable; make compat skipped"; \
 	fi
 
-# The README's picture of the dashboard: the timeline browser test (two train_ddp groups, one SIGKILLed and
+# The front page's picture of the dashboard: the timeline browser test (two train_ddp groups, one SIGKILLed and
 # restarted, in headless Chromium) writes it where the variable says. About a minute.
 DASHBOARD_SCREENSHOT ?= examples/screenshots/dashboard-timeline.png
 dashboard-screenshot: $(STAMP) browser bytecode

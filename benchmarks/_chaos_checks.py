@@ -60,7 +60,7 @@ def read_reports(path: Path) -> list[dict]:
 
 def complete_checkpoints(root: Path) -> list[int]:
     """Steps of the complete checkpoints under ``root``, newest first: a ``step-N`` directory whose
-    MANIFEST.json reads back and names step N (the README's definition, read independently of the library)."""
+    MANIFEST.json reads back and names step N (docs/durable.md's definition, read independently of the library)."""
     try:
         entries = list(root.iterdir())
     except FileNotFoundError:

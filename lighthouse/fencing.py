@@ -84,7 +84,7 @@ class QuorumIdStore:
 
     @property
     def restart_evidence(self) -> str | None:
-        """Why this start is a restart (see README, "Beyond torchft"); None for a first start."""
+        """Why this start is a restart (see docs/lighthouse.md, "Beyond torchft"); None for a first start."""
         earlier = self.earlier_quorum_id
         return None if earlier is None else f"its state dir holds quorum id {earlier}"
 

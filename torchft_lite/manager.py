@@ -1,6 +1,6 @@
 """The Manager: per-step fault tolerance inside every training process.
 
-Per step (see DESIGN.md): ``start_quorum`` (from ``Optimizer.zero_grad``) asks
+Per step (docs/training.md, "How a step works"): ``start_quorum`` (from ``Optimizer.zero_grad``) asks
 the group's ManagerServer for a quorum on the control-plane loop while the
 forward pass runs; on a new quorum id the process group is reconfigured on a
 store prefix unique to (quorum id, group rank); a replica behind the max step
@@ -94,7 +94,7 @@ class Manager:
         wiring: ManagerWiring | None = None,
         health: HealthConfig | None = None,
     ) -> None:
-        """torchft's arguments, plus (keyword-only, ours): preemption_signals, on_preemption: see the README;
+        """torchft's arguments, plus (keyword-only, ours): preemption_signals, on_preemption: see docs/training.md;
         watchdog: per-section step timeouts (default: from the environment).
         heal_sources: up-to-date peers a heal may pull disjoint parts from at once (default 1, or
             ``$TORCHFT_LITE_HEAL_SOURCES``; only when every member advertises as many and the transport stripes).

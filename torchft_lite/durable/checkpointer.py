@@ -106,7 +106,7 @@ class DurableCheckpointer:
             loads its own state file, as torchft's scripts need (group rank r of every group forms one
             data-parallel ring, so ranks of one group differ) and FSDP's shards do.
         save_on_preemption: on a preemption signal, every group saves its current step before it
-            leaves (see README, "Durable checkpoints").
+            leaves (see docs/durable.md).
         timeout: bound on every wait (a snapshot copy, the writing group's ranks); default the Manager's.
     """
 

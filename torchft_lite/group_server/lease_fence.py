@@ -25,7 +25,7 @@ The vote is yes only when no hole opened since the step's quorum was answered
 and the lease holds now. What remains assumed: the clocks' rates differ by
 less than ``CLOCK_RATE_BOUND`` (1%, far above what NTP lets a clock slew), and
 the group's last collective data reaches its peers within ``EVENT_ALLOWANCE``
-of its vote (see the README's failure-detection section).
+of its vote (see docs/training.md, "Failure detection and fencing").
 
 Pure: every method takes the time; :class:`~torchft_lite.group_server.lighthouse_link.LighthouseLink`
 feeds it from a clock that keeps counting while the machine is suspended.
