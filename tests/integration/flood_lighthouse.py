@@ -41,7 +41,7 @@ def status_of(server: object) -> dict:
         return {"engine": "grpcio"}
     connections = list(server.connections)
     return {"engine": "native", "connections": len(connections),
-            "streams": sum(len(c._streams) for c in connections), "limits_hit": dict(server.limits_hit)}
+            "streams": sum(len(c.open_streams()) for c in connections), "limits_hit": dict(server.limits_hit)}
 
 
 async def run(engine: str, status_path: str) -> None:

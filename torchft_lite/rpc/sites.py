@@ -32,5 +32,5 @@ async def start_site(app: web.Application, bind: str,
     except OSError:
         await runner.cleanup()
         raise
-    sockets = site._server.sockets if site._server is not None else []  # aiohttp has no public getter
-    return runner, sockets[0].getsockname()[1] if sockets else port
+    addresses = runner.addresses  # the sockets' names, of the one site
+    return runner, addresses[0][1] if addresses else port

@@ -106,27 +106,36 @@ class FakeConnection:
         self.peer = peer
         self.limits = limits
         self.sweep = SweepState()
-        self._streams: dict[int, Stream] = {}
-        self._continuation = None
-        self._buffer = bytearray()
-        self._last_stream_id = 0
+        self.streams: dict[int, Stream] = {}
+        self.continuation = None  # an unfinished header block
+        self.buffer = bytearray()  # bytes of an unfinished frame
+        self.last_stream_id = 0
         self.done: list[str] = []
+        self._partial_frame = object()
 
     def open(self, stream_id: int, request_done: bool) -> Stream:
         stream = Stream(stream_id, 65535)
         stream.request_done = request_done
-        self._streams[stream_id] = stream
-        self._last_stream_id = stream_id
+        self.streams[stream_id] = stream
+        self.last_stream_id = stream_id
         return stream
+
+    def open_streams(self):
+        return list(self.streams.values())
+
+    def stalled_input(self):
+        if self.continuation is not None:
+            return self.continuation
+        return None if self.streams or not self.buffer else self._partial_frame
 
     def trailers_only(self, stream, block):
         self.done.append(f"trailers {stream.id} " + ("grpc-status 4" if b"grpc-status\x01\x34" in block else "?"))
-        self._streams.pop(stream.id)
+        self.streams.pop(stream.id)
 
-    def _write(self, data):
-        self.done.append(f"write {wire.parse_frame_header(data)[1]}")
+    def stop_receiving(self, stream):
+        self.done.append(f"write {wire.RST_STREAM} {stream.id}")
 
-    def _fail(self, code, message, limit=None):
+    def fail(self, code, message, limit=None):
         self.done.append(f"fail {code} {limit}")
 
     def go_away(self):
@@ -158,7 +167,7 @@ def test_an_idle_connection_gets_goaway_after_idle_timeout_of_sweeps_with_no_new
 def test_a_call_between_two_sweeps_restarts_the_idle_clock_and_an_open_stream_is_never_idle():
     g, conn = guard(), FakeConnection(LIMITS)
     g.check(conn, 0.0, LIMITS)
-    conn._last_stream_id = 1  # a call came and went between two sweeps
+    conn.last_stream_id = 1  # a call came and went between two sweeps
     g.check(conn, 4.0, LIMITS)
     g.check(conn, 8.0, LIMITS)
     assert conn.done == []
@@ -177,22 +186,22 @@ def test_a_request_still_arriving_after_request_timeout_is_ended_deadline_exceed
     g.check(conn, 1.9, LIMITS)
     assert conn.done == []
     g.check(conn, 2.0, LIMITS)
-    assert conn.done == ["trailers 1 grpc-status 4", f"write {wire.RST_STREAM}"]
-    assert g.log.counts == {"slow_request": 1} and list(conn._streams) == [3]
+    assert conn.done == ["trailers 1 grpc-status 4", f"write {wire.RST_STREAM} 1"]
+    assert g.log.counts == {"slow_request": 1} and list(conn.streams) == [3]
 
 
 def test_a_header_block_or_a_frame_still_arriving_after_request_timeout_gets_goaway():
     g, conn = guard(), FakeConnection(LIMITS)
-    conn._continuation = (1, 0, bytearray(b"\x00"))
+    conn.continuation = (1, 0, bytearray(b"\x00"))
     g.check(conn, 0.0, LIMITS)
     g.check(conn, 1.0, LIMITS)
-    conn._continuation = (3, 0, bytearray(b"\x00"))  # a new block: its own deadline
+    conn.continuation = (3, 0, bytearray(b"\x00"))  # a new block: its own deadline
     g.check(conn, 2.5, LIMITS)
     assert conn.done == []
     g.check(conn, 4.5, LIMITS)
     assert conn.done == [f"fail {wire.ENHANCE_YOUR_CALM} slow_request"]
     other = FakeConnection(LIMITS)
-    other._buffer += b"\x00\x00\x10"  # the first bytes of a frame header, and then nothing
+    other.buffer += b"\x00\x00\x10"  # the first bytes of a frame header, and then nothing
     g.check(other, 10.0, LIMITS)
     g.check(other, 12.0, LIMITS)
     assert other.done == [f"fail {wire.ENHANCE_YOUR_CALM} slow_request"]

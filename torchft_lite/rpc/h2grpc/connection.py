@@ -52,6 +52,9 @@ def _hpack():
     return hpack
 
 
+_PARTIAL_FRAME = object()  # stalled_input() for bytes of an unfinished frame on a connection with no stream
+
+
 class H2Connection(ResponseWriter, asyncio.Protocol):
     def __init__(self, server: ConnectionOwner) -> None:
         self.server = server
@@ -150,11 +153,11 @@ class H2Connection(ResponseWriter, asyncio.Protocol):
         try:
             self._process()
         except LimitExceeded as exc:
-            self._fail(exc.code, str(exc), exc.limit)
+            self.fail(exc.code, str(exc), exc.limit)
         except ProtocolError as exc:
-            self._fail(exc.code, str(exc))
+            self.fail(exc.code, str(exc))
         except self._hpack.HPACKError as exc:
-            self._fail(wire.COMPRESSION_ERROR, f"bad header block: {exc}")
+            self.fail(wire.COMPRESSION_ERROR, f"bad header block: {exc}")
         finally:
             self._uncork()
 
@@ -401,7 +404,32 @@ class H2Connection(ResponseWriter, asyncio.Protocol):
         if stream is not None and cancel and stream.task is not None:
             stream.task.cancel()
 
-    def _fail(self, code: int, message: str, limit: str | None = None) -> None:
+    # What the guard's sweep reads and does (its half of the connection; see guard.GuardedConnection).
+
+    def open_streams(self) -> list[Stream]:
+        """The streams taken on and not yet finished."""
+        return list(self._streams.values())
+
+    @property
+    def last_stream_id(self) -> int:
+        """The highest stream id the peer has opened."""
+        return self._last_stream_id
+
+    def stalled_input(self) -> object | None:
+        """What input is stuck part-way, as an object that stays the same while it is the same input.
+
+        The header block still waiting for its CONTINUATION frames; else, on a connection with no
+        open stream, the bytes of an unfinished frame; else None.
+        """
+        if self._continuation is not None:
+            return self._continuation
+        return None if self._streams or not self._buffer else _PARTIAL_FRAME
+
+    def stop_receiving(self, stream: Stream) -> None:
+        """Ask the peer to stop sending on ``stream`` (RST_STREAM, no error): it was answered already."""
+        self._write(wire.rst_stream(stream.id, wire.NO_ERROR))
+
+    def fail(self, code: int, message: str, limit: str | None = None) -> None:
         """GOAWAY ``code`` and close: for a protocol error, or for the flood limit ``limit``."""
         if limit is None:
             logger.warning("closing HTTP/2 connection from %s: %s", self.peer, message)

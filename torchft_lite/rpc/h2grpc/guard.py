@@ -94,25 +94,21 @@ class SweepState:
         self.stall_since = 0.0
 
 
-_PARTIAL_FRAME = object()  # SweepState.stall for bytes of an unfinished frame on a connection with no stream
-
-
 class GuardedConnection(Protocol):
     """What the sweep reads and calls on a connection (an H2Connection; declared here so this module
-    imports no connection). Some of it is private there: the guard is the connection's other half."""
+    imports no connection)."""
 
     transport: object | None
     peer: str
     limits: ServerLimits  # as they were when it was made
     sweep: SweepState
-    _streams: dict[int, Stream]
-    _continuation: tuple[int, int, bytearray] | None
-    _buffer: bytearray
-    _last_stream_id: int
+    last_stream_id: int
 
+    def open_streams(self) -> list[Stream]: ...
+    def stalled_input(self) -> object | None: ...
     def trailers_only(self, stream: Stream, block: bytes) -> None: ...
-    def _write(self, data: bytes) -> None: ...
-    def _fail(self, code: int, message: str, limit: str | None = None) -> None: ...
+    def stop_receiving(self, stream: Stream) -> None: ...
+    def fail(self, code: int, message: str, limit: str | None = None) -> None: ...
     def go_away(self) -> None: ...
 
 
@@ -189,8 +185,8 @@ class ConnectionGuard:
     def check(self, connection: GuardedConnection, now: float, limits: ServerLimits) -> None:
         """Apply the deadlines to one connection at time ``now`` (``time.monotonic()``)."""
         state = connection.sweep
-        streams = connection._streams
-        for stream in [s for s in streams.values() if not s.request_done]:
+        streams = connection.open_streams()
+        for stream in [s for s in streams if not s.request_done]:
             if stream.deadline is None:
                 stream.deadline = now + limits.request_timeout
             elif now >= stream.deadline:
@@ -198,20 +194,20 @@ class ConnectionGuard:
                 self.log.hit("slow_request", connection.peer, f"stream {stream.id}: {message}")
                 block = wire.encode_headers(_SLOW_REQUEST + [(b"grpc-message", wire.percent_encode(message))])
                 connection.trailers_only(stream, block)
-                connection._write(wire.rst_stream(stream.id, wire.NO_ERROR))  # stop sending the rest
-        stalled = connection._continuation or (None if streams or not connection._buffer else _PARTIAL_FRAME)
+                connection.stop_receiving(stream)  # stop sending the rest
+        stalled = connection.stalled_input()
         if stalled is None:
             state.stall = None
         elif stalled is not state.stall:
             state.stall, state.stall_since = stalled, now
         elif now - state.stall_since >= limits.request_timeout:
-            connection._fail(wire.ENHANCE_YOUR_CALM, f"a header block or frame still arriving "
+            connection.fail(wire.ENHANCE_YOUR_CALM, f"a header block or frame still arriving "
                                                      f"{limits.request_timeout:g}s after it started", "slow_request")
             return
         if streams or stalled is not None:
             state.idle_since = None
-        elif state.idle_since is None or connection._last_stream_id != state.idle_mark:
-            state.idle_since, state.idle_mark = now, connection._last_stream_id
+        elif state.idle_since is None or connection.last_stream_id != state.idle_mark:
+            state.idle_since, state.idle_mark = now, connection.last_stream_id
         elif now - state.idle_since >= limits.idle_timeout:
             self.log.hit("idle_timeout", connection.peer, f"no open stream for {limits.idle_timeout:g}s: GOAWAY")
             connection.go_away()
