@@ -17,7 +17,7 @@ from lighthouse.quorum import QuorumConfig
 from torchft_lite.rpc.access import INSECURE_ENV, TOKEN_ENV, TOKEN_FILE_ENV, Access
 from torchft_lite.rpc.addresses import split_host_port
 from torchft_lite.rpc.tls import CA_ENV, CERT_ENV, KEY_ENV, TlsSettings
-from lighthouse.stragglers import StragglerConfig
+from lighthouse.stragglers.scores import StragglerConfig
 
 ADMIN_TOKEN_ENV = "TORCHFT_LITE_ADMIN_TOKEN"
 DEFAULT_BIND = "[::]:29510"
@@ -72,7 +72,7 @@ class LighthouseConfig:
     """'native': the lighthouse's own h2c gRPC server (torchft_lite/rpc/h2grpc, about 2.5x
     less server CPU per round than grpc.aio); 'grpcio': grpc.aio."""
     evict_stragglers: bool = False
-    """Leave a group flagged as a straggler out of the next quorums (lighthouse.straggler_state); off: the
+    """Leave a group flagged as a straggler out of the next quorums (lighthouse.stragglers.rules); off: the
     flag is only shown and logged."""
     straggler_threshold: float = 2.0
     """A group is flagged when its compute time stays above this many times its quorum's median ..."""

@@ -9,7 +9,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from lighthouse.history import STATES
-from lighthouse.straggler_view import StragglerCollector
+from lighthouse.stragglers.view import StragglerCollector
 from lighthouse.validation import REASONS
 from lighthouse.view import LighthouseView
 

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from lighthouse.stragglers import ComputeSample
+from lighthouse.stragglers.scores import ComputeSample
 
 __all__ = ["Decision", "Epoch", "IssuedQuorum", "Member", "QuorumConfig", "Status"]
 
@@ -72,7 +72,7 @@ class Member:
     (``"resumed_quorum"``); None when it says nothing (see :mod:`lighthouse.epochs`, the fence)."""
     compute: ComputeSample | None = field(default=None, compare=False)
     """Its compute time of its last finished step, as it advertises (``"compute_ms"``/``"compute_step"``
-    in ``QuorumMember.data``, see :mod:`lighthouse.stragglers`); None when it says nothing valid."""
+    in ``QuorumMember.data``, see :mod:`lighthouse.stragglers.scores`); None when it says nothing valid."""
 
 
 @dataclass(frozen=True)

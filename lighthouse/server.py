@@ -32,7 +32,7 @@ from lighthouse.quorum import Epoch, IssuedQuorum, Member, Status
 from torchft_lite.rpc.addresses import split_host_port
 from torchft_lite.rpc.broadcast import Broadcast
 from torchft_lite.rpc.engines import RefusalLog, Server, Service, start_service
-from lighthouse.straggler_state import StragglerQuorumState, StragglerStatistics
+from lighthouse.stragglers.rules import StragglerQuorumState, StragglerStatistics
 from lighthouse.timeline import Timeline, TimelineStatistics
 from lighthouse.validation import MAX_REPLICA_ID_LEN, RequestChecks  # noqa: F401  (importable from here)
 from lighthouse.view import LighthouseStatistics

@@ -7,7 +7,7 @@ from dataclasses import asdict
 
 from torchft_lite.rpc.protocol import torchft_pb2 as pb
 from lighthouse.quorum import Epoch, QuorumState, Status
-from lighthouse.straggler_view import straggler_rows, straggler_summary
+from lighthouse.stragglers.view import straggler_rows, straggler_summary
 from lighthouse.timeline import Timeline
 from lighthouse.view import LighthouseView
 

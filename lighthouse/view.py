@@ -13,7 +13,7 @@ from lighthouse.config import LighthouseConfig
 from torchft_lite.rpc.protocol import torchft_pb2 as pb
 from lighthouse.quorum_data import Epoch
 from torchft_lite.rpc.refusals import RefusalLog
-from lighthouse.straggler_state import StragglerStatistics
+from lighthouse.stragglers.rules import StragglerStatistics
 from lighthouse.timeline import TimelineStatistics
 
 __all__ = ["LighthouseStatistics", "LighthouseView"]
@@ -75,7 +75,7 @@ class LighthouseView(Protocol):
         """Call ``observe(seconds)`` with the formation time of each issued quorum."""
 
     def stragglers(self) -> StragglerStatistics:
-        """Every group's compute-time scores, flags and evictions (lighthouse.straggler_state)."""
+        """Every group's compute-time scores, flags and evictions (lighthouse.stragglers.rules)."""
 
     def snapshot(self) -> dict:
         """Everything the dashboard shows, as plain JSON-able data."""

@@ -9,10 +9,11 @@ gradients over the participants; ``should_commit`` (from ``Optimizer.step``)
 applies a received state dict on the training thread, collects the group's
 votes, and advances the step only on commit.
 
-Where things live: a step's state is a ``_step.Step`` (replaced by each
-``start_quorum``); heals are the ``_healer.Healer``'s; the ManagerServer is
-reached through a ``_group_channel.GroupChannel`` that a wiring builds
-(``_manager_wiring.DefaultWiring``, or ``testing.InMemoryWiring``).
+Where things live (``torchft_lite.core``): a step's state is a ``step.Step``
+(replaced by each ``start_quorum``); what a heal carries is a
+``healer.RegisteredState`` and heals are the ``healer.Healer``'s; the
+ManagerServer is reached through a ``group_server.channel.GroupChannel`` that a
+wiring builds (``wiring.DefaultWiring``, or ``testing.InMemoryWiring``).
 
 Failures never raise into the training loop: the first error of a step is
 recorded (:meth:`Manager.report_error`), logged once, and the step does not
@@ -34,19 +35,20 @@ import torch
 from torch.distributed import ReduceOp
 
 from torchft_lite.core.capabilities import Abortable, Advertises, ReportsErrors, StepListener, WarmsUp
-from torchft_lite.rpc.loop import control_plane
-from torchft_lite.core.healer import Healer
-from torchft_lite.core.settings import ManagerSettings
-from torchft_lite.core.wiring import DefaultWiring, ManagerWiring
+from torchft_lite.core.context import ManagerContext
+from torchft_lite.core.healer import Healer, RegisteredState
+from torchft_lite.core.listeners import StepListeners, metrics_from_env
 from torchft_lite.core.member_events import MemberWatch
 from torchft_lite.core.preemption import PreemptionSignals
-from torchft_lite.core.quorum_round import QuorumRounds
+from torchft_lite.core.step_quorum import StepQuorum
+from torchft_lite.core.report import report_of
+from torchft_lite.core.settings import ManagerSettings
 from torchft_lite.core.step import Step, WorldSizeMode
-from torchft_lite.core.listeners import StepListeners, metrics_from_env
+from torchft_lite.core.wiring import DefaultWiring, ManagerWiring
 from torchft_lite.errors import CollectiveError, ManagerError, ManagerTimeout, QuorumError, QuorumTimeout
 from torchft_lite.health.nonfinite import HealthConfig, health_checks
-from torchft_lite.core.report import report_of
 from torchft_lite.health.watchdog import Watchdog, WatchdogConfig
+from torchft_lite.rpc.loop import control_plane
 from torchft_lite.work import DoneWork, ManagedWork, _ManagedWork, guard_future  # noqa: F401  (torchft's name)
 
 __all__ = ["Manager", "WorldSizeMode"]
@@ -114,8 +116,7 @@ class Manager:
         self._min_replica_size = s.min_replica_size
         self._use_async_quorum = use_async_quorum
         self._group_rank = s.group_rank
-        self._timeout = s.timeout
-        self._quorum_timeout = s.quorum_timeout
+        self._timeouts = s.timeouts
         self._step = 0
         self._batches_committed = 0
         self._commit_failures = 0
@@ -126,24 +127,27 @@ class Manager:
         self._listeners = StepListeners(self._log)
 
         self._control = control_plane()
-        parts = (wiring or DefaultWiring()).build(s, checkpoint_transport, lambda: self._healer.in_place_targets(),
+        self._state = RegisteredState(self.state_dict, self.load_state_dict, self._log)
+        parts = (wiring or DefaultWiring()).build(s, checkpoint_transport, self._state.in_place_targets,
                                                   self._control)
         self._parts = parts  # keeps the store client alive as long as the Manager
         self._replica_id, self._channel = parts.replica_id, parts.channel
-        defaults = WatchdogConfig(quorum=s.quorum_timeout + s.timeout + 60.0, heal=3 * s.timeout + 60.0,
-                                  step=s.quorum_timeout + 5 * s.timeout + 300.0)
-        self.watchdog = Watchdog(watchdog or WatchdogConfig.from_env(os.environ, defaults),
+        self.watchdog = Watchdog(watchdog or WatchdogConfig.from_env(os.environ,
+                                                                     WatchdogConfig(**s.timeouts.watchdog_defaults())),
                                  label=f"[{self._replica_id}/{s.group_rank}]")
-        self._healer = Healer(parts.transport, self._channel.peer_metadata, self.state_dict, self.load_state_dict,
-                              in_place=parts.heal_in_place, timeout=s.timeout, log=self._log, record=self._record,
-                              watchdog=self.watchdog, clock=parts.clock)
+        self._healer = Healer(self._state, parts.transport, self._channel.peer_metadata, in_place=parts.heal_in_place,
+                              timeout=s.timeouts.step, log=self._log, record=self._record, watchdog=self.watchdog,
+                              clock=parts.clock)
         advertise = self._channel.advertise if isinstance(self._channel, Advertises) else None
         self._guard, self._fingerprints = health_checks(
-            health or HealthConfig.from_env(os.environ), self._healer.user_state, advertise, self._channel,
+            health or HealthConfig.from_env(os.environ), self._state.user_state, advertise, self._channel,
             self._listeners, self._log, self._record)
+        self.context = ManagerContext(settings=s, replica_id=self._replica_id, channel=self._channel,
+                                      store=parts.store, state=self._state, fingerprinter=self._fingerprints)
+        """What durable checkpoints and metrics see of this Manager (ours; see :class:`ManagerContext`)."""
         if load_state_dict is not None and state_dict is not None:
             self.register_state_dict_fn("default", load_state_dict, state_dict)
-        self._rounds = QuorumRounds(
+        self._step_quorum = StepQuorum(
             self._channel, pg, self._healer, group_rank=s.group_rank, replica_id=self._replica_id,
             init_sync=init_sync, use_async_quorum=use_async_quorum, log=self._log, clock=parts.clock,
             fingerprint=self._fingerprints.for_step,
@@ -151,12 +155,12 @@ class Manager:
         )
         self._members = MemberWatch(self._replica_id, lambda: self._current, pg, self._record, self._log,
                                     MEMBER_GONE_GRACE)
-        self._control.run(self._channel.follow_events(self._members.on_event), s.connect_timeout,
+        self._control.run(self._channel.follow_events(self._members.on_event), s.timeouts.connect.total_seconds(),
                           "the lighthouse event stream to start")
         self._preemption = PreemptionSignals(preemption_signals, lambda: self._current.quorum)
         # A child-process group starts its child now: join the first quorum once it can configure.
         if isinstance(pg, WarmsUp):
-            pg.wait_warm(timedelta(seconds=s.connect_timeout))
+            pg.wait_warm(s.timeouts.connect)
         self._log(logging.INFO, "manager ready (group rank %d of %d, ManagerServer %s)", s.group_rank,
                   s.group_world_size, self._channel.address)
         self.metrics = metrics_from_env(self)  # TORCHFT_LITE_METRICS_PORT: /metrics (torchft_lite.metrics.registry)
@@ -165,7 +169,7 @@ class Manager:
 
     def register_state_dict_fn(self, key: str, load_state_dict: Callable[[Any], None], state_dict: Callable[[], Any]) -> None:
         """Add a piece of user state that heals carry (e.g. "model", "optim")."""
-        self._healer.register(key, load_state_dict, state_dict)
+        self._state.register(key, load_state_dict, state_dict)
 
     def state_dict(self) -> dict[str, int]:
         """The Manager's own state, for durable checkpoints: step and batches committed."""
@@ -177,7 +181,7 @@ class Manager:
 
     def _manager_state_dict(self) -> dict[str, Any]:
         """What a heal carries (torchft's name, which its tests and tools read): user state and ours."""
-        return self._healer.state_dict()
+        return self._state.state_dict()
 
     def add_step_listener(self, listener: StepListener) -> None:
         """Tell ``listener`` where each step stands (see ``torchft_lite.core.capabilities.StepListener``)."""
@@ -200,9 +204,9 @@ class Manager:
         step = self._current = Step(number=self._step, training_thread=threading.get_ident(), open=True)
         self.watchdog.begin("step", f"step {self._step} (start_quorum to the end of should_commit)")
         self.watchdog.begin("quorum", f"the quorum for step {self._step}")
-        quorum_timeout = timeout.total_seconds() if timeout is not None else self._quorum_timeout
+        quorum_timeout = (timeout if timeout is not None else self._timeouts.quorum).total_seconds()
         step.ready = concurrent.futures.Future()
-        step.quorum = self._control.submit(self._rounds.run(step, allow_heal, shrink_only, quorum_timeout,
+        step.quorum = self._control.submit(self._step_quorum.run(step, allow_heal, shrink_only, quorum_timeout,
                                                             self._commit_failures))
         if not self._use_async_quorum:
             self._raise_quorum_failure(step)
@@ -243,8 +247,8 @@ class Manager:
             step.late_quorum_wait += time.monotonic() - began
         self.watchdog.end("quorum")
 
-    def _backstop(self) -> float:  # the coroutine bounds each of its own waits; this is the backstop
-        return self._quorum_timeout + 3 * self._timeout + 20.0
+    def _backstop(self) -> float:
+        return self._timeouts.quorum_backstop.total_seconds()
 
     def _await(self, step: Step, future: concurrent.futures.Future, what: str) -> None:
         limit = self._backstop()
@@ -302,7 +306,7 @@ class Manager:
     def wrap_future(self, fut: torch.futures.Future, default: T, timeout: timedelta | None = None) -> torch.futures.Future:
         """``fut``, except that an error or timeout is recorded and yields ``default``."""
         step = self._current
-        seconds = timeout.total_seconds() if timeout is not None else self._timeout
+        seconds = (timeout if timeout is not None else self._timeouts.step).total_seconds()
         guarded = guard_future(fut, default, lambda exc: self._record(step, exc), seconds, "a collective",
                                schedule_timeout=self._control.call_later)
         step.work.append(ManagedWork(guarded))
@@ -364,7 +368,7 @@ class Manager:
         if not enough:
             self._log(logging.WARNING, "only %d replica(s) participate, min_replica_size is %d",
                       step.participation.world_size, self._min_replica_size)
-        seconds = timeout.total_seconds() if timeout is not None else 2 * self._timeout + 5.0
+        seconds = (timeout if timeout is not None else self._timeouts.commit_vote).total_seconds()
         try:
             group_clean = self._control.run(
                 self._channel.should_commit(self._group_rank, self._step, step.error is None, seconds),
@@ -381,7 +385,7 @@ class Manager:
         self._healer.stop_serving(step)
         decision = enough and group_clean
         if decision or (group_clean and healed):
-            self._state_quorum = self._rounds.quorum_id
+            self._state_quorum = self._step_quorum.quorum_id
         if decision:
             self._step += 1
             self._batches_committed += step.participation.world_size
@@ -402,7 +406,7 @@ class Manager:
         step.open = False
         self.watchdog.end("step")
         self.watchdog.end("heal")
-        self._listeners.notify("step_finished", report_of(step, decision, self._rounds.quorum_id))
+        self._listeners.notify("step_finished", report_of(step, decision, self._step_quorum.quorum_id))
         if step.torn_at_max_step:
             # Nobody can heal it and its state mixes two steps: stop (restart it from a durable
             # checkpoint, or heal it once a peer is ahead).
@@ -455,6 +459,6 @@ class Manager:
     def _log(self, level: int, msg: str, *args: Any, exc_info: Any = None) -> None:
         if logger.isEnabledFor(level):
             replica = getattr(self, "_replica_id", self._settings.replica_id)
-            rounds = getattr(self, "_rounds", None)
+            step_quorum = getattr(self, "_step_quorum", None)
             logger.log(level, "[%s/%d step=%d quorum=%d] " + msg, replica, self._group_rank,
-                       self._step, rounds.quorum_id if rounds is not None else -1, *args, exc_info=exc_info)
+                       self._step, step_quorum.quorum_id if step_quorum is not None else -1, *args, exc_info=exc_info)

@@ -171,7 +171,7 @@ def _heal_two_replicas(lighthouse) -> None:
             state["w"] = sd["w"].clone()
 
         manager = make_manager(lighthouse, FakeProcessGroup(), InMemoryTransport(shelf, name), name, state=state)
-        manager._healer.load_fns["default"] = load
+        manager.context.state.load_fns["default"] = load
         managers[name] = manager
         manager.start_quorum()
         manager.allreduce(torch.ones(3)).wait()
@@ -306,7 +306,6 @@ def test_a_secondary_source_without_metadata_is_left_out_but_the_primary_is_requ
         warnings = []
         healer = manager._healer
         healer._log = lambda level, msg, *args: warnings.append(msg % args)
-        healer._timeout = 2.0
 
         def ask(sources):
             return manager._control.submit(healer._metadata_of(sources, 0)).result(30)
@@ -327,9 +326,9 @@ def test_default_transport_receives_in_place_into_data_aliases(lighthouse):
         assert off._healer.transport._state_dict is None
         model = torch.nn.Linear(3, 3)
         manager.register_state_dict_fn("model", model.load_state_dict, model.state_dict)
-        targets = manager._healer.in_place_targets()
+        targets = manager.context.state.in_place_targets()
         assert targets["user"]["model"]["weight"].data_ptr() == model.weight.data_ptr()
-        assert set(targets) == set(manager._healer.state_dict()) == {"user", "torchft"}  # the paths a source sends
+        assert set(targets) == set(manager.context.state.state_dict()) == {"user", "torchft"}  # the paths a source sends
         # A receive lands while the training thread's backward is still to run (copy_ is what a
         # GPU or non-contiguous target gets): state_dict()'s own tensors share the parameters'
         # version counter and would fail that backward; the aliases don't.
@@ -371,7 +370,7 @@ def fail_first_receive(manager: Manager, calls: list) -> None:
         calls.append(kw["src_rank"])
         if len(calls) > 1:
             return real(**kw)
-        manager._healer.in_place_targets()["user"]["default"]["w"][:1] = 99.0
+        manager.context.state.in_place_targets()["user"]["default"]["w"][:1] = 99.0
         raise CheckpointTransferError("injected: the connection closed after 4 bytes")
 
     manager._healer.transport.recv_checkpoint = recv_checkpoint

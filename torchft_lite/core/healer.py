@@ -12,8 +12,10 @@ peers heal from it); the :class:`Healer` does the rest for one step:
 * **publish** (training thread, at the first collective or ``should_commit``):
   hand the transport a snapshot of this step for the peers healing from us.
 
-It also owns the registered state-dict functions and whether the live state
-is torn (a receive or load that failed part-way left it mixing two steps).
+What a heal carries is a :class:`RegisteredState`: the registered state-dict
+functions and whether the live state is torn (a receive or load that failed
+part-way left it mixing two steps). It exists before the transport, which
+receives in place into its tensors.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from torchft_lite.core.capabilities import ServesStatistics
 from torchft_lite.core.step import Step
 from torchft_lite.errors import CheckpointError
 
-__all__ = ["HealResult", "Healer", "PeerMetadata", "alias_tensors", "stripes"]
+__all__ = ["HealResult", "Healer", "PeerMetadata", "RegisteredState", "alias_tensors", "stripes"]
 
 PeerMetadata = Callable[[str, int, float], Awaitable[str]]
 """``(manager address, group rank, timeout) -> checkpoint metadata`` of a peer's rank."""
@@ -50,26 +52,17 @@ class HealResult:
     """The replica ranks it was received from."""
 
 
-class Healer:
-    """Send, receive and apply state dicts for the Manager of one rank."""
+class RegisteredState:
+    """What a heal carries and a durable checkpoint saves: the registered pieces of user state, and the Manager's."""
 
-    def __init__(self, transport: Any, peer_metadata: PeerMetadata, own_state: Callable[[], dict[str, int]],
-                 load_own_state: Callable[[dict[str, int]], None], *, in_place: bool, timeout: float,
-                 log: Log, record: Callable[[Step, BaseException], None], watchdog: Any,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        """``record(step, error)`` keeps an error of applying or publishing for the step (it won't commit);
-        a heal is ``watchdog``'s "heal" section, from the receive to the end of the apply."""
-        self.transport = transport
-        self.in_place = in_place
+    def __init__(self, own_state: Callable[[], dict[str, int]], load_own_state: Callable[[dict[str, int]], None],
+                 log: Log) -> None:
         self.load_fns: dict[str, Callable[[Any], None]] = {}
         self.state_fns: dict[str, Callable[[], Any]] = {}
         self.torn = False
-        """The registered state may mix two steps; cleared only by a heal applied in full."""
-        self._peer_metadata = peer_metadata
-        self._own_state, self._load_own_state = own_state, load_own_state
-        self._timeout = timeout
-        self._log, self._record, self._watchdog, self._clock = log, record, watchdog, clock
-        self._votes = 0  # steps released: the transport's warm_up (a deferred HTTP server) comes at the second
+        """The registered state may mix two steps; cleared only by a whole state loaded in full."""
+        self.own_state, self.load_own_state = own_state, load_own_state
+        self._log = log
 
     def register(self, key: str, load_state_dict: Callable[[Any], None], state_dict: Callable[[], Any]) -> None:
         if key in self.state_fns:
@@ -79,7 +72,26 @@ class Healer:
 
     def state_dict(self) -> dict[str, Any]:
         """What a heal carries: every registered piece, and the Manager's own state."""
-        return {"user": self.user_state(), "torchft": self._own_state()}
+        return {"user": self.user_state(), "torchft": self.own_state()}
+
+    def user_state(self) -> dict[str, Any]:
+        """Every registered piece of user state (what a heal carries, without the Manager's own)."""
+        return {key: fn() for key, fn in self.state_fns.items()}
+
+    def load_state_dict(self, state: Any) -> None:
+        """Load a whole state (what :meth:`state_dict` returns): every registered piece, then the Manager's.
+
+        :attr:`torn` stays set if a piece fails to load.
+        """
+        user = state["user"]
+        missing = set(self.load_fns) - set(user)
+        if missing:
+            raise CheckpointError(f"the checkpoint lacks registered state {sorted(missing)}")
+        self.torn = True  # until every piece is loaded
+        for key, load in self.load_fns.items():
+            load(user[key])
+        self.load_own_state(state["torchft"])
+        self.torn = False
 
     def in_place_targets(self) -> Any:
         """Where a heal may land: ``.data`` aliases of the live tensors, same paths.
@@ -106,6 +118,23 @@ class Healer:
                       "%s: %s", type(exc).__name__, exc)
             return {}
 
+
+class Healer:
+    """Send, receive and apply the :class:`RegisteredState` of one rank's Manager."""
+
+    def __init__(self, state: RegisteredState, transport: Any, peer_metadata: PeerMetadata, *, in_place: bool,
+                 timeout: timedelta, log: Log, record: Callable[[Step, BaseException], None], watchdog: Any,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """``record(step, error)`` keeps an error of applying or publishing for the step (it won't commit);
+        a heal is ``watchdog``'s "heal" section, from the receive to the end of the apply."""
+        self.state = state
+        self.transport = transport
+        self.in_place = in_place
+        self._peer_metadata = peer_metadata
+        self._timeout = timeout
+        self._log, self._record, self._watchdog, self._clock = log, record, watchdog, clock
+        self._released_steps = 0  # the transport's warm_up (a deferred HTTP server) comes at the second
+
     # ------------------------------------------------------------ receiving (control-plane loop)
 
     async def receive(self, step: Step, sources: Sequence[tuple[int, str]], max_step: int, group_rank: int) -> None:
@@ -115,8 +144,8 @@ class Healer:
         self._log(logging.INFO, "healing from %s to step %d", describe(sources), max_step)
         answered = await self._metadata_of(sources, group_rank)
         if self.in_place:
-            self.torn = True  # bytes may land in the live tensors from here on
-        timeout = timedelta(seconds=self._timeout)
+            self.state.torn = True  # bytes may land in the live tensors from here on
+        timeout = self._timeout
         striped = getattr(self.transport, "recv_checkpoint_striped", None)  # torchft's transports have none
         if striped is None:
             answered = answered[:1]
@@ -141,7 +170,7 @@ class Healer:
         failure raises. A secondary that fails is left out with a warning, and
         the heal stripes over the others.
         """
-        answers = await asyncio.gather(*(self._peer_metadata(address, group_rank, self._timeout)
+        answers = await asyncio.gather(*(self._peer_metadata(address, group_rank, self._timeout.total_seconds())
                                          for _, address in sources), return_exceptions=True)
         for answer in answers:
             if isinstance(answer, BaseException) and not isinstance(answer, Exception):
@@ -164,13 +193,12 @@ class Healer:
         result, step.received = step.received, None
         if result is None:
             return False  # the receive failed; its error is recorded
-        step.pre_heal_state = self._own_state()
+        step.pre_heal_state = self.state.own_state()
         try:
-            self.load_state_dict(result.state)
+            self.state.load_state_dict(result.state)
         except Exception as exc:
             self._record(step, exc)
             return False
-        self.torn = False
         step.healed = replace(result, state=None)
         self._watchdog.end("heal")
         self._log(logging.INFO, "healed: %.3f MB in %.2fs (%.1f MB/s) from replica(s) %s", result.tensor_bytes / 1e6,
@@ -178,29 +206,10 @@ class Healer:
                   ", ".join(map(str, result.sources)))
         return True
 
-    def user_state(self) -> dict[str, Any]:
-        """Every registered piece of user state (what a heal carries, without the Manager's own)."""
-        return {key: fn() for key, fn in self.state_fns.items()}
-
-    def load_state_dict(self, state: Any) -> None:
-        """Load a whole state (what :meth:`state_dict` returns): every registered piece, then the Manager's.
-
-        :attr:`torn` stays set if a piece fails to load.
-        """
-        user = state["user"]
-        missing = set(self.load_fns) - set(user)
-        if missing:
-            raise CheckpointError(f"the checkpoint lacks registered state {sorted(missing)}")
-        self.torn = True  # until every piece is loaded
-        for key, load in self.load_fns.items():
-            load(user[key])
-        self._load_own_state(state["torchft"])
-        self.torn = False
-
     def undo(self, step: Step) -> None:
         """The group's step failed: go back to the step before the heal (the loaded weights stay)."""
         if step.pre_heal_state is not None:
-            self._load_own_state(step.pre_heal_state)
+            self.state.load_own_state(step.pre_heal_state)
 
     # ------------------------------------------------------------ serving (training thread)
 
@@ -215,8 +224,7 @@ class Healer:
             if step.send_step != current_step:
                 raise CheckpointError(f"asked to serve step {step.send_step} but this replica is at step "
                                       f"{current_step}")
-            self.transport.send_checkpoint(step.send_to, step.send_step, self.state_dict(),
-                                           timedelta(seconds=self._timeout))
+            self.transport.send_checkpoint(step.send_to, step.send_step, self.state.state_dict(), self._timeout)
         except Exception as exc:
             self._record(step, exc)
 
@@ -229,8 +237,8 @@ class Healer:
         if step.released:
             return
         step.released = True
-        self._votes += 1
-        if self._votes == 2:
+        self._released_steps += 1
+        if self._released_steps == 2:
             # Start a deferred server now, off the join path: its import (aiohttp's, ~0.1 s of CPU) holds the
             # GIL from the training thread for a while, and at the first vote it delayed a restarted
             # replica's first optimizer step (its first commit) by 20-30 ms. A peer that must heal from us

@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 from torchft_lite.group_server.lease_fence import DEFAULT_LEASE_TIMEOUT
 from torchft_lite.errors import ConfigError
 
-__all__ = ["ManagerSettings", "default_advertised_host"]
+__all__ = ["ManagerSettings", "Timeouts", "default_advertised_host"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +40,35 @@ HEAL_SOURCES_ENV = "TORCHFT_LITE_HEAL_SOURCES"  # ours: peers a heal may stripe 
 HEAL_IN_PLACE_ENV = "TORCHFT_LITE_HEAL_IN_PLACE"  # ours: receive a heal into the live tensors
 LEASE_TIMEOUT_ENV = "TORCHFT_LITE_LEASE_TIMEOUT_SEC"  # ours: the lease assumed when the lighthouse states none
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """Every limit a Manager waits by: torchft's three timeouts, and the limits derived from them, here only."""
+
+    step: timedelta
+    """torchft's ``timeout``: one collective, one heal, one commit vote (``TORCHFT_TIMEOUT_SEC``)."""
+    quorum: timedelta
+    """How long a quorum may take (``TORCHFT_QUORUM_TIMEOUT_SEC``)."""
+    connect: timedelta
+    """Reaching the group's store, ManagerServer and the lighthouse (``TORCHFT_CONNECT_TIMEOUT_SEC``)."""
+
+    @property
+    def quorum_backstop(self) -> timedelta:
+        """The training thread's limit on one quorum round, whose coroutine bounds each of its own waits: the
+        quorum, then a heal's metadata, receive and apply, and 20 s for the rest."""
+        return self.quorum + 3 * self.step + timedelta(seconds=20)
+
+    @property
+    def commit_vote(self) -> timedelta:
+        """``should_commit``'s default wait: a peer's collective may end a step timeout after this rank's, plus
+        the process group's 5 s grace, then the vote itself."""
+        return 2 * self.step + timedelta(seconds=5)
+
+    def watchdog_defaults(self) -> dict[str, float]:
+        """Seconds per watchdog section when the environment sets none: each section's own limits, plus slack."""
+        quorum, step = self.quorum.total_seconds(), self.step.total_seconds()
+        return {"quorum": quorum + step + 60.0, "heal": 3 * step + 60.0, "step": quorum + 5 * step + 300.0}
 
 
 @dataclass(frozen=True)
@@ -60,12 +89,7 @@ class ManagerSettings:
     """ManagerServer port on group rank 0 (``TORCHFT_MANAGER_PORT``, 0 = any)."""
     hostname: str
     """Host advertised to peers (``TORCHFT_LITE_HOSTNAME``, else the machine's hostname)."""
-    timeout: float
-    """Seconds for collectives, heals and commit votes."""
-    quorum_timeout: float
-    """Seconds a quorum may take."""
-    connect_timeout: float
-    """Seconds to reach the group's store, ManagerServer and the lighthouse."""
+    timeouts: Timeouts
     heartbeat_interval: float
     quorum_retries: int
     min_replica_size: int
@@ -124,9 +148,9 @@ class ManagerSettings:
             port=port,
             hostname=hostname or env.get(HOSTNAME_ENV) or default_advertised_host(
                 lighthouse_addr or env.get(LIGHTHOUSE_ENV), store_host),
-            timeout=_env_seconds(env, TIMEOUT_SEC_ENV, timeout),
-            quorum_timeout=_env_seconds(env, QUORUM_TIMEOUT_SEC_ENV, quorum_timeout),
-            connect_timeout=_env_seconds(env, CONNECT_TIMEOUT_SEC_ENV, connect_timeout),
+            timeouts=Timeouts(step=_env_duration(env, TIMEOUT_SEC_ENV, timeout),
+                              quorum=_env_duration(env, QUORUM_TIMEOUT_SEC_ENV, quorum_timeout),
+                              connect=_env_duration(env, CONNECT_TIMEOUT_SEC_ENV, connect_timeout)),
             heartbeat_interval=heartbeat_interval.total_seconds(),
             quorum_retries=_env_int(env, QUORUM_RETRIES_ENV, "quorum_retries") if env.get(QUORUM_RETRIES_ENV) else quorum_retries,
             min_replica_size=min_replica_size,
@@ -151,9 +175,13 @@ class ManagerSettings:
             raise ConfigError(f"port ({MANAGER_PORT_ENV}) must be in 0..65535, got {self.port}")
         if self.min_replica_size < 1:
             raise ConfigError(f"min_replica_size must be >= 1, got {self.min_replica_size}")
-        for name in ("timeout", "quorum_timeout", "connect_timeout", "heartbeat_interval", "lease_timeout"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}s")
+        t = self.timeouts
+        seconds = {"timeout": t.step.total_seconds(), "quorum_timeout": t.quorum.total_seconds(),
+                   "connect_timeout": t.connect.total_seconds(), "heartbeat_interval": self.heartbeat_interval,
+                   "lease_timeout": self.lease_timeout}
+        for name, value in seconds.items():
+            if value <= 0:
+                raise ConfigError(f"{name} must be positive, got {value}s")
         if self.quorum_retries < 0:
             raise ConfigError(f"quorum_retries must be >= 0, got {self.quorum_retries}")
         if self.max_retries is not None and self.max_retries < 0:
@@ -256,6 +284,10 @@ def _env_bool(env: Mapping[str, str], name: str, default: bool) -> bool:
     if value.strip().lower() in _FALSE:
         return False
     raise ConfigError(f"${name} must be 1 or 0 (true/false, yes/no, on/off), got {value!r}")
+
+
+def _env_duration(env: Mapping[str, str], name: str, default: timedelta) -> timedelta:
+    return timedelta(seconds=_env_seconds(env, name, default))
 
 
 def _env_seconds(env: Mapping[str, str], name: str, default: timedelta) -> float:

@@ -12,7 +12,6 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, Callable, Protocol
 
 from torchft_lite.rpc.loop import ControlPlane
@@ -37,8 +36,8 @@ class ManagerParts:
     """The checkpoint transport heals go through."""
     heal_in_place: bool
     """Heals land in the live tensors (only the default transport does that)."""
-    keep_alive: Any = None
-    """Whatever must live as long as the Manager (the TCPStore client)."""
+    store: Any = None
+    """The group's TCPStore client, kept as long as the Manager (None without one)."""
     clock: Callable[[], float] = time.monotonic
     """Seconds, for the durations the Manager reports (tests move a fake one)."""
 
@@ -75,7 +74,7 @@ class DefaultWiring:
             from torchft_lite.checkpointing import HTTPTransport
 
             # defer_server: the healer warms the server at the second step's vote (off a restart's join path)
-            transport = HTTPTransport(timeout=timedelta(seconds=s.timeout), num_chunks=0, hostname=s.hostname,
+            transport = HTTPTransport(timeout=s.timeouts.step, num_chunks=0, hostname=s.hostname,
                                       state_dict=in_place_targets if heal_in_place else None, defer_server=True)
         # Advertised to the quorum: a source waits for every receiver it is told
         # of, so a group must not offer to stripe unless its transport does.
@@ -84,7 +83,7 @@ class DefaultWiring:
             logger.warning("heal_sources=%d, but the checkpoint transport %s does not stripe: healing from one source",
                            s.heal_sources, type(transport).__name__)
         store = TCPStore(s.store_host, s.store_port, is_master=False, wait_for_workers=False,
-                         timeout=timedelta(seconds=s.connect_timeout))
+                         timeout=s.timeouts.connect)
         prefix = f"torchft_lite/{s.restart_count}/"
         channel: GroupChannel
         if s.group_rank == 0:
@@ -93,11 +92,12 @@ class DefaultWiring:
             server = ManagerServer(ManagerServerConfig(
                 replica_id=replica_id, lighthouse_addr=s.lighthouse_addr or "", hostname=s.hostname,
                 store_address=s.store_address, world_size=s.group_world_size, bind=f"[::]:{s.port}",
-                heartbeat_interval=s.heartbeat_interval, connect_timeout=s.connect_timeout,
-                quorum_timeout=s.quorum_timeout, quorum_retries=s.quorum_retries, heal_sources=heal_sources,
+                heartbeat_interval=s.heartbeat_interval, connect_timeout=s.timeouts.connect.total_seconds(),
+                quorum_timeout=s.timeouts.quorum.total_seconds(), quorum_retries=s.quorum_retries,
+                heal_sources=heal_sources,
                 lease_timeout=s.lease_timeout,
             ))
-            control.run(server.start(), s.connect_timeout, "the ManagerServer to start")
+            control.run(server.start(), s.timeouts.connect.total_seconds(), "the ManagerServer to start")
             store.set(prefix + MANAGER_ADDR_KEY, server.address())
             store.set(prefix + REPLICA_ID_KEY, replica_id)
             channel = ServerChannel(server, s.group_world_size)
@@ -108,8 +108,8 @@ class DefaultWiring:
             except RuntimeError as exc:  # the store's own timeout (DistStoreError)
                 raise ManagerTimeout(
                     f"group rank {s.group_rank}: group rank 0 did not publish its ManagerServer address in the "
-                    f"TCPStore at {s.store_address} within {s.connect_timeout:.0f}s"
+                    f"TCPStore at {s.store_address} within {s.timeouts.connect.total_seconds():.0f}s"
                 ) from exc
             channel = ClientChannel(address, s.group_rank, s.group_world_size)
         return ManagerParts(channel=channel, replica_id=replica_id, transport=transport, heal_in_place=heal_in_place,
-                            keep_alive=store)
+                            store=store)

@@ -19,14 +19,15 @@ import logging
 import time
 from typing import Any, Callable
 
-from torchft_lite.serialization.decode import decode_bytes, targets_of
-from torchft_lite.serialization.spec import format_path
+from torchft_lite.core.healer import RegisteredState
 from torchft_lite.durable import _rng
 from torchft_lite.durable._files import read_state_file
 from torchft_lite.durable._layout import CheckpointInfo, Layout, read_manifest
 from torchft_lite.durable._sharded import check_layout
 from torchft_lite.errors import CheckpointError, CheckpointMismatchError, DurableCheckpointError
 from torchft_lite.health.watchdog import Watchdog
+from torchft_lite.serialization.decode import decode_bytes, targets_of
+from torchft_lite.serialization.spec import format_path
 
 __all__ = ["GroupAgreement", "Resumer", "check_fits"]
 
@@ -36,9 +37,12 @@ logger = logging.getLogger(__name__)
 class Resumer:
     """Finds, checks and loads one checkpoint for one rank."""
 
-    def __init__(self, layout: Layout, manager: Any, *, rank: int, world: int, group: str,
-                 local_loaders: dict[str, Callable[[Any], None]], agreement: "GroupAgreement | None" = None) -> None:
-        self._layout, self._manager = layout, manager
+    def __init__(self, layout: Layout, state: RegisteredState, watchdog: Watchdog | None, *, rank: int, world: int,
+                 group: str, local_loaders: dict[str, Callable[[Any], None]],
+                 agreement: "GroupAgreement | None" = None) -> None:
+        """``state``: the Manager's (what a checkpoint holds, and where it loads); ``watchdog``: the Manager's,
+        whose calibration a checkpoint restores."""
+        self._layout, self._state, self._watchdog = layout, state, watchdog
         self._rank, self._world, self._group = rank, world, group
         self._local_loaders = local_loaders
         self._agreement = agreement or GroupAgreement(None, "", rank, world)
@@ -63,7 +67,7 @@ class Resumer:
             mismatch: CheckpointMismatchError | None = None
             try:
                 info = found.get(step) or read_manifest(self._layout.step_dir(step))
-                live = self._manager._manager_state_dict()
+                live = self._state.state_dict()
                 state, local = self._read(info, live)
                 check_fits(live, state, info)
                 readable = True
@@ -130,14 +134,14 @@ class Resumer:
 
     def _apply(self, info: CheckpointInfo, state: Any, local: Any) -> None:
         try:
-            self._manager._healer.load_state_dict(state)  # every registered piece, then the Manager's own
+            self._state.load_state_dict(state)  # every registered piece, then the Manager's own
         except Exception as exc:
             raise DurableCheckpointError(f"loading the checkpoint of step {info.step} failed part-way (the state "
                                          f"may be torn; restart the process): {exc}") from exc
         if local is None:
             return
         restored = _rng.restore(local.get("rng", {}))
-        watchdog = getattr(self._manager, "watchdog", None)
+        watchdog = self._watchdog
         if "watchdog" in local and isinstance(watchdog, Watchdog):  # absent from checkpoints written before it
             watchdog.load_calibration_state(local["watchdog"])  # refuses garbage with a WARNING
         pieces = local.get("local", {})

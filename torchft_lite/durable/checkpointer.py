@@ -42,7 +42,7 @@ from typing import Any, Callable
 import torch
 
 from torchft_lite.core.capabilities import Advertises
-from torchft_lite.serialization.encode import FlatStateDict, encode_to_bytes, flatten
+from torchft_lite.core.context import ManagerContext
 from torchft_lite.durable import _rng
 from torchft_lite.durable._files import (
     FileRecord, fsync_directory, read_state_file, write_bytes_atomically, write_state_file,
@@ -52,6 +52,7 @@ from torchft_lite.durable._resume import GroupAgreement, Resumer
 from torchft_lite.durable._sharded import sharded_paths
 from torchft_lite.errors import CheckpointError, ConfigError, DurableCheckpointError
 from torchft_lite.health.watchdog import Watchdog
+from torchft_lite.serialization.encode import FlatStateDict, encode_to_bytes, flatten
 
 __all__ = ["DurableCheckpointer", "DurableCheckpointStatistics"]
 
@@ -127,8 +128,10 @@ class DurableCheckpointer:
         self.every, self.keep_last = every, keep_last
         self.per_rank = not replicated_in_group  # one state file per rank
         self.save_on_preemption = save_on_preemption
-        self._timeout = timeout.total_seconds() if timeout is not None else manager._timeout
-        settings = manager._settings
+        context: ManagerContext = manager.context
+        self._context = context
+        settings = context.settings
+        self._timeout = (timeout if timeout is not None else settings.timeouts.step).total_seconds()
         self._rank, self._world = settings.group_rank, settings.group_world_size
         # The group's stable name (the replica_id it was given, without the incarnation suffix): its local files.
         self._group = settings.replica_id or manager.replica_id.split(":")[0]
@@ -172,12 +175,12 @@ class DurableCheckpointer:
         tensor names, shapes or dtypes) raises ``DurableCheckpointError``
         before anything is loaded.
         """
-        store = getattr(self._manager._parts, "keep_alive", None)  # the group's TCPStore (DefaultWiring)
+        store = self._context.store  # the group's TCPStore (DefaultWiring)
         agreement = GroupAgreement(store if hasattr(store, "get") else None,
-                                   f"torchft_lite/{self._manager._settings.restart_count}/durable_resume/",
+                                   f"torchft_lite/{self._context.settings.restart_count}/durable_resume/",
                                    self._rank, self._world)
-        resumer = Resumer(self.layout, self._manager, rank=self._rank, world=self._world, group=self._group,
-                          local_loaders={key: load for key, (_, load) in self._local_fns.items()},
+        resumer = Resumer(self.layout, self._context.state, getattr(self._manager, "watchdog", None),
+                          rank=self._rank, world=self._world, group=self._group, local_loaders={key: load for key, (_, load) in self._local_fns.items()},
                           agreement=agreement)
         step = resumer.resume()
         if step is not None:
@@ -185,7 +188,7 @@ class DurableCheckpointer:
             # Tell the lighthouse (group rank 0 speaks for the group): a job whose every group resumed from
             # disk may start a new epoch at this step; the quorum its state was committed under tells it the
             # state is of the job's current epoch (lighthouse.epochs).
-            channel = self._manager._channel
+            channel = self._context.channel
             if isinstance(channel, Advertises):
                 channel.advertise("resumed_from", step)
                 channel.advertise("resumed_quorum", self._resumed_quorum)
@@ -207,7 +210,7 @@ class DurableCheckpointer:
         save = _Save(step, writes_state=self.per_rank or self._rank == 0, local=self._capture_local(step),
                      leaving=leaving, quorum_id=self._state_quorum())
         if save.writes_state:
-            save.flat = self._take_buffers(flatten(self._manager._manager_state_dict()))
+            save.flat = self._take_buffers(flatten(self._context.state.state_dict()))
             self._copy(save)
         error = self._write(save)
         if error is not None:
@@ -270,7 +273,7 @@ class DurableCheckpointer:
             return  # not due, or the step changed since (a heal)
         if save.writes_state:  # copied on the worker while the forward and backward pass run
             try:
-                save.flat = self._take_buffers(flatten(self._manager._manager_state_dict()))
+                save.flat = self._take_buffers(flatten(self._context.state.state_dict()))
             except ConfigError as exc:  # a sharded state with replicated_in_group=True: every save fails alike
                 return self._failed(step, exc)
             save.copied = threading.Event()
@@ -294,8 +297,7 @@ class DurableCheckpointer:
         step = self._manager.current_step()
         if self._last["last_saved_step"] == step or step == 0:
             return
-        healer = getattr(self._manager, "_healer", None)
-        if healer is not None and healer.torn:
+        if self._context.state.torn:
             logger.error("leaving without a durable checkpoint of step %d: a failed heal left the state mixing two "
                          "steps", step)
             return

@@ -57,7 +57,7 @@ from torchft_lite.rpc.protocol import torchft_pb2 as pb
 from torchft_lite.rpc.refusals import RefusalLog
 from torchft_lite.rpc.tls import ALPN_GRPC, TlsSettings
 
-__all__ = ["EXIT_CODE_KILLED", "ManagerServer", "ManagerServerConfig", "QuorumRound", "VoteRound"]
+__all__ = ["EXIT_CODE_KILLED", "ManagerServer", "ManagerServerConfig", "PendingQuorum", "PendingVote"]
 
 logger = logging.getLogger(__name__)
 SERVICE = "torchft.ManagerService"
@@ -152,8 +152,8 @@ class ManagerServer:
             self._grpc.add_unary(f"/{SERVICE}/{name}", handler)
         self._grpc.add_server_stream(f"/{SERVICE}/Events", self._rpc_events)
         self._port: int | None = None
-        self._quorum_round: QuorumRound | None = None
-        self._vote_round: VoteRound | None = None
+        self._pending_quorum: PendingQuorum | None = None
+        self._pending_vote: PendingVote | None = None
         self._checkpoint_metadata: dict[int, str] = {}
         self._tasks: set[asyncio.Task] = set()
         self._link = LighthouseLink(self._lighthouse, config.replica_id, config.heartbeat_interval,
@@ -250,9 +250,9 @@ class ManagerServer:
         rank = request.group_rank
         self._check_rank(rank, "ManagerQuorumRequest.group_rank")
         self._checkpoint_metadata[rank] = request.checkpoint_metadata
-        round_ = self._quorum_round
+        round_ = self._pending_quorum
         if round_ is None:
-            round_ = self._quorum_round = QuorumRound()
+            round_ = self._pending_quorum = PendingQuorum()
         round_.requests[rank] = request  # a rank that retries replaces its request, and its deadline
         if timeout is not None:
             # Absolute: a rank that asked early also gives up early.
@@ -260,7 +260,7 @@ class ManagerServer:
         else:
             round_.deadlines.pop(rank, None)
         if len(round_.requests) == self.config.world_size:
-            self._quorum_round = None  # later requests start the next round
+            self._pending_quorum = None  # later requests start the next round
             self._start_lighthouse_quorum(round_)
         try:
             quorum: pb.Quorum = await asyncio.shield(round_.result)
@@ -304,7 +304,7 @@ class ManagerServer:
             raise QuorumTimeout(f"ManagerServer {self.address()} (in-process): {what} got no answer "
                                 f"within {timeout:.2f}s (status: Cancelled, message: Timeout expired)") from exc
 
-    def _start_lighthouse_quorum(self, round_: QuorumRound) -> None:
+    def _start_lighthouse_quorum(self, round_: PendingQuorum) -> None:
         steps = {rank: r.step for rank, r in sorted(round_.requests.items())}
         if len(set(steps.values())) > 1:
             detail = ", ".join(f"rank {rank} at step {step}" for rank, step in steps.items())
@@ -317,7 +317,7 @@ class ManagerServer:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _lighthouse_quorum(self, round_: QuorumRound) -> None:
+    async def _lighthouse_quorum(self, round_: PendingQuorum) -> None:
         requests = list(round_.requests.values())
         step = requests[0].step
         now = asyncio.get_running_loop().time()
@@ -384,19 +384,19 @@ class ManagerServer:
         request = _parse(pb.ShouldCommitRequest, data)
         rank = request.group_rank
         self._check_rank(rank, "ShouldCommitRequest.group_rank")
-        round_ = self._vote_round
+        round_ = self._pending_vote
         if round_ is not None and round_.step != request.step:
             others = ", ".join(f"rank {r}" for r in sorted(round_.votes))
             message = (f"replica group {self.config.replica_id}: rank {rank} voted for step {request.step} "
                        f"while {others} voted for step {round_.step}")
             round_.result.set_exception(_RoundFailed(grpc.StatusCode.FAILED_PRECONDITION, message))
-            self._vote_round = None
+            self._pending_vote = None
             raise RpcAbort(grpc.StatusCode.FAILED_PRECONDITION, message)
         if round_ is None:
-            round_ = self._vote_round = VoteRound(step=request.step)
+            round_ = self._pending_vote = PendingVote(step=request.step)
         round_.votes[rank] = request.should_commit
         if len(round_.votes) == self.config.world_size:
-            self._vote_round = None
+            self._pending_vote = None
             round_.result.set_result(self.decide(round_.step, round_.votes))
         try:
             decision = await asyncio.shield(round_.result)
@@ -464,7 +464,7 @@ def _exit_process(msg: str) -> None:
 
 
 @dataclass
-class QuorumRound:
+class PendingQuorum:
     """One group's Quorum calls for a step, gathered until every rank has asked, then answered together."""
 
     requests: dict[int, pb.ManagerQuorumRequest] = field(default_factory=dict)
@@ -478,7 +478,7 @@ class QuorumRound:
 
 
 @dataclass
-class VoteRound:
+class PendingVote:
     """One group's ShouldCommit votes for a step, gathered until every rank has voted."""
 
     step: int

@@ -215,16 +215,17 @@ class ManagerMetrics:
         """``registry``: where to register (default: a new private one, :attr:`registry`);
         ``replica_id``: the label's value (default: the Manager's ``replica_id`` argument, else
         ``$REPLICA_GROUP_ID``, without the per-incarnation suffix)."""
-        settings = manager._settings
+        context = manager.context
+        settings = context.settings
         if replica_id is None:
             replica_id = settings.replica_id or os.environ.get("REPLICA_GROUP_ID", "")
         self.labels = (replica_id, str(settings.group_rank))
         self.registry = CollectorRegistry() if registry is None else registry
         self.watchdog = manager.watchdog
         self.server: MetricsServer | None = None
-        self._min_replica_size = manager._min_replica_size
+        self._min_replica_size = settings.min_replica_size
         self._manager = weakref.ref(manager)  # a server thread must not keep a dropped Manager alive
-        found = getattr(manager, "_fingerprints", None)  # every rank's (its counts: group rank 0's verdicts)
+        found = context.fingerprinter  # every rank's (its counts: group rank 0's verdicts)
         self._fingerprinter = weakref.ref(found) if isinstance(found, Fingerprinter) else None
         self._families = _families_of(self.registry)
         self._families.join(self)

@@ -7,8 +7,8 @@ import logging
 import pytest
 
 from lighthouse.quorum import Member, QuorumConfig
-from lighthouse.straggler_state import StragglerQuorumState
-from lighthouse.stragglers import ComputeSample, StragglerConfig
+from lighthouse.stragglers.rules import StragglerQuorumState
+from lighthouse.stragglers.scores import ComputeSample, StragglerConfig
 
 FAST, SLOW = 100.0, 500.0
 
@@ -43,7 +43,7 @@ class Job:
 
 def test_a_flagged_group_is_left_out_then_readmitted_after_the_cooldown_and_heals(caplog):
     job = Job()
-    caplog.set_level(logging.INFO, logger="lighthouse.straggler_state")
+    caplog.set_level(logging.INFO, logger="lighthouse.stragglers.rules")
     for _ in range(3):
         assert job.round({"a": FAST, "b": FAST, "x": FAST}) == ("a", "b", "x")
     slow = {"a": FAST, "b": FAST, "x": SLOW}
@@ -69,7 +69,7 @@ def test_a_flagged_group_is_left_out_then_readmitted_after_the_cooldown_and_heal
 
 def test_without_eviction_a_flagged_group_is_only_reported(caplog):
     job = Job(evict=False)
-    caplog.set_level(logging.WARNING, logger="lighthouse.straggler_state")
+    caplog.set_level(logging.WARNING, logger="lighthouse.stragglers.rules")
     for _ in range(10):
         assert job.round({"a": FAST, "b": FAST, "x": SLOW}) == ("a", "b", "x")
     assert job.state.stragglers.is_flagged("x") and not job.state.is_evicted("x")
@@ -78,7 +78,7 @@ def test_without_eviction_a_flagged_group_is_only_reported(caplog):
 
 
 def test_two_groups_never_evict_and_min_replicas_is_respected(caplog):
-    caplog.set_level(logging.WARNING, logger="lighthouse.straggler_state")
+    caplog.set_level(logging.WARNING, logger="lighthouse.stragglers.rules")
     job = Job(patience=1)
     for _ in range(8):
         assert job.round({"a": FAST, "x": 900.0}) == ("a", "x")  # 2 groups: the relative score stays below 2
@@ -92,7 +92,7 @@ def test_two_groups_never_evict_and_min_replicas_is_respected(caplog):
 
 
 def test_never_more_than_a_minority_is_left_out(caplog):
-    caplog.set_level(logging.WARNING, logger="lighthouse.straggler_state")
+    caplog.set_level(logging.WARNING, logger="lighthouse.stragglers.rules")
     job = Job(patience=1)
     times = {"a": FAST, "b": FAST, "c": FAST, "x": SLOW, "y": SLOW}
     most = 0
@@ -165,7 +165,7 @@ def test_a_group_still_slow_after_readmission_is_evicted_again_for_twice_as_long
 
 
 def test_a_readmitted_group_that_keeps_up_passes_its_probation(caplog):
-    caplog.set_level(logging.INFO, logger="lighthouse.straggler_state")
+    caplog.set_level(logging.INFO, logger="lighthouse.stragglers.rules")
     job = Job(patience=2)
     while not job.state.is_evicted("x"):
         job.round({"a": FAST, "b": FAST, "x": SLOW})
@@ -178,7 +178,7 @@ def test_a_readmitted_group_that_keeps_up_passes_its_probation(caplog):
 
 
 def test_members_without_samples_and_garbage_samples_change_nothing(caplog):
-    caplog.set_level(logging.WARNING, logger="lighthouse.straggler_state")
+    caplog.set_level(logging.WARNING, logger="lighthouse.stragglers.rules")
     job = Job(patience=1)
     for _ in range(6):  # a torchft manager (no sample) among ours
         assert job.round({"a": FAST, "torchft": None, "b": FAST}) == ("a", "b", "torchft")

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from lighthouse.stragglers import ComputeSample, StragglerBook, StragglerConfig, compute_sample_of
+from lighthouse.stragglers.scores import ComputeSample, StragglerBook, StragglerConfig, compute_sample_of
 
 
 class Feed:

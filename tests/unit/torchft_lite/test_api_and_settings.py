@@ -41,7 +41,7 @@ TORCHRUN = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.1", "MASTER_P
 def test_torchrun_environment_is_enough():
     s = resolve(TORCHRUN)
     assert (s.group_rank, s.group_world_size, s.store_address) == (0, 2, "10.0.0.1:29500")
-    assert s.lighthouse_addr == "http://lh:29510" and s.port == 0 and s.timeout == 60.0
+    assert s.lighthouse_addr == "http://lh:29510" and s.port == 0 and s.timeouts.step == timedelta(seconds=60)
 
 
 @pytest.mark.parametrize("missing", ["RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHFT_LIGHTHOUSE"])
@@ -62,7 +62,7 @@ def test_explicit_arguments_win_except_torchfts_timeout_variables():
     s = resolve(env, rank=1, world_size=4, store_addr="h", store_port=1, timeout=timedelta(seconds=99),
                 quorum_retries=0)
     assert (s.group_rank, s.group_world_size, s.store_address) == (1, 4, "h:1")
-    assert s.timeout == 7.0 and s.quorum_retries == 3  # torchft: these env vars take precedence
+    assert s.timeouts.step == timedelta(seconds=7) and s.quorum_retries == 3  # torchft: these env vars take precedence
     assert s.port == 1234 and s.hostname == "10.1.1.1"
     assert resolve(env, hostname="explicit").hostname == "explicit"
 

@@ -329,7 +329,7 @@ def test_a_state_torn_by_a_failed_heal_is_not_saved_before_leaving(tmp_path, mad
     group = Group(InMemoryLighthouse(), "g", tmp_path, every=100)
     made.append(group)
     run([group], 3)
-    group.manager._healer.torn = True  # a heal failed part-way: the tensors mix two steps
+    group.manager.context.state.torn = True  # a heal failed part-way: the tensors mix two steps
     with caplog.at_level(logging.ERROR):
         group.checkpointer.leaving()
     assert Layout(tmp_path).complete() == []

@@ -11,6 +11,7 @@ anything that tried to gather a full tensor would fail.
 from __future__ import annotations
 
 import threading
+from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable
@@ -59,11 +60,12 @@ class RankManager:
         self.state, self.step = state, step
         self.loaded: dict | None = None
         self.replica_id = "g0:incarnation"
-        self._settings = SimpleNamespace(group_rank=rank, group_world_size=2, replica_id="g0", restart_count=0)
-        self._timeout = timeout
-        self._parts = SimpleNamespace()  # no group store: GroupAgreement then trusts each rank's own scan
-        self._channel = None
-        self._healer = SimpleNamespace(load_state_dict=self._load)
+        settings = SimpleNamespace(group_rank=rank, group_world_size=2, replica_id="g0", restart_count=0,
+                                   timeouts=SimpleNamespace(step=timedelta(seconds=timeout)))
+        held = SimpleNamespace(state_dict=self._manager_state_dict, load_state_dict=self._load, torn=False)
+        # No group store: GroupAgreement then trusts each rank's own scan.
+        self.context = SimpleNamespace(settings=settings, replica_id=self.replica_id, channel=None, store=None,
+                                       state=held, fingerprinter=None)
 
     def add_step_listener(self, listener: Any) -> None:
         pass

@@ -158,7 +158,7 @@ def test_a_torn_replica_that_a_quorum_makes_up_to_date_fails_stop(replicas):
     a, b = replicas(lighthouse, "a", 1.0, timeout_s=2.0), replicas(lighthouse, "b", 2.0, timeout_s=2.0)
 
     def tear(**kwargs):
-        b.manager._healer.torn = True  # as an in-place receive that wrote part of a tensor
+        b.manager.context.state.torn = True  # as an in-place receive that wrote part of a tensor
         raise CheckpointTransferError("injected: lost mid-heal")
 
     b.manager._healer.transport.recv_checkpoint = tear

@@ -44,7 +44,7 @@ def test_committed_steps_count_their_phases_quorum_and_the_heal_at_step_zero(rep
         assert value(registry, "torchft_lite_step", name) == 2
         assert value(registry, "torchft_lite_participants", name) == 2
         assert value(registry, "torchft_lite_participating", name) == 1
-        assert value(registry, "torchft_lite_quorum_id", name) == groups[name].manager._rounds.quorum_id
+        assert value(registry, "torchft_lite_quorum_id", name) == groups[name].manager._step_quorum.quorum_id
         assert value(registry, "torchft_lite_step_seconds_count", name) == 2
         for phase in PHASES:
             assert value(registry, "torchft_lite_step_phase_seconds_count", name, phase=phase) == 2

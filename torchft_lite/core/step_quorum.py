@@ -19,10 +19,10 @@ from torchft_lite.core.healer import Healer
 from torchft_lite.core.step import Step, participation_of
 from torchft_lite.errors import CheckpointError, QuorumError
 
-__all__ = ["QuorumRounds"]
+__all__ = ["StepQuorum"]
 
 
-class QuorumRounds:
+class StepQuorum:
     """Runs each step's quorum for one rank; remembers the quorum id the process group is configured for."""
 
     def __init__(self, channel: GroupChannel, pg: Any, healer: Healer, *, group_rank: int,
@@ -71,7 +71,7 @@ class QuorumRounds:
         if response.quorum_id != self.quorum_id:
             await self._reconfigure(response)
         step.collectives_ready = True
-        if self._healer.torn and not (allow_heal and response.heal):
+        if self._healer.state.torn and not (allow_heal and response.heal):
             step.torn_at_max_step = True
             raise CheckpointError(
                 f"this rank's state was left partly overwritten by a failed heal and quorum {response.quorum_id} does "

@@ -1,4 +1,4 @@
-"""Stragglers as /api/status and /metrics show them (the rules are in :mod:`lighthouse.straggler_state`).
+"""Stragglers as /api/status and /metrics show them (the rules are in :mod:`lighthouse.stragglers.rules`).
 
 /api/status: every row of ``quorum.members`` and ``replicas`` has a
 ``straggler`` field, None for a group that advertised no compute time (a
@@ -34,7 +34,7 @@ from typing import Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from lighthouse.straggler_state import StragglerStatistics
+from lighthouse.stragglers.rules import StragglerStatistics
 
 __all__ = ["StragglerCollector", "straggler_rows", "straggler_summary"]
 

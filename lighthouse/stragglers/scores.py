@@ -35,7 +35,7 @@ before dividing, so no one is flagged for 0.3 ms against 0.1 ms. Samples are
 taken only when new (another ``(compute_step, compute_ms)`` than the group's
 last), so a retried request or a re-issued quorum scores nobody twice.
 
-Pure: no clock, no I/O, no logging; the caller (``lighthouse.straggler_state``)
+Pure: no clock, no I/O, no logging; the caller (``lighthouse.stragglers.rules``)
 decides what a change of flag means and logs it. Memory: per group, a few
 small fixed windows; a group is dropped when the lighthouse forgets it.
 """
@@ -70,7 +70,7 @@ class StragglerConfig:
     patience: int = 3
     """For this many scored quorums in a row; also the base of the eviction cooldown, in quorums."""
     evict: bool = False
-    """Leave a flagged group out of the next quorums (``lighthouse.straggler_state``); off: only report it."""
+    """Leave a flagged group out of the next quorums (``lighthouse.stragglers.rules``); off: only report it."""
     history: int = 20
     """Samples of its own that a group's individual score compares with."""
     warmup: int = 5

@@ -46,7 +46,7 @@ from lighthouse.decision_log import preview
 from lighthouse.epochs import StaleReplica
 from lighthouse.quorum import Decision, IssuedQuorum, Member, QuorumConfig, QuorumState
 from torchft_lite.rpc.refusals import CountedLog
-from lighthouse.stragglers import ComputeSample, GroupScores, StragglerBook, StragglerConfig, compute_sample_of
+from lighthouse.stragglers.scores import ComputeSample, GroupScores, StragglerBook, StragglerConfig, compute_sample_of
 
 __all__ = ["MAX_COOLDOWN_DOUBLINGS", "StragglerQuorumState", "StragglerStatistics"]
 
