@@ -9,7 +9,8 @@ power cut): restarted, the job resumes from its newest durable checkpoint
 (one group writes one every 10 steps). The summary says what happened and
 checks that every group holds bit-identical parameters at every step they
 committed, and that the steps done again after the resume are bit-identical
-to the first time. Exit code 0 when all checks pass.
+to the first time. A check that found nothing to compare says so and fails
+the demo. Exit code 0 when all checks pass.
 """
 
 from __future__ import annotations
@@ -185,18 +186,31 @@ def summarize(rows: list[dict], workdir: Path, stall: float, step_at_kill: int, 
     print(f"whole-job outage               every group and the lighthouse SIGKILLed at step ~{outage['killed_step']}; "
           f"resumed from the durable checkpoint of step {outage['resumed_from']} ({lost} steps redone), first "
           f"step committed {outage['first_commit_seconds']:.1f}s after the kill")
-    print(f"redone steps identical         {redone_same} of {len(redone)} (step, rank) pairs bit-identical to the "
-          f"first time (up to the first redone step whose quorum had another number of groups)")
+    if redone:
+        cut = (f"; {len(candidates) - len(redone)} later pair(s) not compared: from step {min(other_groups)} on a "
+               f"quorum had another number of groups" if other_groups else "")
+        print(f"redone steps identical         {redone_same} of {len(redone)} (step, rank) pairs bit-identical to the "
+              f"first time{cut}")
+    elif candidates:
+        print(f"redone steps identical         NOT CHECKED: nothing to compare (the first redone step, "
+              f"{min(other_groups)}, had another number of groups than the first time, and every later step "
+              f"inherits that)")
+    else:
+        print("redone steps identical         NOT CHECKED: no step was redone in this run, nothing to compare")
     checked = sum(1 for groups in groups_at.values() if len(groups) > 1)
-    print(f"identical parameters           {'yes' if not diverged else 'NO'} "
-          f"({checked} (step, rank) pairs held by several groups{'; diverged at ' + str(diverged[:5]) if diverged else ''})")
+    if checked or diverged:
+        print(f"identical parameters           {'yes' if not diverged else 'NO'} ({checked} (step, rank) pairs held by "
+              f"several groups{'; diverged at ' + str(diverged[:5]) if diverged else ''})")
+    else:
+        print("identical parameters           NOT CHECKED: no (step, rank) pair was held by several groups, nothing "
+              "to compare")
     print("==========================================")
     resumed = outage["resumed_from"] > 0
     if not resumed:
         print("the job did NOT resume from a durable checkpoint")
     if redone_same != len(redone):
         print("a step redone after the resume differs from its first run")
-    return not diverged and bool(heals) and resumed and redone_same == len(redone)
+    return not diverged and bool(heals) and resumed and bool(redone) and redone_same == len(redone) and checked > 0
 
 
 if __name__ == "__main__":
