@@ -112,6 +112,31 @@ def test_parameters_held_by_one_group_only_are_not_called_identical(demo, capsys
     assert "identical parameters           yes" not in out
 
 
+@pytest.mark.parametrize("last, newest, ready", [
+    (24, 20, True),   # 4 steps to redo, the next checkpoint 6 steps off
+    (23, 20, True),
+    (27, 20, True),
+    (22, 20, False),  # too few steps to redo
+    (20, 20, False),  # nothing to redo
+    (28, 20, False),  # checkpoint 30 could complete while the groups are killed one by one
+    (30, 20, False),
+    (25, 10, True),   # checkpoint 20 still being written: more to redo, all with three groups
+])
+def test_the_whole_job_is_killed_a_few_steps_past_a_checkpoint(demo, last, newest, ready):
+    assert demo.ready_to_kill_all(first_run(last), newest, rejoined_at=5) is ready
+
+
+def test_the_whole_job_is_not_killed_before_a_checkpoint_from_after_the_rejoin(demo):
+    assert not demo.ready_to_kill_all(first_run(24), 20, rejoined_at=20)
+    assert not demo.ready_to_kill_all(first_run(24), 20, rejoined_at=22)
+    assert not demo.ready_to_kill_all(first_run(24), 0, rejoined_at=5)  # no checkpoint yet
+
+
+def test_the_whole_job_is_not_killed_while_steps_since_the_checkpoint_lacked_a_group(demo):
+    rows = first_run(24) + [row(0, 22, "c22", 100, participants=2)]
+    assert not demo.ready_to_kill_all(rows, 20, rejoined_at=5)
+
+
 def hsdp_logs(tmp_path: Path, restart_step: int) -> None:
     (tmp_path / "group0.torchrun.log").write_text("".join(
         f"t g0r{rank} INFO x: served step {restart_step + 2} to replica(s) 1: 10.0 MB\n" for rank in (0, 1)))
