@@ -85,13 +85,13 @@ test-fast: $(STAMP) bytecode
 	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) -m "not slow and not browser"
 
 # torchft's own test files, read from its installed wheel, run once on torchft and
-# once on torchft_lite (tests/compat/run.py --help). torchft imports OpenTelemetry
-# and its PGTransport needs numpy; neither is ours, so only this target installs
-# them. Skipped (exit 0) where torchft can't be installed; where it can, a broken
-# harness fails the target, failing torchft_lite tests don't (see the report).
+# once on torchft_lite (tests/compat/run.py --help). torchft imports OpenTelemetry,
+# which is not ours, so only this target installs it (its PGTransport's numpy is one
+# of our dependencies). Skipped (exit 0) where torchft can't be installed; where it
+# can, a broken harness fails the target, failing torchft_lite tests don't (see the report).
 COMPAT_ARGS ?=
 compat: $(STAMP)
-	-$(BIN)/python -m pip install --quiet $(TORCHFT_RUNTIME) numpy
+	-$(BIN)/python -m pip install --quiet $(TORCHFT_RUNTIME)
 	@if $(BIN)/python -m pip install --quiet --no-deps "$(TORCHFT_SPEC)"; then \
 	  $(BIN)/python -m tests.compat.run --require-torchft $(COMPAT_ARGS); \
 	else \

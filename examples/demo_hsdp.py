@@ -134,8 +134,12 @@ def summarize(rows: list[dict], workdir: Path, stall: float, step_at_kill: int, 
         else:
             healed_all = False
             print(f"heal of shard {rank}                 NOT FOUND in the logs")
-    print(f"identical shards               {'yes' if not diverged else 'NO'} ({shared} (step, rank) pairs held by "
-          f"both groups, {after} after the restart{'; diverged at ' + str(diverged[:5]) if diverged else ''})")
+    if after or diverged:
+        print(f"identical shards               {'yes' if not diverged else 'NO'} ({shared} (step, rank) pairs held by "
+              f"both groups, {after} after the restart{'; diverged at ' + str(diverged[:5]) if diverged else ''})")
+    else:  # the check that matters here is after the heal; pairs from before it alone don't make a "yes"
+        print(f"identical shards               NOT CHECKED after the restart: no (step, rank) pair after it was held "
+              f"by both groups, nothing to compare ({shared} before it)")
     print("==========================================")
     return not diverged and healed_all and after > 0
 
