@@ -25,7 +25,7 @@ import torch
 from tests.conftest import WAIT
 from torchft_lite.checkpointing import HTTPTransport, _http_receive
 from torchft_lite.serialization import checksum
-from torchft_lite.checkpointing import _header_difference
+from torchft_lite.checkpointing import _http_receive
 from torchft_lite.serialization import encode, spec
 
 pytestmark = pytest.mark.integration
@@ -520,4 +520,4 @@ def header_of(step: int, state: dict) -> spec.Header:
 ])
 def test_a_header_difference_is_named(other, expected):
     mine = header_of(5, {"a": torch.ones(2), "b": [1, 2.5]})
-    assert expected in _header_difference.header_difference(mine, header_of(*other))
+    assert expected in _http_receive.header_difference(mine, header_of(*other))

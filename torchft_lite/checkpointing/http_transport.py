@@ -37,7 +37,7 @@ from torchft_lite.rpc.loop import control_plane
 from torchft_lite.serialization.decode import targets_of
 from torchft_lite.serialization.encode import FlatStateDict, flatten
 from torchft_lite.checkpointing._http_receive import DONE_TIMEOUT, Receiver
-from torchft_lite.checkpointing._http_socket import ABORT_GRACE, listen
+from torchft_lite.checkpointing._http_server import ABORT_GRACE, listen
 from torchft_lite.checkpointing.transport import CheckpointTransport
 from torchft_lite.errors import CheckpointError, CheckpointTimeout, ConfigError
 

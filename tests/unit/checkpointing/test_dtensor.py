@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _MaskPartial, _StridedShard
 
-from torchft_lite.checkpointing import _header_difference
+from torchft_lite.checkpointing import _http_receive
 from torchft_lite.serialization import decode, encode, spec
 from torchft_lite.errors import CheckpointError, CheckpointTransferError
 
@@ -187,6 +187,6 @@ def test_a_layout_difference_between_two_replicas_headers_is_described():
         length, crc = spec.unpack_prefix(blob[:spec.PREFIX_SIZE])
         return spec.parse_header(blob[spec.PREFIX_SIZE:spec.PREFIX_SIZE + length], crc)
 
-    difference = _header_difference.header_difference(header(Shard(0)), header(Replicate()))
+    difference = _http_receive.header_difference(header(Shard(0)), header(Replicate()))
     assert difference == ("value at w: '<DTensor [8, 5] (shard:0) on cpu mesh [4]>' vs "
                           "'<DTensor [8, 5] (replicate) on cpu mesh [4]>'")
