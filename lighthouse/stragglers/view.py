@@ -19,8 +19,8 @@ __all__ = ["StragglerCollector", "straggler_rows", "straggler_summary"]
 
 
 def straggler_rows(stats: StragglerStatistics) -> dict[str, dict]:
-    """replica_id -> its ``straggler`` field, for the groups with a sample (None for a group that advertised
-    no compute time: a torchft manager, or before its first finished step)::
+    """replica_id -> its ``straggler`` field, for the groups with a sample (the field is None for a group that
+    advertised no compute time: a torchft manager, or before its first finished step)::
 
         {"compute_ms": 512.0, "compute_step": 41,      # its last sample
          "quorum_median_ms": 101.0,                    # the median of the last quorum it was scored in
