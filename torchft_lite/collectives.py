@@ -209,7 +209,7 @@ def allreduce_quantized(tensors: list[torch.Tensor], opts: AllreduceOptions | Re
 def start_quantized_allreduce(pg: Any, tensor: torch.Tensor, reduce_op: Any, participants: int) -> Any:
     """The Manager's quantized allreduce of ``tensor`` (in place); its future yields ``tensor``.
 
-    As ``_step.start_allreduce``: AVG is a SUM divided by ``participants`` (the replicas the peers count)."""
+    As ``core.step.start_allreduce``: AVG is a SUM divided by ``participants`` (the replicas the peers count)."""
     average = reduce_op == ReduceOp.AVG
     fut = allreduce_quantized([tensor], ReduceOp.SUM if average else reduce_op, pg).get_future()
     return fut.then(lambda f: (f.value(), tensor.div_(participants) if average else tensor)[1])

@@ -63,7 +63,7 @@ class StepReport:
 
 
 def report_of(step: Any, committed: bool, quorum_id: int, now: float | None = None) -> StepReport:
-    """The report of ``step`` (a ``_step.Step``) that ends at ``now`` (``time.monotonic()``)."""
+    """The report of ``step`` (a ``core.step.Step``) that ends at ``now`` (``time.monotonic()``)."""
     now = time.monotonic() if now is None else now
     began = step.compute_from if step.compute_from is not None else step.started_at
     commit_from = step.commit_from if step.commit_from is not None else now

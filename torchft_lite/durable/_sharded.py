@@ -1,7 +1,7 @@
 """Sharded (DTensor) state in durable checkpoints: who writes which shard, and when a resume fits.
 
 With FSDP2 inside a replica group (HSDP) the Manager's state holds DTensors.
-A state file stores each the way a heal carries it (``checkpointing._dtensor``):
+A state file stores each the way a heal carries it (``serialization.dtensor``):
 this rank's local shard as an ordinary tensor entry and its layout (mesh,
 placements, global shape and stride) in the file's header. The full tensor is
 never gathered, on saving or on loading.

@@ -1,6 +1,6 @@
 """Decoding a state dict in the heal format (``serialization.spec``): the receiving side, after the header.
 
-Once a header has been validated (``_format.parse_header``), a
+Once a header has been validated (``spec.parse_header``), a
 :class:`TensorWriter` allocates the destination tensors (or takes the
 receiver's own, see :func:`targets_of`) and writes the data section into
 them. Bytes reach them two ways: :meth:`~TensorWriter.write` copies a
@@ -52,7 +52,7 @@ def targets_of(state_dict: Any) -> dict[Path, torch.Tensor]:
     """Every tensor of ``state_dict`` (DTensors as they are) by its path: where a receive may land in place.
 
     The paths are the ones a sender's header declares for the same structure
-    (both come from ``_encode.flatten``).
+    (both come from ``encode.flatten``).
     """
     flat = flatten(state_dict)
     return dict(zip(flat.paths, flat.leaves))
