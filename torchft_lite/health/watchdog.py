@@ -59,7 +59,10 @@ logger = logging.getLogger(__name__)
 _STDERR_FD = 2  # the process's stderr itself, whatever object sys.stderr is by then
 
 EXIT_CODE_RESCHEDULE = 75
+"""A watchdog section timed out (``EX_TEMPFAIL``): restart it, elsewhere if the host is suspect."""
 EXIT_CODE_PREEMPTED = 143
+"""Left gracefully on SIGTERM (128 + 15), after saving a durable checkpoint of its step (with a
+DurableCheckpointer): restart it when capacity returns."""
 EXIT_BACKSTOP_SEC = 10.0
 """How long the watchdog's exit may take before faulthandler ends the process (code 1) regardless."""
 SECTIONS = ("quorum", "heal", "step", "checkpoint")
