@@ -260,7 +260,7 @@ class Watchdog:
             return WatchdogStatistics(self.config.calibrate, sections)
 
     def calibration_state(self) -> dict[str, Any]:
-        """The observed durations as plain data (saved with durable checkpoints; see the module docstring)."""
+        """The observed durations as plain data (saved with durable checkpoints, restored by ``DurableCheckpointer.resume``)."""
         with self._lock:
             return self._calibration.state()
 
