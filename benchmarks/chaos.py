@@ -132,7 +132,7 @@ class Chaos:
             where: dict = {}
             lighthouse = self.lighthouse.address
             if self.network:
-                # Not loopback: the job token local_cluster gives every process it starts admits them.
+                # Not loopback: the job token torchft_lite.cluster.local gives every process it starts admits them.
                 env.update(self.network.env(g))
                 port = lighthouse.rsplit(":", 1)[1]
                 lighthouse = f"http://{self.network.host_ip(g)}:{port}"

@@ -1,50 +1,10 @@
-"""The stale-quorum guard's bounded way out: holders of the highest step, and new epochs of the job.
+"""The stale-quorum guard's bounded way out: holders of the highest step, new epochs of the job, and the fence.
 
 The guard (:mod:`lighthouse.quorum`) keeps participants that are all behind
 ``max_step``, the highest step a quorum reached, from forming a quorum while a
-replica holding that step may come back. This module tells "may come back"
-from "gone", and fences what comes back too late:
-
-* **Holders**: the members of the last issued quorum at the new ``max_step``.
-  ``holders_seen_at`` is the last time one of them was seen: the quorum's issue,
-  then every heartbeat or join of a holder id. A lighthouse that restored
-  ``max_step`` from its state directory counts from its start, and knows the
-  holders saved with it (none from an older state directory).
-* **New epoch**: while the guard blocks (with at least ``min_replicas``
-  eligible participants), it gives way when (a) no holder was seen for
-  ``holder_timeout`` (nor for ``heartbeat_timeout``, if that is longer: never
-  while a holder may be healthy); (b) every eligible participant just resumed
-  from a durable checkpoint (its ``resumed_from`` equals its step), no
-  holder is healthy (none seen within ``heartbeat_timeout``) and every holder
-  is *superseded*: its replica group (what precedes the last ``:`` of its id;
-  torchft's Managers and ours append a new uuid per process) is among the
-  resumed participants under another id, so it restarted and its state is
-  gone; a holder that is only hung or cut off is not, and the job waits for
-  it up to ``holder_timeout``. A lighthouse that restored ``max_step`` from
-  its state directory knows the holders saved with it; one that knows none
-  needs no supersession; or (c) an
-  operator asked for it (the request counts for the next decision only).
-  ``max_step`` drops to the highest step among the eligible participants (0
-  at least) and the next quorum gets a new id, as after a restart.
-* **Fence**: after an epoch started in this process, a replica that reports a
-  step above ``max_step`` and was in none of the quorums issued since the epoch
-  began is from before it (say, a partitioned holder coming back): its join
-  raises :class:`StaleReplica` instead of making it everyone's heal source, and
-  its heartbeats are ignored until it joins at a step the rules accept, so it
-  does not count as a healthy replica either. The one replica above
-  ``max_step`` it admits without a quorum since: one that just resumed from a
-  durable checkpoint whose state was committed under a quorum of this epoch
-  (``resumed_quorum``, from the checkpoint's manifest, at least the epoch's
-  first quorum id). A group that commits the step of the epoch's last quorum
-  and saves it as it leaves holds ``max_step + 1``; without this, a whole job
-  restarted from that checkpoint was refused at every Quorum call, for good
-  (seen in a chaos run: a kill-all right after a new epoch).
-
-Bounded memory: the ids admitted since the epoch are kept only while
-heartbeating or in the last quorum (one that is neither and later comes back
-above ``max_step`` is refused and restarts: it loses nothing but the restart,
-as it heals from the others); the fenced ids are the newest ``MAX_FENCED``
-(an older one's heartbeats count again, its Quorum calls are still refused).
+replica holding that step may come back. :class:`EpochBook` tells "may come
+back" from "gone" (:meth:`EpochBook.lift_reason` states when a new epoch
+starts) and fences a replica from before the epoch (:meth:`EpochBook.check`).
 
 Pure data and rules, no clock: times are the caller's monotonic seconds.
 """
@@ -106,7 +66,11 @@ def _resumed_within(member: Member, epoch: Epoch) -> bool:
     """Whether ``member`` just resumed from a durable checkpoint of a step committed during ``epoch`` (under one
     of its quorums): a new process of this epoch's lineage, though above the step its last quorum reached
     (the step that quorum committed, saved by a group that then left). A checkpoint of the lineage from
-    before the epoch names an older quorum; one that names none (an older manifest) is not admitted."""
+    before the epoch names an older quorum; one that names none (an older manifest) is not admitted.
+
+    The fence must admit it: a group that commits the step of the epoch's last quorum and saves it as it
+    leaves holds ``max_step + 1``, and a whole job restarted from that checkpoint would otherwise be refused
+    at every Quorum call, for good."""
     return (member.resumed_from is not None and member.resumed_from == member.step
             and member.resumed_quorum is not None and member.resumed_quorum >= epoch.first_quorum_id)
 
@@ -129,6 +93,20 @@ class StaleReplica(Exception):
 
 class EpochBook:
     """The holders of ``max_step``, the current epoch and who may join after it.
+
+    * **Holders**: the members of the last issued quorum at the new ``max_step``.
+      ``holders_seen_at`` is the last time one of them was seen: the quorum's
+      issue, then every heartbeat or join of a holder id. A lighthouse that
+      restored ``max_step`` from its state directory counts from its start, and
+      knows the holders saved with it (none from an older state directory).
+    * **New epoch**: see :meth:`lift_reason` and :meth:`start`.
+    * **Fence**: see :meth:`check`.
+
+    Bounded memory: the ids admitted since the epoch are kept only while
+    heartbeating or in the last quorum (one that is neither and later comes back
+    above ``max_step`` is refused and restarts: it loses nothing but the restart,
+    as it heals from the others); the fenced ids are the newest ``MAX_FENCED``
+    (an older one's heartbeats count again, its Quorum calls are still refused).
 
     :class:`lighthouse.quorum.QuorumState` owns one and tells it what it sees;
     every call is O(1) except :meth:`issued` (O(quorum size)).
@@ -199,7 +177,19 @@ class EpochBook:
                     resumed: Collection[str] | None) -> str | None:
         """Why the guard, now blocking, should give way to a new epoch (an operator's request aside); None while
         it should hold. ``resumed``: the eligible participants' ids when every one just resumed from a durable
-        checkpoint, else None."""
+        checkpoint, else None.
+
+        While the guard blocks (with at least ``min_replicas`` eligible participants) it gives way when (a) no
+        holder was seen for ``holder_timeout`` (nor for ``heartbeat_timeout``, if that is longer: never while a
+        holder may be healthy); or (b) every eligible participant just resumed from a durable checkpoint (its
+        ``resumed_from`` equals its step), no holder is healthy (none seen within ``heartbeat_timeout``) and
+        every holder is :meth:`superseded`: its replica group (:func:`group_of`; torchft's Managers and ours
+        append a new uuid per process) is among the resumed participants under another id, so it restarted and
+        its state is gone. A holder that is only hung or cut off is not, and the job waits for it up to
+        ``holder_timeout``. With no holder known (a restored ``max_step`` from an older state directory), (b)
+        needs no supersession. (c), an operator's request, is ``QuorumState.request_epoch``'s: it counts for
+        the next decision only.
+        """
         unseen = now - self.holders_seen_at
         if unseen >= max(holder_timeout, heartbeat_timeout):
             return f"{self._unseen(max_step, unseen)} (holder timeout {holder_timeout:.1f}s)"
@@ -236,7 +226,8 @@ class EpochBook:
     def start(self, now: float, from_step: int, to_step: int, reason: str, holders: Iterable[str],
               first_quorum_id: int) -> Epoch:
         """A new epoch begins: ``holders`` (the participants at ``to_step``) hold the new highest step;
-        ``first_quorum_id``: the id its first quorum gets (ids only grow)."""
+        ``first_quorum_id``: the id its first quorum gets (ids only grow). ``to_step`` is the highest step
+        among the eligible participants (0 at least), and the next quorum gets a new id, as after a restart."""
         self.current = Epoch(self.number + 1, now, from_step, to_step, reason, first_quorum_id)
         self.holders, self.holders_seen_at = frozenset(holders), now
         self._admitted.clear()
@@ -245,7 +236,15 @@ class EpochBook:
     # ------------------------------------------------------------ the fence
 
     def check(self, member: Member, max_step: int) -> None:
-        """Raise :class:`StaleReplica` if ``member`` is from before the current epoch; else it is no longer fenced."""
+        """Raise :class:`StaleReplica` if ``member`` is from before the current epoch; else it is no longer fenced.
+
+        After an epoch started in this process, a replica that reports a step above ``max_step`` and was in
+        none of the quorums issued since the epoch began is from before it (say, a partitioned holder coming
+        back): its join is refused instead of making it everyone's heal source, and its heartbeats are ignored
+        (:meth:`fence`) until it joins at a step the rules accept, so it does not count as healthy either. The
+        one replica above ``max_step`` admitted without a quorum since: one that just resumed from a durable
+        checkpoint committed under a quorum of this epoch (:func:`_resumed_within`).
+        """
         epoch = self.current
         if (epoch is not None and member.step > max_step and member.replica_id not in self._admitted
                 and not _resumed_within(member, epoch)):

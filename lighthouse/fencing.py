@@ -1,41 +1,10 @@
-"""Quorum ids that strictly increase across lighthouse restarts, and the job's highest agreed step.
+"""The lighthouse's state directory: quorum ids that strictly increase across restarts, and the job's highest agreed step.
 
 Managers prefix their process-group store keys with the quorum id, so a
-restarted lighthouse must never hand out an id that an earlier incarnation
-already used. Without a state directory the first id is seeded from wall-clock
-milliseconds: ids only grow by one per membership change, far slower than one
-per millisecond. With a state directory the last issued id is also kept on disk
-(written atomically before it is handed out), which covers a clock that steps
-back; the seed is the larger of the two. Only the directory can tell a restart
-from a first start.
-
-The directory also keeps the highest step the job reached, for the
-stale-quorum guard of the next incarnation. That step is one a quorum agreed
-on, not one member's claim: of each issued quorum, the highest step that more
-than half of its members report (:func:`agreed_step`; a lone member's own step,
-the lower of two). It is raised as quorums advance and lowered only when a new
-epoch of the job starts. A member that heals in a quorum reports the quorum's
-step at its next one, so a job's honest progress reaches the disk one round
-later at most. What a forged member (a process with the job token, or any
-loopback process without one) can still do: claim any step below 2**53 (see
-:mod:`lighthouse.validation`) and, in a quorum, become its members' heal source
-(the managers pick the highest step) and raise the running lighthouse's guard,
-which then waits ``holder_timeout`` for it before a new epoch; it moves the
-persisted step only in a quorum where it holds more than half of the slots
-(many replica ids of its own), or alone while no replica of the job
-heartbeats (the split-brain guard keeps a minority from forming a quorum).
-
-With the step go its holders' replica ids (the members at or above it in the
-quorum that last named them), so the next incarnation knows whom the guard
-waits for: a holder that re-registers is seen, and a resumed job starts a new
-epoch at once only when every holder's replica group restarted (see
-:mod:`lighthouse.epochs`). A file that can't be read only loses that: the
-guard then counts from the start, as with no holders known.
-
-A write that fails (a full disk) never stops the lighthouse: it logs an ERROR
-once per streak of failures, counts it (``write_failures``), serves on, and
-writes the value again at the next chance. Meanwhile a restart relies on the
-wall-clock seed and an older step.
+restarted lighthouse must never hand out an id an earlier incarnation used.
+The directory (``--state-dir``) also keeps the highest step a quorum agreed on
+and the replica ids that held it, for the next incarnation's stale-quorum guard
+(:mod:`lighthouse.epochs`). A write that fails never stops the lighthouse.
 """
 
 from __future__ import annotations
@@ -66,7 +35,22 @@ def agreed_step(steps: Iterable[int]) -> int:
 
 
 class QuorumIdStore:
-    """Reads the starting quorum id and step, and persists each newly issued id and agreed step."""
+    """Reads the starting quorum id and step, and persists each newly issued id and agreed step.
+
+    The step kept is one a quorum agreed on, not one member's claim (:func:`agreed_step` of each issued
+    quorum). It is raised as quorums advance and lowered only when a new epoch of the job starts. A member
+    that heals in a quorum reports the quorum's step at its next one, so a job's honest progress reaches the
+    disk one round later at most. What a forged member (a process with the job token, or any loopback
+    process without one) can still do: claim any step below 2**53 (see :mod:`lighthouse.validation`) and,
+    in a quorum, become its members' heal source (the managers pick the highest step) and raise the running
+    lighthouse's guard, which then waits ``holder_timeout`` for it before a new epoch; it moves the
+    persisted step only in a quorum where it holds more than half of the slots (many replica ids of its
+    own), or alone while no replica of the job heartbeats (the split-brain guard keeps a minority from
+    forming a quorum).
+
+    With the step go its holders' replica ids (the members at or above it in the quorum that last named
+    them), so the next incarnation knows whom the guard waits for (see :mod:`lighthouse.epochs`).
+    """
 
     def __init__(self, state_dir: Path | None, wall_clock: Callable[[], float] = time.time) -> None:
         self._path = None if state_dir is None else Path(state_dir) / STATE_FILE
@@ -89,7 +73,13 @@ class QuorumIdStore:
         return None if earlier is None else f"its state dir holds quorum id {earlier}"
 
     def initial(self) -> int:
-        """The id to seed the quorum state with (the first issued is one more)."""
+        """The id to seed the quorum state with (the first issued is one more).
+
+        Without a state directory it is wall-clock milliseconds: ids only grow by one per membership change,
+        far slower than one per millisecond. With one, the last issued id is also kept on disk (written
+        atomically before it is handed out), which covers a clock that steps back; the seed is the larger of
+        the two. Only the directory can tell a restart from a first start.
+        """
         seed = time_seed(self._wall_clock)
         if self._path is None:
             return seed
@@ -190,6 +180,9 @@ class QuorumIdStore:
         return self._path is None or self._write(self._path.with_name(HOLDERS_FILE), json.dumps(sorted(holders)))
 
     def _write(self, path: Path, value: int | str) -> bool:
+        """Write ``value`` atomically; False when that failed (a full disk). A failure logs an ERROR once per
+        streak of failures, is counted in ``write_failures``, and the value is written again at the next
+        chance; meanwhile a restart relies on the wall-clock seed and an older step."""
         try:
             _write_atomically(path, value)
         except OSError as exc:

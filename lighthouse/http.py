@@ -1,37 +1,11 @@
-"""The lighthouse's HTTP side (aiohttp, on the lighthouse's event loop).
+"""The lighthouse's HTTP side (aiohttp, on the lighthouse's event loop): the dashboard, its JSON API and /metrics.
 
-GET  /                                 self-contained dashboard (no CDN; works offline)
-GET  /api/status                       the dashboard's data as JSON (``job``: the status line)
-GET  /api/history                      the job's history as JSON (lighthouse.history): per-second samples and
-                                       markers; ``?seconds=S`` only the last S seconds, ``?samples_after=N&
-                                       markers_after=M`` only what is newer than the cursors a previous answer gave
-GET  /metrics                          Prometheus metrics, ``lighthouse_`` prefixed
-GET  /healthz                          "ok" while serving
-POST /api/replicas/{replica_id}/kill   ask that replica's Manager to exit (Kill RPC);
-                                       needs ``Authorization: Bearer <admin token>``
-POST /api/epoch                        start a new epoch of the job now, when the stale-quorum
-                                       guard holds participants back (same token): 202 with
-                                       {"epoch": {...}, "status": {...}} once it started (the quorum
-                                       then forms as usual); 409 when nothing is blocked (nothing
-                                       is kept for later)
-
-Every route answers only callers that ``config.access`` admits
-(``torchft_lite.rpc.access``): with a job token, requests carrying
-``Authorization: Bearer <token>`` or the dashboard's login cookie; without
-one, loopback peers (unless ``--insecure``). Others get 401 (with
-``WWW-Authenticate: Bearer``) or 403 and the reason, and nothing else
-happens; ``lighthouse_http_unauthorized_requests_total{kind}`` counts them.
-A browser logs in once by opening ``/?token=<token>``: the answer sets an
-HttpOnly, SameSite=Strict cookie holding a value derived from the token (never
-the token itself) and redirects (303) to ``/``, so the token leaves the address
-bar and the history. The admin actions (POST) need the admin token: the
-dashboard sends it in ``Authorization`` with its login in the cookie; a script
-sends only ``Authorization: Bearer <admin token>``, which admits an admin action
-on its own (its holder is the operator), in protected mode too.
-
-With a TLS certificate (``--tls-cert``/``--tls-key``, ``torchft_lite.rpc.tls``)
-every route is HTTPS only and the login cookie is marked ``Secure``; the Kill
-RPC to a manager uses TLS by the lighthouse's settings.
+Routes (:func:`start_http`): ``GET /`` (the self-contained dashboard), ``/api/status``,
+``/api/history``, ``/metrics`` (``lighthouse_`` prefixed) and ``/healthz``; ``POST
+/api/replicas/{replica_id}/kill`` and ``POST /api/epoch`` with the admin token. What each
+answers is in docs/lighthouse.md; who may call is ``_Handlers.guard``'s (docs/security.md).
+With a TLS certificate (``torchft_lite.rpc.tls``) every route is HTTPS only and the login
+cookie is marked ``Secure``.
 """
 
 from __future__ import annotations
@@ -111,7 +85,16 @@ class _Handlers:
 
     @web.middleware
     async def guard(self, request: web.Request, handler) -> web.StreamResponse:
-        """Every route: callers the access policy admits go on; others are refused and nothing else happens."""
+        """Every route: callers the access policy admits go on; others are refused and nothing else happens.
+
+        ``config.access`` (``torchft_lite.rpc.access``) admits, with a job token, requests carrying
+        ``Authorization: Bearer <token>`` or the dashboard's login cookie; without one, loopback peers (unless
+        ``--insecure``). Others get 401 (with ``WWW-Authenticate: Bearer``) or 403 and the reason, counted in
+        ``lighthouse_http_unauthorized_requests_total{kind}``. The admin actions (POST) also need the admin
+        token: the dashboard sends it in ``Authorization`` with its login in the cookie; a script sends only
+        ``Authorization: Bearer <admin token>``, which admits an admin action on its own (its holder is the
+        operator), in protected mode too.
+        """
         access = self.server.config.access
         if request.method == "GET" and request.path == "/" and "token" in request.query:
             return self._login(request, access)
@@ -128,7 +111,10 @@ class _Handlers:
         return await handler(request)
 
     def _login(self, request: web.Request, access: Access) -> web.Response:
-        """``GET /?token=``: set the login cookie and send the browser to ``/`` (the token leaves the URL)."""
+        """``GET /?token=``: set the login cookie and send the browser to ``/`` (the token leaves the URL).
+
+        The cookie is HttpOnly and SameSite=Strict and holds a value derived from the token, never the token
+        itself; the 303 to ``/`` takes the token out of the address bar and the history."""
         if access.token is None:
             refusal = access.check(request.remote, None)  # nothing to log in to: only the peer counts
         else:
@@ -165,6 +151,8 @@ class _Handlers:
         return web.json_response(self.server.snapshot(), dumps=lambda d: json.dumps(d, allow_nan=False))
 
     async def history(self, request: web.Request) -> web.Response:
+        """``GET /api/history`` (``lighthouse.history``): ``?seconds=S`` only the last S seconds,
+        ``?samples_after=N&markers_after=M`` only what is newer than the cursors a previous answer gave."""
         query = request.query
         try:
             cursors = {name: int(query.get(name, "-1")) for name in ("samples_after", "markers_after")}
@@ -204,6 +192,7 @@ class _Handlers:
         return None
 
     async def kill(self, request: web.Request) -> web.Response:
+        """``POST /api/replicas/{replica_id}/kill``: ask that replica's Manager to exit (its ``Kill`` RPC)."""
         denied = self._authorize(request)
         if denied is not None:
             return denied
@@ -250,6 +239,9 @@ class _Handlers:
 
 
     async def epoch(self, request: web.Request) -> web.Response:
+        """``POST /api/epoch``: start a new epoch of the job now, when the stale-quorum guard holds participants
+        back. 202 with ``{"epoch": {...}, "status": {...}}`` once it started (the quorum then forms as usual);
+        409 when nothing is blocked (nothing is kept for later)."""
         denied = self._authorize(request)
         if denied is not None:
             return denied

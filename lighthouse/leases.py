@@ -1,33 +1,12 @@
 """Connection leases: the fast path of failure detection (a torchft_lite extension).
 
-A ManagerServer holds one long-lived ``Lease`` stream to the lighthouse. While
-the stream is open the replica is leased; when it ends (the process died, the
-socket closed, or the replica left on purpose) the lighthouse treats the
-replica as gone at once instead of waiting ``heartbeat_timeout`` for its
-heartbeats to lapse. A stream that merely goes quiet (a hung process, a
-partition) stays open, so those cases still fall back to the heartbeat timeout.
-
-**A lease belongs to the connection that opened it.** Ending a lease declares
-its replica gone and tells every other member, so no other connection may
-take it over: a ``Lease`` for a replica id already leased on another
-connection is refused (ALREADY_EXISTS), and the refused stream ending declares
-nothing. Replica ids name one process incarnation (a group name and a uuid),
-so a restarted group never asks for its predecessor's lease. The one
-legitimate second claim is the same process reconnecting on a new
-connection; it gets the lease
-
-* once the old connection is seen to close (which ends the old lease: the
-  replica is gone for a moment and rejoins, as after any broken connection), or
-* once the holder's connection has carried no Heartbeat or Quorum call for that
-  replica for ``heartbeat_timeout`` (a connection that died without a close,
-  which the lighthouse may not notice for a long time): the new connection
-  takes the lease over, and the old stream ending later declares nothing.
-
-A connection is told apart by its gRPC peer (address and port), the same for
-every call on one HTTP/2 connection; the manager's heartbeats and Quorum calls
-share its lease's channel. Heartbeats for the replica from other connections
-(a torchft manager's, or a forger's) keep it healthy in the quorum rules but
-never keep a lease's connection alive: a holder can't be kept by someone else.
+A ManagerServer holds one long-lived ``Lease`` stream to the lighthouse; when it
+ends (the process died, the socket closed, or the replica left on purpose) the
+lighthouse treats the replica as gone at once instead of waiting
+``heartbeat_timeout`` for its heartbeats to lapse. A stream that merely goes quiet
+(a hung process, a partition) stays open, so those still fall back to the
+heartbeat timeout. **A lease belongs to the connection that opened it**: the
+rules for a second claim are :meth:`LeaseTable.open`'s.
 """
 
 from __future__ import annotations
@@ -73,8 +52,27 @@ class LeaseTable:
         self.taken_over = 0
 
     def open(self, replica_id: str, peer: str, now: float) -> Lease:
-        """A new lease for ``replica_id`` on the connection ``peer`` (see the module docstring for when an
-        older one is replaced); raises :class:`LeaseHeld` while another live connection holds it."""
+        """A new lease for ``replica_id`` on the connection ``peer``; raises :class:`LeaseHeld` while another
+        live connection holds it.
+
+        Ending a lease declares its replica gone and tells every other member, so no other connection may take
+        it over: a lease for a replica id already leased on another connection is refused (ALREADY_EXISTS),
+        and the refused stream ending declares nothing. Replica ids name one process incarnation (a group name
+        and a uuid), so a restarted group never asks for its predecessor's lease. The one legitimate second
+        claim is the same process reconnecting on a new connection; it gets the lease
+
+        * once the old connection is seen to close (which ends the old lease: the replica is gone for a moment
+          and rejoins, as after any broken connection), or
+        * once the holder's connection has carried no Heartbeat or Quorum call for that replica for
+          ``heartbeat_timeout`` (a connection that died without a close, which the lighthouse may not notice
+          for a long time): the new connection takes the lease over, and the old stream ending later declares
+          nothing.
+
+        A connection is told apart by its gRPC peer (address and port), the same for every call on one HTTP/2
+        connection; the manager's heartbeats and Quorum calls share its lease's channel. Heartbeats for the
+        replica from other connections (a torchft manager's, or a forger's) keep it healthy in the quorum
+        rules but never keep a lease's connection alive (:meth:`saw`): a holder can't be kept by someone else.
+        """
         held = self._holders.get(replica_id)
         if held is not None and held.peer != peer:
             silent = now - held.seen_at

@@ -1,57 +1,11 @@
-"""The lighthouse's quorum rules as a pure state machine.
+"""The lighthouse's quorum rules as a pure state machine: :class:`QuorumState`.
 
 No gRPC, asyncio or clock in here: every method that depends on time takes
 ``now`` (monotonic seconds) from the caller, so tests pass literal timestamps.
-
-Rules (torchft's semantics, so mixed fleets agree):
-
-* A replica is *healthy* while its last heartbeat is younger than
-  ``heartbeat_timeout``. Joining (a Quorum call) counts as a heartbeat.
-* A participant is a replica waiting in a Quorum call. Only healthy
-  participants count.
-* **Fast quorum**: when every member of the previous quorum is a healthy
-  participant again, a quorum is issued at once.
-* Otherwise a quorum needs at least ``min_replicas`` healthy participants,
-  strictly more than half of the healthy heartbeating replicas (split-brain
-  guard), and, while some healthy replicas have not joined, waits up to
-  ``join_timeout`` counted from the first participant's join.
-* ``shrink_only`` from any healthy participant admits only members of the
-  previous quorum.
-* ``quorum_id`` increases when membership changes or any member reports
-  ``commit_failures > 0``. Members are sorted by replica id.
-* Members of an issued quorum stop being participants; a participant left out
-  keeps waiting for the next quorum (its join time restarts).
-
-Beyond torchft (a restarted lighthouse or a minority must not redo committed
-steps, and every wait has a bounded way out):
-
-* **Startup grace**: a lighthouse that knows an earlier incarnation of itself
-  issued quorums (``restart_evidence``, from its state directory) issues no
-  first quorum until ``startup_grace`` after it started, so replicas already
-  training re-register first. A first start has nobody to wait for and answers
-  at once, as torchft's lighthouse does.
-* **Stale-quorum guard**: no quorum of eligible participants that are all
-  behind ``max_step``, the highest step a quorum reached (restored from the
-  state directory after a restart), while a holder of it may come back.
-* **New epoch** and **fence** (rules in :mod:`lighthouse.epochs`): ``decide``
-  lets the guard give way at the participants' step; a replica from before
-  the epoch is refused (``join`` raises :class:`StaleReplica`).
-* **Lineage fence**: a member of the last issued quorum that the next one
-  leaves out (its heartbeat expired, its lease ended, or it did not rejoin
-  within the join timeout) is remembered with the step it had there, S. If
-  that next quorum (or a later one without it) is issued at highest step S,
-  the others redo step S without it; if it then comes back reporting a step
-  above S while another member of its new quorum reports as much, it
-  committed step S on a lineage the others did not keep (its peers failed
-  that step while it committed it). The quorum gives it step S instead, so
-  every manager, ours and torchft's, heals it from the others: two lineages
-  never both go on. A quorum that takes it in resolves it; the newest
-  ``MAX_DROPPED`` are kept.
-
-Cost: a join, heartbeat or ``evaluate`` is O(1) amortized (incremental
-counters; heartbeats pruned from the front of a list in last-seen order); only
-issuing a quorum (O(n log n)), starting an epoch and a guard blocking resumed
-participants (O(n)) visit every one. torchft recomputes every set: O(n^2).
+The rules (torchft's, then ours: the startup grace, the stale-quorum guard and
+the lineage fence) are stated on :class:`QuorumState`; new epochs and the fence
+of replicas from before one are :mod:`lighthouse.epochs`'. What they mean for a
+job is in docs/lighthouse.md.
 """
 
 from __future__ import annotations
@@ -76,7 +30,48 @@ class _Participant:
 
 
 class QuorumState:
-    """Heartbeats, participants and the previous quorum, with the rules above.
+    """Heartbeats, participants and the previous quorum, and the rules that turn them into quorums.
+
+    torchft's rules, so mixed fleets agree:
+
+    * A replica is *healthy* while its last heartbeat is younger than
+      ``heartbeat_timeout``. Joining (a Quorum call) counts as a heartbeat.
+    * A participant is a replica waiting in a Quorum call. Only healthy
+      participants count.
+    * **Fast quorum**: when every member of the previous quorum is a healthy
+      participant again, a quorum is issued at once.
+    * Otherwise a quorum needs at least ``min_replicas`` healthy participants,
+      strictly more than half of the healthy heartbeating replicas (split-brain
+      guard), and, while some healthy replicas have not joined, waits up to
+      ``join_timeout`` counted from the first participant's join.
+    * ``shrink_only`` from any healthy participant admits only members of the
+      previous quorum.
+    * ``quorum_id`` increases when membership changes or any member reports
+      ``commit_failures > 0``. Members are sorted by replica id.
+    * Members of an issued quorum stop being participants; a participant left out
+      keeps waiting for the next quorum (its join time restarts).
+
+    Ours (a restarted lighthouse or a minority must not redo committed steps,
+    and every wait has a bounded way out):
+
+    * **Startup grace**: a lighthouse that knows an earlier incarnation of itself
+      issued quorums (``restart_evidence``, from its state directory) issues no
+      first quorum until ``startup_grace`` after it started, so replicas already
+      training re-register first. A first start has nobody to wait for and answers
+      at once, as torchft's lighthouse does.
+    * **Stale-quorum guard**: no quorum of eligible participants that are all
+      behind ``max_step``, the highest step a quorum reached (restored from the
+      state directory after a restart), while a holder of it may come back.
+    * **New epoch** and **fence** (:class:`~lighthouse.epochs.EpochBook`): ``decide``
+      lets the guard give way at the participants' step; a replica from before
+      the epoch is refused (``join`` raises :class:`StaleReplica`).
+    * **Lineage fence** (:meth:`_fence_lineages`): a member that comes back having
+      committed a step the others redid without it is given that step, so it heals.
+
+    Cost: a join, heartbeat or ``evaluate`` is O(1) amortized (incremental
+    counters; heartbeats pruned from the front of a list in last-seen order); only
+    issuing a quorum (O(n log n)), starting an epoch and a guard blocking resumed
+    participants (O(n)) visit every one. torchft recomputes every set: O(n^2).
 
     Not thread-safe: the server calls it from one event loop.
     """
@@ -444,9 +439,19 @@ class QuorumState:
         return epoch, fenced
 
     def _fence_lineages(self, chosen: list[Member]) -> tuple[tuple[str, int, int], ...]:
-        """The lineage fence (module docstring): remember the members of the last quorum that ``chosen`` leaves
-        out, note those whose step it redoes, and lower the step of each chosen member that committed a step
-        the others redid. Returns what it lowered."""
+        """The lineage fence: remember the members of the last quorum that ``chosen`` leaves out, note those
+        whose step it redoes, and lower the step of each chosen member that committed a step the others redid.
+        Returns what it lowered.
+
+        A member of the last issued quorum that the next one leaves out (its heartbeat expired, its lease
+        ended, or it did not rejoin within the join timeout) is remembered with the step it had there, S. If
+        that next quorum (or a later one without it) is issued at highest step S, the others redo step S
+        without it; if it then comes back reporting a step above S while another member of its new quorum
+        reports as much, it committed step S on a lineage the others did not keep (its peers failed that step
+        while it committed it). The quorum gives it step S instead, so every manager, ours and torchft's,
+        heals it from the others: two lineages never both go on. A quorum that takes it in resolves it; the
+        newest ``MAX_DROPPED`` are kept.
+        """
         top = max((m.step for m in chosen), default=0)
         ids = {m.replica_id for m in chosen}
         if self._prev is not None:

@@ -1,36 +1,11 @@
 """What the job did and is doing, as the lighthouse sees it: its history, fed, and the status line.
 
-Pure: no clock, network or asyncio. The server (a thin feeder) calls
-:class:`Timeline` with what happens, each with ``now`` (monotonic seconds):
-
-* :meth:`~Timeline.observe` after every decision of the quorum rules (O(1)):
-  folds health and participants into the second under way and keeps a
-  :class:`~lighthouse.history.Sample` once a second has passed;
-* :meth:`~Timeline.quorum_issued` with every issued quorum (O(members)):
-  steps, stalls, groups back or joined, heals begun and finished, rewinds;
-* :meth:`~Timeline.gone`, :meth:`~Timeline.epoch_started`,
-  :meth:`~Timeline.left_out`: groups gone (lease ended, heartbeat expired,
-  refused), new epochs, straggler evictions.
-
-What it can know, and how:
-
-* **Steps** are the highest step of each issued quorum (the members report
-  their committed step when they ask for the next quorum), so steps/s is what
-  the job commits, for torchft's managers too.
-* **A stall** is a gap between two quorums longer than
-  ``max(1 s, 3 x the median gap of the last 64 quorums)``: a job whose steps
-  take a minute does not stall at each one (10 s while no gap is known yet). It is marked when the next quorum
-  of the same job (a member, or a member's group, of the last one) is issued;
-  while it lasts the status line says so. Its sentence says which groups went
-  meanwhile and what the quorum rules waited for, if anyone waited.
-* **A heal** begins when a quorum holds a member behind its highest step (it
-  receives the state from the members at that step; a striped heal takes from
-  several) and ends at the first later quorum where it is at that step. Its
-  size is the steps it was behind; the bytes are known to the trainers only
-  (``torchft_lite_heal_bytes_total``).
-* **Gone and back** go by replica group: a Manager names its process
-  ``<group>:<uuid>`` (:func:`lighthouse.epochs.group_of`), so a restarted
-  group is the same group under a new id.
+Pure: no clock, network or asyncio. The server (a thin feeder) tells
+:class:`Timeline` what happens, each with ``now`` (monotonic seconds); it keeps
+a :class:`~lighthouse.history.History` of samples and markers (steps, stalls,
+heals, groups gone and back, new epochs, rewinds, straggler evictions) and
+says the status line (:class:`JobStatus`). How it knows each of these is on
+:class:`Timeline`; what the dashboard shows is in docs/lighthouse.md.
 """
 
 from __future__ import annotations
@@ -151,7 +126,37 @@ class _Second:
 
 
 class Timeline:
-    """Feeds a :class:`~lighthouse.history.History` and tells the status line; see the module docstring."""
+    """Feeds a :class:`~lighthouse.history.History` and tells the status line.
+
+    Inputs: :meth:`observe` after every decision of the quorum rules (O(1): folds
+    health and participants into the second under way and keeps a
+    :class:`~lighthouse.history.Sample` once a second has passed);
+    :meth:`quorum_issued` with every issued quorum (O(members): steps, stalls,
+    groups back or joined, heals begun and finished, rewinds); :meth:`gone`,
+    :meth:`epoch_started` and :meth:`left_out` (groups gone, new epochs,
+    straggler evictions).
+
+    What it can know, and how:
+
+    * **Steps** are the highest step of each issued quorum (the members report
+      their committed step when they ask for the next quorum), so steps/s is what
+      the job commits, for torchft's managers too.
+    * **A stall** is a gap between two quorums longer than
+      ``max(STALL_AFTER, STALL_FACTOR x the median gap of the last RECENT_QUORUMS)``
+      (``PACE_UNKNOWN`` while no gap is known yet): a job whose steps take a minute
+      does not stall at each one. It is marked when the next quorum of the same job
+      (a member, or a member's group, of the last one) is issued; while it lasts the
+      status line says so. Its sentence says which groups went meanwhile and what
+      the quorum rules waited for, if anyone waited.
+    * **A heal** begins when a quorum holds a member behind its highest step (it
+      receives the state from the members at that step; a striped heal takes from
+      several) and ends at the first later quorum where it is at that step. Its
+      size is the steps it was behind; the bytes are known to the trainers only
+      (``torchft_lite_heal_bytes_total``).
+    * **Gone and back** go by replica group: a Manager names its process
+      ``<group>:<uuid>`` (:func:`lighthouse.epochs.group_of`), so a restarted group
+      is the same group under a new id.
+    """
 
     def __init__(self, now: float, *, restart_evidence: str | None = None, history: History | None = None) -> None:
         self.history = History() if history is None else history

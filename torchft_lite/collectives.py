@@ -1,31 +1,12 @@
 """Quantized collectives: allreduce and reduce-scatter in 8 bits, reduced in full precision (torchft's names).
 
-``allreduce_quantized`` on a group of W ranks:
-
-1. quantize the tensors into one row per rank (``torchft_lite.quantization``: int8, one float32 scale per
-   block of 1024 values);
-2. all-to-all: rank ``r`` receives every rank's copy of chunk ``r``;
-3. dequantize those W copies, sum them in float32 (AVG: divide by W), quantize the sum into one row;
-4. all-gather the reduced rows, and dequantize all of them into the tensors.
-
-Each rank sends ``2 (W-1)`` rows of about ``N (1 + 4/1024) / W`` bytes for N values, where a float32 ring
-allreduce sends ``2 (W-1) / W * 4N``: about a quarter of the bytes. The error of a value is at most
-``(sum over ranks of a_j) / 127`` for SUM (``/ W`` for AVG), where ``a_j`` is the largest magnitude in the
-value's block on rank ``j``: half a step when each rank quantizes its input, and half a step of the sum
-(whose magnitude is at most the sum of the ``a_j``) when it is quantized again.
-
-Why the all-to-all is waited for in the calling thread (as torchft does): the all-gather needs its result,
-and it must be issued from the caller too, so that every rank issues its collectives in the same order
-(gloo and NCCL pair them by order; an all-gather started from a completion callback could overtake another
-collective the caller starts meanwhile). The wait is bounded by the group's timeout; the all-gather and the
-dequantization then run in the background. On CUDA both phases are stream-ordered (``sync_stream``), and the
-host never waits. The returned work follows the stream rule (``torchft_lite.work``): its future is CUDA-aware
-and set on the stream the quantized ops ran on, so ``wait()``, ``then()`` (the Manager's division) and DDP
-order themselves after the dequantization.
-
-The group needs ``alltoall_base`` and ``allgather_into_tensor_coalesced``: our gloo, NCCL and child-process
-groups (and c10d's own) have both. One that does not (``torchft_lite.testing.InMemoryProcessGroup`` has only
-``allreduce``) raises :class:`UnsupportedProcessGroupError`.
+:func:`allreduce_quantized` (its steps, bytes and error bound are on it) and
+:func:`reduce_scatter_quantized` exchange rows of int8 blocks
+(:mod:`torchft_lite.quantization`) with an all-to-all and an all-gather; the
+Manager's ``should_quantize=True`` goes through :func:`start_quantized_allreduce`.
+The group needs ``alltoall_base`` and ``allgather_into_tensor_coalesced`` (ours and
+c10d's have both); one without them raises :class:`UnsupportedProcessGroupError`.
+What a user sees is in docs/large-models.md ("Quantized reduction").
 """
 
 from __future__ import annotations
@@ -173,11 +154,35 @@ def _exchange(rows: torch.Tensor, layout: BlockLayout, op: ReduceOp, timeout: ti
 
 def allreduce_quantized(tensors: list[torch.Tensor], opts: AllreduceOptions | ReduceOp, process_group: Any,
                         sync_stream: Any = None) -> dist.Work:
-    """Allreduce ``tensors`` in place, exchanging 8-bit blocks (module docstring); SUM or AVG (over the group).
+    """Allreduce ``tensors`` in place, exchanging 8-bit blocks; SUM or AVG (over the group).
 
     Returns a Work whose future yields ``tensors``. Raises :class:`UnsupportedQuantization` (a ``TypeError``
     for a dtype other than float32/bfloat16/float16, a ``ValueError`` for another reduce op) before sending
-    anything; a failed collective raises from here (the all-to-all) or fails the future (the all-gather)."""
+    anything; a failed collective raises from here (the all-to-all) or fails the future (the all-gather).
+
+    On a group of W ranks:
+
+    1. quantize the tensors into one row per rank (``torchft_lite.quantization``: int8, one float32 scale per
+       block of 1024 values);
+    2. all-to-all: rank ``r`` receives every rank's copy of chunk ``r``;
+    3. dequantize those W copies, sum them in float32 (AVG: divide by W), quantize the sum into one row;
+    4. all-gather the reduced rows, and dequantize all of them into the tensors.
+
+    Each rank sends ``2 (W-1)`` rows of about ``N (1 + 4/1024) / W`` bytes for N values, where a float32 ring
+    allreduce sends ``2 (W-1) / W * 4N``: about a quarter of the bytes. The error of a value is at most
+    ``(sum over ranks of a_j) / 127`` for SUM (``/ W`` for AVG), where ``a_j`` is the largest magnitude in the
+    value's block on rank ``j``: half a step when each rank quantizes its input, and half a step of the sum
+    (whose magnitude is at most the sum of the ``a_j``) when it is quantized again.
+
+    Why the all-to-all is waited for in the calling thread (as torchft does): the all-gather needs its result,
+    and it must be issued from the caller too, so that every rank issues its collectives in the same order
+    (gloo and NCCL pair them by order; an all-gather started from a completion callback could overtake another
+    collective the caller starts meanwhile). The wait is bounded by the group's timeout; the all-gather and the
+    dequantization then run in the background. On CUDA both phases are stream-ordered (``sync_stream``), and
+    the host never waits. The returned work follows the stream rule (``torchft_lite.work``): its future is
+    CUDA-aware and set on the stream the quantized ops ran on, so ``wait()``, ``then()`` (the Manager's
+    division) and DDP order themselves after the dequantization.
+    """
     check_quantized_reduction(tensors, opts, process_group)
     op, timeout = _reduce_op(opts)
     layout = BlockLayout.of(tensors, process_group.size())
@@ -209,7 +214,7 @@ def allreduce_quantized(tensors: list[torch.Tensor], opts: AllreduceOptions | Re
 def start_quantized_allreduce(pg: Any, tensor: torch.Tensor, reduce_op: Any, participants: int) -> Any:
     """The Manager's quantized allreduce of ``tensor`` (in place); its future yields ``tensor``.
 
-    As ``_step.start_allreduce``: AVG is a SUM divided by ``participants`` (the replicas the peers count)."""
+    As ``core.step.start_allreduce``: AVG is a SUM divided by ``participants`` (the replicas the peers count)."""
     average = reduce_op == ReduceOp.AVG
     fut = allreduce_quantized([tensor], ReduceOp.SUM if average else reduce_op, pg).get_future()
     return fut.then(lambda f: (f.value(), tensor.div_(participants) if average else tensor)[1])

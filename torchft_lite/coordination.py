@@ -1,23 +1,14 @@
 """torchft's low-level coordination API: a lighthouse server and client, and the quorum they agree on.
 
-Scripts written against ``torchft.coordination`` (or ``torchft._torchft``) use
-these names unchanged::
+Scripts written against ``torchft.coordination`` (or ``torchft._torchft``) use these names unchanged::
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1)
     client = LighthouseClient(lighthouse.address(), connect_timeout=timedelta(seconds=10))
     quorum = client.quorum(replica_id="a", timeout=timedelta(seconds=30), step=0)
     lighthouse.shutdown()
 
-:class:`LighthouseServer` is torchft_lite's lighthouse on an event loop thread
-of its own; its code is imported only when one is created, so a trainer that
-only talks to a lighthouse never loads it. :class:`LighthouseClient` drives the
-asyncio lighthouse client on the process's control-plane loop; every call waits
-at most its ``timeout``.
-
-Errors: a call that gets no answer within its timeout raises
-:class:`~torchft_lite.errors.QuorumTimeout` (a ``TimeoutError``); a call the
-lighthouse refused or that failed otherwise raises
-:class:`~torchft_lite.errors.QuorumError`; bad settings raise
+Every call waits at most its ``timeout``: no answer in time raises :class:`~torchft_lite.errors.QuorumTimeout`
+(a ``TimeoutError``), any other failure :class:`~torchft_lite.errors.QuorumError`, and bad settings
 :class:`~torchft_lite.errors.ConfigError` (a ``ValueError``).
 """
 
@@ -147,9 +138,10 @@ def _quorum_from_proto(quorum: pb.Quorum) -> Quorum:
 class LighthouseServer:
     """A lighthouse serving in a background thread of this process (torchft_lite's, torchft-compatible).
 
-    It is serving when the constructor returns. It has no HTTP dashboard (run
-    ``python -m lighthouse`` for one) and no state directory, so it is always a
-    first start: its first quorum comes without a startup grace.
+    It is serving when the constructor returns, on an event loop thread of its own. Its code is imported
+    only when one is created, so a trainer that only talks to a lighthouse never loads it. It has no HTTP
+    dashboard (run ``python -m lighthouse`` for one) and no state directory, so it is always a first start:
+    its first quorum comes without a startup grace.
 
     Args:
         bind: ``HOST:PORT`` to serve gRPC on; port 0 picks a free port (``"[::]:0"``).
@@ -216,7 +208,8 @@ class LighthouseServer:
 class LighthouseClient:
     """A connection to a lighthouse (torchft_lite's or torchft's), usable from any thread.
 
-    The constructor connects, so a wrong address fails at once.
+    The constructor connects, so a wrong address fails at once. It drives the asyncio lighthouse client
+    (``torchft_lite.rpc.lighthouse_client``) on the process's control-plane loop.
 
     Args:
         addr: the lighthouse's address: ``http://host:port`` (as ``LighthouseServer.address()`` gives) or ``host:port``.

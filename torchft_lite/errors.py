@@ -1,11 +1,12 @@
-"""Exceptions raised by torchft_lite.
+"""Exceptions raised by torchft_lite (why each branch also derives from a builtin: :class:`TorchFTError`).
 
 ::
 
     TorchFTError
     ├── ConfigError (also ValueError)        a setting is missing or invalid
     ├── QuorumError (also RuntimeError)      the group could not get a quorum
-    │   └── QuorumTimeout (also TimeoutError)
+    │   ├── QuorumTimeout (also TimeoutError)
+    │   └── StateDivergedError               groups at the same step hold different states, no majority
     ├── CollectiveError (also RuntimeError)  a collective on the replica process group failed
     │   ├── CollectiveTimeout (also TimeoutError)
     │   ├── ProcessGroupClosed (also OSError)  used after shutdown(), before the next configure()
@@ -21,15 +22,6 @@
     │           └── CheckpointHTTPError (also urllib.error.HTTPError)  the server answered an error status
     └── ManagerError (also RuntimeError)     the ManagerServer refused or failed a call
         └── ManagerTimeout (also TimeoutError)
-
-Each branch also derives from what torchft raises in the same situation, so
-a script written for torchft catches ours: ``RuntimeError`` for failures,
-``TimeoutError`` for timeouts, ``ValueError`` for bad settings, and for an
-HTTP checkpoint receive urllib's ``URLError`` (``HTTPError`` when the server
-answered an error status), as torchft's ``urlopen`` raises.
-
-Lower layers raise these; only the Manager turns one into "skip this step"
-(it records the first error, logs it once and votes not to commit).
 """
 
 from __future__ import annotations
@@ -60,7 +52,16 @@ __all__ = [
 
 
 class TorchFTError(Exception):
-    """Base class of every error torchft_lite raises on purpose."""
+    """Base class of every error torchft_lite raises on purpose.
+
+    Each branch also derives from what torchft raises in the same situation, so a script written for torchft
+    catches ours: ``RuntimeError`` for failures, ``TimeoutError`` for timeouts, ``ValueError`` for bad
+    settings, and for an HTTP checkpoint receive urllib's ``URLError`` (``HTTPError`` when the server answered
+    an error status), as torchft's ``urlopen`` raises.
+
+    Lower layers raise these; only the Manager turns one into "skip this step" (it records the first error,
+    logs it once and votes not to commit).
+    """
 
 
 class ConfigError(TorchFTError, ValueError):

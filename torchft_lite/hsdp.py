@@ -1,37 +1,12 @@
 """HSDP: FSDP2 shards the model inside a replica group, the Manager averages the shards across groups.
 
-Each replica group is an ordinary torchrun job whose ranks shard the model
-with FSDP2 over a 1-D mesh of their own. After FSDP's reduce-scatter, group
-rank ``r`` holds shard ``r`` of the gradient averaged over its group; the
-all-reduce hook then averages that shard with group rank ``r`` of every other
-live group through the Manager (whose replica process group joins exactly
-those ranks). Three lines on top of a plain FSDP2 script::
-
-    mesh = init_group_mesh()                           # this group's ranks, from torchrun's environment
-    for block in model.blocks: fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    state = ShardedState(model, optimizer)             # state_dict=/load_state_dict= of the Manager
-    manager = Manager(pg=ProcessGroupGloo(), state_dict=state.state_dict, load_state_dict=state.load_state_dict, ...)
-    average_across_groups(model, manager)              # every FSDPModule's all-reduce hook
-
-torchft's way (``m.set_all_reduce_hook(lambda t: dist.all_reduce(t, group=ManagedProcessGroup(manager),
-op=ReduceOp.AVG))``) works as well: ``average_across_groups`` only saves the loop and the wait.
-
-Why AVG in the hook is right whatever FSDP divides by: FSDP leaves the hook's
-tensor at the group's mean (reduce-scatter AVG for fp32/bf16), or for fp16 at
-the sum over a pre-divide factor and divides the rest after the hook; either
-way the final gradient is (cross-group average of the hook's tensor) / (what
-FSDP still divides), and averaging is linear, so the result is the mean over
-every rank of every participating group. The hook's tensor is the flat
-reduce-scatter output the sharded gradients are views of, so reducing it in
-place is enough.
-
-Heals move shards, never the whole model: :class:`ShardedState` hands the
-Manager the sharded DTensors (their local shards travel; see
-``torchft_lite.serialization.dtensor``) and loads received shards into the
-live ones, so group rank ``r`` of a healing group takes shard ``r`` from group
-rank ``r`` of its source. Both groups must shard the same way (same group size
-and ``fully_shard`` calls), which a mismatch in any shard's shape reports.
+Each replica group is an ordinary torchrun job whose ranks shard the model with
+FSDP2 over a 1-D mesh of their own (:func:`init_group_mesh`). After FSDP's
+reduce-scatter, group rank ``r`` holds shard ``r`` of its group's averaged gradient;
+the hook :func:`average_across_groups` sets averages it with group rank ``r`` of
+every other live group through the Manager. :class:`ShardedState` hands the
+Manager shards only, so heals move shards, never the whole model. The three lines
+to add to an FSDP2 script are in docs/large-models.md ("HSDP").
 """
 
 from __future__ import annotations
@@ -160,6 +135,15 @@ class _CrossGroupAverage:
     It waits for the Manager's allreduce, as FSDP reads the tensor right after
     the hook returns. A failure never raises here: the Manager records it, the
     tensor keeps this group's own average, and the step does not commit.
+
+    Why AVG is right whatever FSDP divides by: FSDP leaves the hook's tensor at
+    the group's mean (reduce-scatter AVG for fp32/bf16), or for fp16 at the sum
+    over a pre-divide factor and divides the rest after the hook; either way the
+    final gradient is (cross-group average of the hook's tensor) / (what FSDP
+    still divides), and averaging is linear, so the result is the mean over every
+    rank of every participating group. The hook's tensor is the flat
+    reduce-scatter output the sharded gradients are views of, so reducing it in
+    place is enough.
     """
 
     def __init__(self, manager: "Manager", should_quantize: bool) -> None:
@@ -180,6 +164,10 @@ def average_across_groups(model: nn.Module, manager: "Manager", *, should_quanti
     Call it after ``fully_shard``. ``should_quantize`` reduces in 8 bits
     (where the Manager supports it). Raises ``ConfigError`` when ``model``
     has no FSDPModule.
+
+    torchft's way (``m.set_all_reduce_hook(lambda t: dist.all_reduce(t,
+    group=ManagedProcessGroup(manager), op=ReduceOp.AVG))``) works as well: this
+    only saves the loop and the wait.
     """
     from torch.distributed.fsdp import FSDPModule
 
@@ -220,6 +208,11 @@ class ShardedState:
     collective, no gathering) and loads the optimizer's state with every
     DTensor placed on its parameter's own mesh. Keys are the optimizer's
     parameter indices, so both groups must build the optimizer alike.
+
+    A heal carries the DTensors' local shards (``torchft_lite.serialization.dtensor``),
+    so group rank ``r`` of a healing group takes shard ``r`` from group rank ``r`` of
+    its source. Both groups must shard the same way (same group size and
+    ``fully_shard`` calls), which a mismatch in any shard's shape reports.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

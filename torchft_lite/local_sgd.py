@@ -8,25 +8,8 @@ torchft's constructor arguments::
             ...
             inner_optimizer.step()   # every 100th step also syncs through the Manager
 
-* :class:`LocalSGD` averages the model's parameters across replica groups
-  every ``sync_every`` inner steps (``start_quorum``, one ``allreduce`` per
-  parameter, ``should_commit``); a step that does not commit keeps the local
-  parameters.
-* :class:`DiLoCo` keeps a backup of the *global* parameters, averages the
-  pseudo-gradients (global - local) every ``sync_every`` inner steps and steps
-  an outer optimizer on the global parameters with them; a step that does not
-  commit puts the global parameters back (the local steps are discarded).
-  With several model fragments (Streaming DiLoCo) one fragment syncs every
-  ``sync_every / len(model_fragments)`` steps, in turn (chosen from the
-  Manager's step, so every group syncs the same one); its averaging overlaps
-  the next ``fragment_sync_delay`` inner steps, and ``fragment_update_alpha``
-  mixes the local parameters into the new global ones. The per-fragment work
-  is :class:`StreamingDiLoCoFragment`'s, below.
-
-DiLoCo needs a Manager with ``use_async_quorum=False``: the quorum (and any
-heal, which carries each fragment's global copy under torchft's key
-``StreamingDiLoCoFragment_{i}``) is settled before the pseudo-gradients are
-computed.
+:class:`LocalSGD` averages the parameters; :class:`DiLoCo` averages pseudo-gradients
+and steps an outer optimizer, one :class:`StreamingDiLoCoFragment` per model fragment.
 """
 
 from __future__ import annotations
@@ -100,9 +83,10 @@ def _call_if_present(obj: Any, name: str) -> None:
 class LocalSGD(_InnerStepHooks):
     """Average the model's parameters across replica groups every ``sync_every`` optimizer steps.
 
-    https://arxiv.org/abs/1805.09767. The quorum is formed at each sync; if it
-    fails or the step does not commit, the local parameters are kept and the
-    next ``sync_every`` steps end in another attempt. With an asynchronous
+    https://arxiv.org/abs/1805.09767. Each sync is ``start_quorum``, one
+    ``allreduce`` per parameter, ``should_commit``; the quorum is formed at each
+    sync. If it fails or the step does not commit, the local parameters are kept
+    and the next ``sync_every`` steps end in another attempt. With an asynchronous
     quorum a joining group takes part in a sync only after the heal it
     receives there (its first ``sync_every`` local steps count for nothing).
     """
@@ -146,6 +130,22 @@ class LocalSGD(_InnerStepHooks):
 
 class DiLoCo(_InnerStepHooks):
     """DiLoCo (https://arxiv.org/abs/2311.08105) and Streaming DiLoCo (https://arxiv.org/abs/2501.18512).
+
+    Keeps a backup of the *global* parameters, averages the pseudo-gradients
+    (global - local) every ``sync_every`` inner steps and steps an outer optimizer
+    on the global parameters with them; a step that does not commit puts the
+    global parameters back (the local steps are discarded). With several model
+    fragments (Streaming DiLoCo) one fragment syncs every
+    ``sync_every / len(model_fragments)`` steps, in turn (chosen from the
+    Manager's step, so every group syncs the same one); its averaging overlaps
+    the next ``fragment_sync_delay`` inner steps, and ``fragment_update_alpha``
+    mixes the local parameters into the new global ones. The per-fragment work
+    is :class:`StreamingDiLoCoFragment`'s.
+
+    It needs a Manager with ``use_async_quorum=False``: the quorum (and any heal,
+    which carries each fragment's global copy under torchft's key
+    ``StreamingDiLoCoFragment_{i}``) is settled before the pseudo-gradients are
+    computed.
 
     Args (torchft's):
         manager: a Manager with ``use_async_quorum=False``.
@@ -344,7 +344,7 @@ def _unflatten(flat: torch.Tensor, tensors: list[torch.Tensor], _fut: torch.futu
 
 
 class StreamingDiLoCoFragment:
-    """The DiLoCo state and sync of one model fragment; see the module docstring."""
+    """The DiLoCo state and sync of one model fragment; see :class:`DiLoCo`."""
 
     # torchft's attribute names: ``bucket_cap_mb`` holds bytes, as torchft's does.
     bucket_cap_mb: int = DEFAULT_BUCKET_CAP_BYTES

@@ -1,22 +1,11 @@
-"""The Manager: per-step fault tolerance inside every training process.
+"""The Manager: per-step fault tolerance inside every training process (torchft's API).
 
 Per step (docs/training.md, "How a step works"): ``start_quorum`` (from ``Optimizer.zero_grad``) asks
-the group's ManagerServer for a quorum on the control-plane loop while the
-forward pass runs; on a new quorum id the process group is reconfigured on a
-store prefix unique to (quorum id, group rank); a replica behind the max step
-receives the state dict from its assigned peer; ``allreduce`` averages
-gradients over the participants; ``should_commit`` (from ``Optimizer.step``)
-applies a received state dict on the training thread, collects the group's
-votes, and advances the step only on commit.
-
-Where things live (``torchft_lite.core``): a step's state is a ``step.Step``
-(replaced by each ``start_quorum``); what a heal carries is a
-``healer.RegisteredState`` and heals are the ``healer.Healer``'s; the
-ManagerServer is reached through a ``group_server.channel.GroupChannel`` that a
-wiring builds (``wiring.DefaultWiring``, or ``testing.InMemoryWiring``).
-
-Failures never raise into the training loop: the first error of a step is
-recorded (:meth:`Manager.report_error`), logged once, and the step does not
+the group's ManagerServer for a quorum while the forward pass runs, reconfigures the process group on a
+new quorum id and heals a replica behind the max step; ``allreduce`` averages gradients over the
+participants; ``should_commit`` (from ``Optimizer.step``) applies a received state dict, collects the
+group's votes, and advances the step only on commit. Failures never raise into the training loop: the
+first error of a step is recorded (:meth:`Manager.report_error`), logged once, and the step does not
 commit. Only more than ``max_retries`` consecutive failed commits raise.
 """
 
@@ -61,7 +50,17 @@ MEMBER_GONE_GRACE = 0.25
 
 
 class Manager:
-    """Fault-tolerance manager for one rank of one replica group (torchft's API)."""
+    """Fault-tolerance manager for one rank of one replica group (torchft's API).
+
+    The quorum is asked for on the control-plane loop; a new quorum id reconfigures the process group on a
+    store prefix unique to (quorum id, group rank); a replica behind the max step receives the state dict from
+    its assigned peer and applies it on the training thread in ``should_commit``.
+
+    Where its parts live: a step's state is a ``core.step.Step`` (replaced by each ``start_quorum``); what a
+    heal carries is a ``core.healer.RegisteredState`` and heals are the ``core.healer.Healer``'s; the
+    ManagerServer is reached through a ``group_server.channel.GroupChannel`` that a wiring builds
+    (``core.wiring.DefaultWiring``, or ``testing.InMemoryWiring``).
+    """
 
     def __init__(
         self,

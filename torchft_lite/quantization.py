@@ -1,33 +1,14 @@
 """8-bit block quantization with plain torch ops: what the quantized cross-group reduction sends.
 
-Why: the reduction across replica groups is what crosses the slow links between
-them, and 8 bits a value instead of 32 cut its bytes to about a quarter.
-torchft quantizes with Triton kernels (fp8, CUDA only); these are ordinary
-tensor operations, so they run on CPU, and on CUDA too (slower than fused
-kernels, same format).
-
-The format. Each tensor of a list is flattened and cut into blocks of
-``block_size`` elements (its last block padded with zeros; a block never mixes
-two tensors, whose magnitudes may differ by orders). A block is stored as int8
-values ``round(x / scale)`` and one float32 ``scale = max|x| / 127``, so a
-value comes back within half a step: at most ``max|x| / 254`` of its block.
-(The scale is at least float32's smallest normal number, 1.2e-38, so that its
-reciprocal stays finite: a block of magnitudes below 1.5e-36 comes back within
-6e-39, tiny values flushed toward zero.)
-The blocks are then split into ``world_size`` equal chunks, one per rank (the
-last padded with empty blocks), and each chunk is one row of a uint8 buffer:
-``[float32 scale of each block][int8 values of each block]``. Row ``r`` is what
-rank ``r`` reduces; the collectives (``torchft_lite.collectives``) exchange rows.
-
-Non-finite input: a block holding NaN or Inf gets a NaN scale and zero values,
-so it comes back NaN in full, and a sum it enters is NaN too. A non-finite
-gradient is never turned into a finite one; the Manager's non-finite guard
-(``torchft_lite.health.nonfinite``) zeroes such a bucket before it is quantized, as it
-does unquantized.
-
-``fused_quantize_into_fp8``, ``fused_dequantize_from_fp8`` and
-``fused_reduce_fp8`` keep torchft's names and signatures ("fp8" there means 8
-bits; torchft itself falls back to int8 without native fp8).
+The reduction across replica groups is what crosses the slow links between them;
+8 bits a value instead of 32 cut its bytes to about a quarter. torchft quantizes
+with Triton kernels (fp8, CUDA only); these are ordinary tensor operations, so
+they run on CPU, and on CUDA too (slower than fused kernels, same format). A block
+is int8 values and one float32 scale (:func:`quantize_blocks`); blocks are laid out
+one row per rank (:class:`BlockLayout`), the rows the collectives
+(``torchft_lite.collectives``) exchange. ``fused_quantize_into_fp8``,
+``fused_dequantize_from_fp8`` and ``fused_reduce_fp8`` keep torchft's names and
+signatures ("fp8" there means 8 bits; torchft itself falls back to int8).
 """
 
 from __future__ import annotations
@@ -89,7 +70,14 @@ def check_quantizable(tensors: list[torch.Tensor]) -> None:
 
 @dataclass(frozen=True)
 class BlockLayout:
-    """Where each tensor's blocks lie, and how they are split into one row per rank."""
+    """Where each tensor's blocks lie, and how they are split into one row per rank.
+
+    Each tensor of a list is flattened and cut into blocks of ``block_size`` elements (its last block padded
+    with zeros; a block never mixes two tensors, whose magnitudes may differ by orders). The blocks are then
+    split into ``world_size`` equal chunks, one per rank (the last padded with empty blocks), and each chunk is
+    one row of a uint8 buffer: ``[float32 scale of each block][int8 values of each block]``. Row ``r`` is what
+    rank ``r`` reduces.
+    """
 
     numels: tuple[int, ...]
     world_size: int
@@ -140,7 +128,18 @@ class BlockLayout:
 
 def quantize_blocks(blocks: torch.Tensor, values: torch.Tensor, scales: torch.Tensor) -> None:
     """Quantize float32 ``blocks`` (``(..., block_size)``; overwritten, used as scratch) into int8 ``values``
-    and float32 ``scales`` (``(...)``)."""
+    and float32 ``scales`` (``(...)``).
+
+    A block is stored as int8 values ``round(x / scale)`` and one float32 ``scale = max|x| / 127``, so a value
+    comes back within half a step: at most ``max|x| / 254`` of its block. (The scale is at least float32's
+    smallest normal number, 1.2e-38, so that its reciprocal stays finite: a block of magnitudes below 1.5e-36
+    comes back within 6e-39, tiny values flushed toward zero.)
+
+    Non-finite input: a block holding NaN or Inf gets a NaN scale and zero values, so it comes back NaN in
+    full, and a sum it enters is NaN too. A non-finite gradient is never turned into a finite one; the
+    Manager's non-finite guard (``torchft_lite.health.nonfinite``) zeroes such a bucket before it is quantized,
+    as it does unquantized.
+    """
     # amax and amin, not aminmax (4x slower here) nor abs().amax (a full copy); NaN propagates through both
     amax = torch.maximum(blocks.amax(dim=-1), blocks.amin(dim=-1).neg_())
     finite = torch.isfinite(amax)

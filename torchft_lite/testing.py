@@ -12,7 +12,7 @@
 
 Each replica group has one rank here. The quorum forms once every live
 replica has asked (and at least ``min_replicas``), with the same result a
-real ManagerServer computes (``_quorum_compute``). Heals go through an
+real ManagerServer computes (``group_server.quorum_compute``). Heals go through an
 :class:`InMemoryTransport` (state dicts by reference, never copied: load
 functions must copy, as ``load_state_dict`` does).
 """

@@ -1,25 +1,15 @@
 """TorchX components for torchft_lite jobs (shaped like torchft's ``torchft/torchx.py``).
 
-One role per replica group, each a ``torchrun`` of ``workers_per_replica``
-ranks (through :mod:`torchft_lite.launch`, so the role's exit code is the
-failed worker's) whose agent restarts the group's workers after a failure (up to
-``max_restarts`` times); the restarted group finds the job through the
-lighthouse and heals from a live peer. The lighthouse is a role of its own
-(``lighthouse=None``, the default; it ends once the groups are done, see
-``lighthouse --exit-when-idle``) or an address the job dials::
+:func:`hsdp` makes one role per replica group, each a ``torchrun`` of ``workers_per_replica``
+ranks (through :mod:`torchft_lite.launch`, so the role's exit code is the failed worker's)
+whose agent restarts the group's workers, and a lighthouse role (:func:`lighthouse_role`)
+unless it is given one's address::
 
-    openssl rand -hex 32 > ~/job-token && chmod 600 ~/job-token
     TORCHFT_LITE_TOKEN_FILE=~/job-token torchx run -s local_cwd torchft_lite/torchx.py:hsdp \\
         --replicas 2 --workers_per_replica 2 -- --steps 1000
 
-The job token is a secret: it never goes on a command line or into the job's
-spec (which ``ps``, the scheduler's UI and its logs show). The component takes
-the *path* of a file holding it (``token_file``, default
-``$TORCHFT_LITE_TOKEN_FILE``), which every role reads at start; on a cluster
-that path is a mounted secret. A token given in ``env`` is refused.
-
-Importing this module needs ``torchx`` (``pip install torchx-nightly``) but
-never torch.
+The job token reaches every role as the path of its file, never the token
+(:func:`_token_env`; docs/cluster.md). Importing this module needs ``torchx`` but never torch.
 """
 
 import os
@@ -35,7 +25,11 @@ LIGHTHOUSE_ROLE = "lighthouse"
 
 
 def _token_env(env: Dict[str, str], token_file: Optional[str]) -> Dict[str, str]:
-    """The job token's setting for every role: the path of its file, never the token."""
+    """The job token's setting for every role: the path of its file, never the token.
+
+    The token is a secret: it never goes on a command line or into the job's spec (which ``ps``, the
+    scheduler's UI and its logs show). Every role reads the file at start; on a cluster that path is a mounted
+    secret. A token given in ``env`` is refused."""
     if TOKEN_ENV in env:
         raise ValueError(f"{TOKEN_ENV} in env would put the job token in the job's spec and on the submitting "
                          f"command line; write it to a file only you can read and pass token_file (or set "

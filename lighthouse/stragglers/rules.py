@@ -1,38 +1,11 @@
 """The quorum rules plus straggler scores, and (opt-in) leaving a straggler out of the next quorums.
 
-:class:`StragglerQuorumState` is a :class:`~lighthouse.quorum.QuorumState`
-that records the compute times of every issued quorum's members in a
-:class:`~lighthouse.stragglers.StragglerBook` (which says who is flagged: a
-group whose compute time stays over ``threshold`` x its quorum's median for
-``patience`` quorums), logs each flag (WARNING) and recovery (INFO), and with
-``evict`` on acts on a flag:
-
-* **Eviction**: a flagged group is left out of the next quorums. The quorum
-  rules forget it (so nobody waits for it: no join timeout, no split-brain
-  count), while this class keeps it *held*: its heartbeats keep it alive here,
-  and its Quorum call, if it makes one, waits (it is answered once it is
-  readmitted and a quorum with it is issued). Waiting, not an error, is what
-  both torchft's managers and ours already do for a quorum that leaves them
-  out, and a manager whose call times out simply calls again.
-* **Limits**, checked before each eviction and again before every decision:
-  the groups left in must be at least ``min_replicas`` and a strict majority
-  of all healthy groups (the evicted ones counted): so never more than a
-  minority is out, and never one of two. A flagged group that may not be
-  evicted is only reported, with a WARNING saying why (once per reason). When
-  the limits break later (a group died, its heartbeat expired or its lease
-  ended) the held groups are readmitted at once, longest held first, until
-  they hold again: an eviction never holds a quorum back.
-* **Cooldown**: a held group is readmitted after ``patience`` quorums were
-  issued without it (counted in quorums, not seconds, because what an
-  eviction saves and costs is the others' steps), doubled for each eviction in
-  a row (up to 32 x): a group that is slow for good costs the others ever
-  fewer slow steps. Readmitted, it rejoins behind and heals from the others.
-* **Probation**: back, it is judged on new relative scores only; once its
-  smoothed relative score has been at or below the threshold for
-  ``patience`` quorums in a row, its evictions in a row reset.
-
-Everything takes ``now`` from the caller, like the rules it extends; the only
-clock is the one that rate-limits the WARNING about refused samples.
+:class:`StragglerQuorumState` is a :class:`~lighthouse.quorum.QuorumState` that
+records the compute times of every issued quorum's members in a
+:class:`~lighthouse.stragglers.scores.StragglerBook` (which says who is
+flagged), logs each flag (WARNING) and recovery (INFO), and with ``evict`` on
+leaves a flagged group out, within limits (the rules are on the class; what a
+user sees is in docs/health.md, "Stragglers").
 """
 
 from __future__ import annotations
@@ -93,7 +66,38 @@ class _SampleRefusals(CountedLog):
 
 
 class StragglerQuorumState(QuorumState):
-    """The quorum rules, with straggler scores and eviction; see the module's docstring."""
+    """The quorum rules, with straggler scores and eviction.
+
+    With ``evict`` on it acts on a flag:
+
+    * **Eviction**: a flagged group is left out of the next quorums. The quorum
+      rules forget it (so nobody waits for it: no join timeout, no split-brain
+      count), while this class keeps it *held*: its heartbeats keep it alive here,
+      and its Quorum call, if it makes one, waits (it is answered once it is
+      readmitted and a quorum with it is issued). Waiting, not an error, is what
+      both torchft's managers and ours already do for a quorum that leaves them
+      out, and a manager whose call times out simply calls again.
+    * **Limits**, checked before each eviction and again before every decision:
+      the groups left in must be at least ``min_replicas`` and a strict majority
+      of all healthy groups (the evicted ones counted): so never more than a
+      minority is out, and never one of two. A flagged group that may not be
+      evicted is only reported, with a WARNING saying why (once per reason). When
+      the limits break later (a group died, its heartbeat expired or its lease
+      ended) the held groups are readmitted at once, longest held first, until
+      they hold again: an eviction never holds a quorum back.
+    * **Cooldown**: a held group is readmitted after ``patience`` quorums were
+      issued without it (counted in quorums, not seconds, because what an
+      eviction saves and costs is the others' steps), doubled for each eviction in
+      a row (up to 32 x, :data:`MAX_COOLDOWN_DOUBLINGS`): a group that is slow for
+      good costs the others ever fewer slow steps. Readmitted, it rejoins behind
+      and heals from the others.
+    * **Probation**: back, it is judged on new relative scores only; once its
+      smoothed relative score has been at or below the threshold for
+      ``patience`` quorums in a row, its evictions in a row reset.
+
+    Everything takes ``now`` from the caller, like the rules it extends; the only
+    clock is ``log_clock``, which rate-limits the WARNING about refused samples.
+    """
 
     def __init__(self, config: QuorumConfig, stragglers: StragglerConfig | None = None, *,
                  log_clock: Callable[[], float] = time.monotonic, **kwargs) -> None:

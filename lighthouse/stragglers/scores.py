@@ -1,43 +1,11 @@
 """Straggler scores: how slow each replica group computes, against its quorum and against itself.
 
-Each group's ManagerServer advertises, in the JSON of ``QuorumMember.data``,
-``"compute_ms"`` (its training thread's time from ``start_quorum`` returning to
-its first ``allreduce``: forward, backward and anything injected, the group's
-own work) and ``"compute_step"`` (the step it was measured at). When a quorum
-is issued, :class:`StragglerBook` records the members' new samples and keeps
-two scores per group:
-
-* **relative**: its compute time / the median of the fresh samples of the
-  members of that quorum (itself included; needs two samples at least). A
-  group that is slow *compared with its peers* is what holds every step back.
-* **individual**: its compute time / the median of its own last
-  ``history`` samples (after ``warmup`` of them), shown and logged only: a
-  group that slowed down against itself while the others slowed down too
-  (a bigger batch, a slow shared filesystem) is no straggler, so only the
-  relative score flags.
-
-Both are smoothed by the **median of the last 3 raw scores**: one spike (a GC
-pause, the first step after a heal, a checkpoint save) moves a median of three
-not at all, where an EWMA would move by a fraction of the spike and a large
-enough spike would still cross the threshold; a real slowdown shows from its
-second sample on; and there is no decay constant to tune. A group has no
-smoothed score until it has 3 raw ones.
-
-A group is **flagged** once its smoothed relative score has been above
-``threshold`` for ``patience`` scored quorums in a row, and **recovers** the
-first time it is at or below it. A slowdown from one step on is therefore
-flagged at the ``patience + 1``-th quorum that carries a slow sample (3 + 1
-with the defaults); samples report the previous step, so ``patience + 2``
-steps after it began.
-
-Compute times under ``floor_ms`` (1 ms) are noise: medians are raised to it
-before dividing, so no one is flagged for 0.3 ms against 0.1 ms. Samples are
-taken only when new (another ``(compute_step, compute_ms)`` than the group's
-last), so a retried request or a re-issued quorum scores nobody twice.
-
-Pure: no clock, no I/O, no logging; the caller (``lighthouse.stragglers.rules``)
-decides what a change of flag means and logs it. Memory: per group, a few
-small fixed windows; a group is dropped when the lighthouse forgets it.
+Each group's ManagerServer advertises ``"compute_ms"`` and ``"compute_step"`` in
+the JSON of ``QuorumMember.data``; when a quorum is issued, :class:`StragglerBook`
+records the members' new samples, keeps a relative and an individual score per
+group, and says who is flagged (the rules are on the class; docs/health.md,
+"Stragglers", says what a user sees). Pure: no clock, no I/O, no logging; the
+caller (``lighthouse.stragglers.rules``) decides what a change of flag means.
 """
 
 from __future__ import annotations
@@ -184,7 +152,43 @@ def _smoothed(window: deque[float]) -> float | None:
 
 
 class StragglerBook:
-    """Every known group's samples and scores; see the module's docstring for the rules."""
+    """Every known group's samples and scores.
+
+    A sample is a group's ``compute_ms`` (its training thread's time from
+    ``start_quorum`` returning to its first ``allreduce``: forward, backward and
+    anything injected, the group's own work) at ``compute_step``. Two scores per
+    group:
+
+    * **relative**: its compute time / the median of the fresh samples of the
+      members of that quorum (itself included; needs two samples at least). A
+      group that is slow *compared with its peers* is what holds every step back.
+    * **individual**: its compute time / the median of its own last ``history``
+      samples (after ``warmup`` of them), shown and logged only: a group that
+      slowed down against itself while the others slowed down too (a bigger
+      batch, a slow shared filesystem) is no straggler, so only the relative
+      score flags.
+
+    Both are smoothed by the **median of the last 3 raw scores**: one spike (a GC
+    pause, the first step after a heal, a checkpoint save) moves a median of three
+    not at all, where an EWMA would move by a fraction of the spike and a large
+    enough spike would still cross the threshold; a real slowdown shows from its
+    second sample on; and there is no decay constant to tune. A group has no
+    smoothed score until it has 3 raw ones.
+
+    A group is **flagged** once its smoothed relative score has been above
+    ``threshold`` for ``patience`` scored quorums in a row, and **recovers** the
+    first time it is at or below it. A slowdown from one step on is therefore
+    flagged at the ``patience + 1``-th quorum that carries a slow sample (3 + 1
+    with the defaults); samples report the previous step, so ``patience + 2``
+    steps after it began.
+
+    Compute times under ``floor_ms`` (1 ms) are noise: medians are raised to it
+    before dividing, so no one is flagged for 0.3 ms against 0.1 ms. Samples are
+    taken only when new (another ``(compute_step, compute_ms)`` than the group's
+    last), so a retried request or a re-issued quorum scores nobody twice.
+    Memory: per group, a few small fixed windows; a group is dropped when the
+    lighthouse forgets it.
+    """
 
     def __init__(self, config: StragglerConfig | None = None) -> None:
         self.config = config or StragglerConfig()

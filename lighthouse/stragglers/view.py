@@ -1,30 +1,9 @@
 """Stragglers as /api/status and /metrics show them (the rules are in :mod:`lighthouse.stragglers.rules`).
 
-/api/status: every row of ``quorum.members`` and ``replicas`` has a
-``straggler`` field, None for a group that advertised no compute time (a
-torchft manager, or before its first finished step), else::
-
-    {"compute_ms": 512.0, "compute_step": 41,      # its last sample
-     "quorum_median_ms": 101.0,                    # the median of the last quorum it was scored in
-     "own_median_ms": 498.0,                       # the median of its own recent samples
-     "relative_score": 5.07, "individual_score": 1.03,   # smoothed ratios; null until known
-     "slow_streak": 4, "flagged": true,            # quorums in a row above the threshold; the flag
-     "evicted": true, "evicted_until": "readmitted after 2 more quorums",   # left out of quorums now
-     "kept_in": null,                              # flagged but not evicted: why (the limits)
-     "samples": 12}
-
-and the top-level ``stragglers`` object holds the settings (``threshold``,
-``patience``, ``evict``) and the counts (``evictions``, ``readmissions``,
-``refused_samples``) with the ``flagged`` and ``evicted`` replica ids.
-
-/metrics: per group ``lighthouse_straggler_relative_score``,
-``lighthouse_straggler_individual_score`` (only once known),
-``lighthouse_straggler_compute_seconds``, ``lighthouse_straggler_flagged`` and
-``lighthouse_straggler_evicted`` (0 or 1), labelled ``replica_id``; a group's
-series go when the lighthouse forgets it, so their number follows the live
-groups. Counters: ``lighthouse_straggler_evictions_total``,
-``lighthouse_straggler_readmissions_total``,
-``lighthouse_straggler_refused_samples_total``.
+:func:`straggler_rows` is the ``straggler`` field of every row of ``quorum.members``
+and ``replicas`` in /api/status, :func:`straggler_summary` its top-level
+``stragglers`` object, and :class:`StragglerCollector` the per-group gauges and
+the counters of /metrics (listed in docs/health.md, "Stragglers").
 """
 
 from __future__ import annotations
@@ -40,7 +19,18 @@ __all__ = ["StragglerCollector", "straggler_rows", "straggler_summary"]
 
 
 def straggler_rows(stats: StragglerStatistics) -> dict[str, dict]:
-    """replica_id -> its ``straggler`` field, for the groups with a sample."""
+    """replica_id -> its ``straggler`` field, for the groups with a sample (the field is None for a group that
+    advertised no compute time: a torchft manager, or before its first finished step)::
+
+        {"compute_ms": 512.0, "compute_step": 41,      # its last sample
+         "quorum_median_ms": 101.0,                    # the median of the last quorum it was scored in
+         "own_median_ms": 498.0,                       # the median of its own recent samples
+         "relative_score": 5.07, "individual_score": 1.03,   # smoothed ratios; null until known
+         "slow_streak": 4, "flagged": true,            # quorums in a row above the threshold; the flag
+         "evicted": true, "evicted_until": "readmitted after 2 more quorums",   # left out of quorums now
+         "kept_in": null,                              # flagged but not evicted: why (the limits)
+         "samples": 12}
+    """
     rows = {}
     for g in stats.groups:
         rows[g.replica_id] = {
@@ -76,7 +66,8 @@ def straggler_summary(stats: StragglerStatistics) -> dict:
 
 
 class StragglerCollector(Collector):
-    """Reads ``server.stragglers()`` at scrape time."""
+    """Reads ``server.stragglers()`` at scrape time. A group's series go when the lighthouse forgets it, so
+    their number follows the live groups."""
 
     def __init__(self, server) -> None:  # a LighthouseView (which imports this module's source of data)
         self._server = server

@@ -362,7 +362,7 @@ def test_training_with_a_job_token_commits_steps_and_heals(tmp_path, monkeypatch
     from tests.integration.test_fault_tolerant_ddp import (assert_identical_per_step, cluster, read_reports,
                                                            steps_of, wait_for)
 
-    monkeypatch.setenv(TOKEN_ENV, TOKEN)  # local_cluster passes it on as it is, instead of making one
+    monkeypatch.setenv(TOKEN_ENV, TOKEN)  # cluster.local passes it on as it is, instead of making one
     with cluster(tmp_path, min_replicas=1, join_timeout=1.0, heartbeat_timeout=1.0) as (_, add, report):
         survivor = add(0, 2, steps=400, sleep=0.05)
         victim = add(1, 2, steps=400, sleep=0.05)

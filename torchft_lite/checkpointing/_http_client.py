@@ -2,23 +2,13 @@
 
 Every request a receiver makes of a checkpoint server goes through here:
 :func:`get_into` for the state dict, its header, data ranges and checksums,
-:func:`post` for the ``done`` report. aiohttp's client hands a body over as
-``bytes`` objects, which the receiver would then copy into its tensors: two
-user-space copies of every byte. Here a ``BufferedProtocol`` gives the event
-loop a view of the destination itself (a :class:`BodySink`, see
-``_body_sinks``), so a heal costs one copy (the kernel's) plus one cached read
-of each block for its checksum. Measured on the same 1 GiB loopback heal
-(``benchmarks/heal_bench.py --receiver lean|aiohttp``), aiohttp's client
-reached about 0.4 of the raw TCP ceiling where this one reaches about 0.7, at
-twice the receiver's CPU time per GiB.
-
-Only what the checkpoint server answers is understood: a status line, headers
-with a ``Content-Length``, then exactly that many body bytes, one request per
-connection (``Connection: close``). Over TLS (``tls``: an ``ssl.SSLContext``,
-which the receiver passes for ``https://`` sources or when the job sets TLS)
-the event loop decrypts straight into the same views: still one copy; only
-``SO_RCVLOWAT`` is left alone there, since the socket then carries more bytes
-(records) than the body, some already read into the TLS layer.
+:func:`post` for the ``done`` report. A ``BufferedProtocol`` gives the event loop
+a view of the destination itself (a :class:`BodySink`, see ``_body_sinks``), so a
+heal costs one copy (the kernel's) plus one cached read of each block for its
+checksum, where aiohttp's client would hand the body over as ``bytes`` to copy
+again (the two measured: docs/benchmarks.md, "The heal's HTTP client"). Only what
+the checkpoint server answers is understood: a status line, headers with a
+``Content-Length``, then exactly that many body bytes, one request per connection.
 """
 
 from __future__ import annotations
@@ -94,6 +84,14 @@ class _Discard:
 
 
 class _ResponseProtocol(asyncio.BufferedProtocol):
+    """One response, its body read into the sink's views.
+
+    Over TLS (``tls``: an ``ssl.SSLContext``, which the receiver passes for ``https://`` sources or when the job
+    sets TLS) the event loop decrypts straight into the same views: still one copy. Only ``SO_RCVLOWAT`` is left
+    alone there (``low_water=False``), since the socket then carries more bytes (records) than the body, some
+    already read into the TLS layer.
+    """
+
     def __init__(self, sink_for: Callable[[int], BodySink], low_water: bool = True) -> None:
         self._sink_for = sink_for
         self._use_low_water = low_water

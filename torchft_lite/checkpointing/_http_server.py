@@ -1,38 +1,11 @@
 """The checkpoint server: HTTPTransport's serving side, on the control-plane loop.
 
-Routes (``{step}`` is the step asked for; every request names its receiver
-session with ``?session=<id>``; held requests also pass ``?timeout=<seconds>``)::
-
-    GET  /checkpoint/{step}                      prefix + header + data, one stream
-    GET  /checkpoint/{step}/header               prefix + header only
-    GET  /checkpoint/{step}/data?start=&end=     data bytes [start, end)
-    GET  /checkpoint/{step}/checksums            the sum64 of every data block (uint64 LE each)
-    POST /checkpoint/{step}/done?ok=1|0          the receiver has finished (also before the step is published)
-
-Every request is checked first against the transport's access policy
-(``torchft_lite.rpc.access``: the job token, else loopback peers only): 401 or
-403, and nothing served. A request for a step not published yet is held until
-it is (or until its timeout: 504). So is one for the step just released: a
-step that did not commit is published again when it is retried (torchft holds
-every request while nothing is published). A request for a step older than the
-one published or the one last released will never be served: 400 ("invalid
-checkpoint requested, serving N but got step=M", torchft's answer). More than ``_MAX_SESSIONS`` receivers of
-one step, or ``_MAX_HELD`` held requests, are answered 503 (logged once).
-
-:meth:`CheckpointServer.release` waits until as many receiver sessions as
-were expected have finished: every data byte written to them, a ``done``
-report (a receiver that fails verification says so), or a broken stream. At
-the send's timeout it aborts the streams still running. Sending a header or
-the checksums never finishes a session: a striping receiver asks for them
-before or after its data. A ``done`` ends only its own session: one that has
-asked this server for the step (a request held before the publish counts, so
-a striping receiver can finish before this replica publishes); a done naming
-any other session is a 409 and counts for nothing, so a stray or repeated
-report can never stand in for a receiver that is still to come.
-
-With a TLS context (the job's ``TORCHFT_LITE_TLS_CERT``/``_KEY``, see
-``torchft_lite.rpc.tls``) it serves HTTPS only; the transport then advertises an
-``https://`` URL. The socket and its tuning are ``_http_socket``'s.
+:class:`CheckpointServer` serves one published step at a time: the whole
+encoding, its header, data ranges and block checksums, and takes a receiver's
+``done`` report (the routes are on :meth:`CheckpointServer.start`). Every request
+is checked first against the transport's access policy (``torchft_lite.rpc.access``:
+the job token, else loopback peers only): 401 or 403, and nothing served. With a
+TLS context it serves HTTPS only. Below it, the socket: where it listens, send buffers, flushing.
 """
 
 from __future__ import annotations
@@ -109,7 +82,17 @@ class CheckpointServer:
         self._changed = asyncio.Condition()
 
     async def start(self, sock: socket.socket) -> None:
-        """Serve on ``sock``, a listening socket (:func:`listen`); it is closed with the server."""
+        """Serve on ``sock``, a listening socket (:func:`listen`); it is closed with the server.
+
+        Routes (``{step}`` is the step asked for; every request names its receiver session with
+        ``?session=<id>``; held requests also pass ``?timeout=<seconds>``)::
+
+            GET  /checkpoint/{step}                      prefix + header + data, one stream
+            GET  /checkpoint/{step}/header               prefix + header only
+            GET  /checkpoint/{step}/data?start=&end=     data bytes [start, end)
+            GET  /checkpoint/{step}/checksums            the sum64 of every data block (uint64 LE each)
+            POST /checkpoint/{step}/done?ok=1|0          the receiver has finished (also before the step is published)
+        """
         app = web.Application(client_max_size=4096, middlewares=[self._guard])
         app.router.add_get("/checkpoint/{step}", functools.partial(self._serve, part="all"))
         app.router.add_get("/checkpoint/{step}/header", functools.partial(self._serve, part="header"))
@@ -151,7 +134,13 @@ class CheckpointServer:
         logger.debug("published step %d for %d receivers", step, expected)
 
     async def release(self, wait: bool = True) -> None:
-        """Stop serving the published step; first (``wait``) wait for its receivers until its deadline."""
+        """Stop serving the published step; first (``wait``) wait for its receivers until its deadline.
+
+        It waits until as many receiver sessions as were expected have finished: every data byte written to
+        them, a ``done`` report (a receiver that fails verification says so), or a broken stream. At the send's
+        timeout it aborts the streams still running. Sending a header or the checksums never finishes a
+        session: a striping receiver asks for them before or after its data.
+        """
         snapshot = self.snapshot
         if snapshot is None:
             return
@@ -233,7 +222,15 @@ class CheckpointServer:
         return step, session
 
     async def _snapshot_for(self, step: int, hold: float) -> Snapshot:
-        """The published snapshot of ``step``, waiting up to ``hold`` seconds for it to be published."""
+        """The published snapshot of ``step``, waiting up to ``hold`` seconds for it to be published.
+
+        A request for a step not published yet is held until it is (or until its timeout: 504). So is one for
+        the step just released: a step that did not commit is published again when it is retried (torchft
+        holds every request while nothing is published). A request for a step older than the one published or
+        the one last released will never be served: 400 ("invalid checkpoint requested, serving N but got
+        step=M", torchft's answer). More than ``_MAX_SESSIONS`` receivers of one step, or ``_MAX_HELD`` held
+        requests, are answered 503 (logged once).
+        """
         deadline = asyncio.get_running_loop().time() + hold
         if self.held >= _MAX_HELD and not (self.snapshot is not None and self.snapshot.step == step):
             self._held_refused += 1
@@ -383,6 +380,10 @@ class CheckpointServer:
             early.setdefault(session_id, None)
 
     async def _done(self, request: web.Request) -> web.Response:
+        """``POST .../done``: a ``done`` ends only its own session, one that has asked this server for the step
+        (a request held before the publish counts, so a striping receiver can finish before this replica
+        publishes); a done naming any other session is a 409 and counts for nothing, so a stray or repeated
+        report can never stand in for a receiver that is still to come."""
         step, session_id = self._request_args(request)
         snapshot = self.snapshot
         ok = request.query.get("ok") == "1"

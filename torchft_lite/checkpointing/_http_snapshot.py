@@ -1,7 +1,7 @@
 """What the checkpoint server serves: one published step (a :class:`Snapshot`) and its receivers (:class:`Session`).
 
 A :class:`Snapshot` is shared by every request for its step: it holds the
-flattened state dict (``_encode.flatten``, validated when it was published),
+flattened state dict (``serialization.encode.flatten``, validated when published),
 encodes it when the first receiver asks, and sums every block once when a
 striping receiver asks for the checksums. A :class:`Session` is one receiver
 of it, named by the ``session`` each of its requests carries. The server that

@@ -1,24 +1,12 @@
 """HTTPTransport: serve one step's state dict over HTTP from the control-plane loop; fetch a peer's the same way.
 
 The training thread calls the transport; the work runs on the control-plane
-loop, behind a timeout that names its wait (``_control_plane``):
-
-* serving: :meth:`HTTPTransport.send_checkpoint` publishes the state dict
-  (validated and flattened on the caller's thread, read only when a receiver
-  asks) on the checkpoint server (``_http_server``: routes, held requests,
-  sessions); :meth:`HTTPTransport.disallow_checkpoint` waits for the
-  ``dst_ranks`` receivers (at most the send's timeout), then releases it;
-* receiving: :meth:`HTTPTransport.recv_checkpoint` (one source) and
-  :meth:`HTTPTransport.recv_checkpoint_striped` (several, the first as the
-  truth) run a ``_http_receive.Receiver``.
-
-The server's port is bound in the constructor. With ``defer_server=True``
-the server itself (aiohttp: about 0.1 s of imports) starts at the first
-publish or at :meth:`HTTPTransport.warm_up`, whichever comes first; a
-request that arrives before waits in the socket's backlog and is answered
-once it is up. The Manager's own transport is made this way and warmed at
-its second step's vote, so a restarted replica does not pay for a server it
-needs only when it is a heal's source before its first committed step.
+loop, behind a timeout that names its wait (``HTTPTransport._call``). Serving:
+:meth:`HTTPTransport.send_checkpoint` publishes the state dict on the checkpoint
+server (``_http_server``) and :meth:`HTTPTransport.disallow_checkpoint` waits for
+its receivers, then releases it. Receiving: :meth:`HTTPTransport.recv_checkpoint`
+(one source) and :meth:`HTTPTransport.recv_checkpoint_striped` (several, the
+first as the truth) run a ``_http_receive.Receiver``.
 """
 
 from __future__ import annotations
@@ -70,6 +58,18 @@ class HTTPTransportStatistics:
 class HTTPTransport(CheckpointTransport[T]):
     """Serves this replica's state dict over HTTP; fetches a peer's the same way.
 
+    A heal over HTTP: the healthy replica's ``send_checkpoint`` flattens its state
+    dict (``serialization.encode.flatten``: validated on the caller's thread, read
+    only when a receiver asks) and publishes it on its CheckpointServer; the
+    replica behind calls ``recv_checkpoint``, whose Receiver GETs the encoding
+    through ``_http_client``. The first bytes are the header, which
+    ``serialization.spec.parse_header`` validates before anything is allocated; a
+    ``serialization.decode.TensorWriter`` then takes the data straight into the
+    receiver's tensors, checks every block's sum, and builds the state dict. The
+    server counts the receiver finished once every data byte is out (or on its
+    ``done`` POST), and ``disallow_checkpoint`` (which waits for the ``dst_ranks``
+    receivers, at most the send's timeout) returns.
+
     Args:
         timeout: default bound for serving and for held requests.
         num_chunks: receive the tensor data over this many concurrent HTTP
@@ -105,8 +105,13 @@ class HTTPTransport(CheckpointTransport[T]):
             extra memory, and contiguous CPU targets receive straight from the
             socket. A failed receive may leave such tensors partly overwritten.
         defer_server: bind the port now, start the server (and import
-            aiohttp) at the first send or :meth:`warm_up`; see the module's
-            docstring. False (the default): it is serving when this returns.
+            aiohttp: about 0.1 s) at the first publish or :meth:`warm_up`,
+            whichever comes first; a request that arrives before waits in the
+            socket's backlog and is answered once it is up. The Manager's own
+            transport is made this way and warmed at its second step's vote, so
+            a restarted replica does not pay for a server it needs only when it
+            is a heal's source before its first committed step. False (the
+            default): it is serving when this returns.
     """
 
     def __init__(self, timeout: timedelta, num_chunks: int | None = None, *, hostname: str | None = None,

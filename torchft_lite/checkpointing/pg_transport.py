@@ -4,20 +4,10 @@ Per destination rank, in order (tags keep the messages apart from other traffic)
 
     tag 1   int64[3]  (_MAGIC, header bytes, bucket bytes)
     tag 2   uint8[n]  prefix + JSON header (see ``serialization.spec``)
-    tag 3+i uint8[]   piece i: the data bytes of one tensor within one bucket
+    tag 3+i uint8[]   piece i: the data bytes of one tensor within one bucket (:func:`_pieces`)
     tag 3+n uint8[]   the block checksums (when the data section is not empty)
 
-Both sides cut the data section the same way, from the header: at every
-tensor boundary and every ``bucket bytes``, so a huge tensor travels as
-several pieces. Each piece is sent from the tensor's own memory and received
-straight into the destination tensor (on CPU): no staging copies. Nothing is
-pickled; the receiver validates the header and the step, and checks every
-block's checksum.
-
-Timeouts: ``timeout`` bounds a whole send or receive. Omitted or None, the
-constructor's applies. ``timedelta(0)`` sets no deadline of the transport's
-own: each wait is then bounded by the process group's own timeout (torchft
-hands the zero to ``Work.wait``, which reads it the same way).
+Nothing is pickled; the receiver validates the header and the step, and checks every block's checksum.
 """
 
 from __future__ import annotations
@@ -63,7 +53,11 @@ class PointToPoint(Protocol):
 
 
 def _pieces(entries: Sequence[TensorEntry], bucket_bytes: int) -> list[tuple[int, int]]:
-    """Data byte ranges ``[start, end)``, each within one tensor and at most ``bucket_bytes`` long."""
+    """Data byte ranges ``[start, end)``, each within one tensor and at most ``bucket_bytes`` long.
+
+    Both sides cut the data section this way, from the header, so a huge tensor travels as several pieces.
+    Each piece is sent from the tensor's own memory and received straight into the destination tensor (on
+    CPU): no staging copies."""
     return [(start, min(start + bucket_bytes, entry.offset + entry.nbytes))
             for entry in entries for start in range(entry.offset, entry.offset + entry.nbytes, bucket_bytes)]
 
@@ -73,8 +67,10 @@ class PGTransport(CheckpointTransport[T]):
 
     Args:
         pg: a process group with ``send``/``recv`` of tensor lists (see :class:`PointToPoint`).
-        timeout: default bound for a whole send or receive (zero: the process group's own timeout
-            bounds each wait).
+        timeout: default bound for a whole send or receive; a call's own ``timeout``, omitted or None,
+            takes this one. ``timedelta(0)`` sets no deadline of the transport's own: each wait is then
+            bounded by the process group's own timeout (torchft hands the zero to ``Work.wait``, which reads
+            it the same way).
         device: where the buckets travel (``cpu`` for gloo, a CUDA device for NCCL).
         state_dict: when given, returns the local state dict; a received tensor
             whose path, dtype and shape match one of its tensors is written into
@@ -103,7 +99,7 @@ class PGTransport(CheckpointTransport[T]):
                         timeout: timedelta | None = None) -> None:
         """Send ``state_dict`` as step ``step`` to every rank in ``dst_ranks``; blocks until sent.
 
-        ``timeout`` defaults to the constructor's (see the module docstring for zero).
+        ``timeout`` defaults to the constructor's (see the class's Args for zero).
         """
         deadline = self._deadline(timeout)
         started = time.monotonic()
@@ -136,7 +132,7 @@ class PGTransport(CheckpointTransport[T]):
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta | None = None) -> T:
         """Receive the state dict of ``step`` from ``src_rank``; blocks until it is verified.
 
-        ``timeout`` defaults to the constructor's (see the module docstring for zero).
+        ``timeout`` defaults to the constructor's (see the class's Args for zero).
         """
         deadline = self._deadline(timeout)
         started = time.monotonic()

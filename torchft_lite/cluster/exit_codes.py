@@ -1,30 +1,10 @@
 """What a training process's exit code tells its scheduler, in one place.
 
-=====  ==========================  ==============================================================
-code   name                        for the scheduler
-=====  ==========================  ==============================================================
-0      EXIT_CODE_DONE              finished: don't restart
-1      EXIT_CODE_FAILED            an unexpected error, or killed through the lighthouse (torchft's
-                                   code): restart it (it heals from a peer or resumes from disk)
-65     EXIT_CODE_BAD_REPLICA       this group's gradients were non-finite too many steps in a row
-                                   (``EX_DATAERR``; torchft_lite.health.nonfinite): replace it, on another host
-                                   if its accelerator is suspect
-70     EXIT_CODE_DIVERGED          replica groups at the same step hold different states and no
-                                   majority agrees (``EX_SOFTWARE``; torchft_lite.health.fingerprint): every
-                                   group stops, nothing commits; resume the whole job from its last
-                                   durable checkpoint (a person may want to find the bad host first)
-75     EXIT_CODE_RESCHEDULE        a watchdog section timed out (``EX_TEMPFAIL``): restart it,
-                                   elsewhere if the host is suspect
-78     EXIT_CODE_FATAL             a setting or the checkpoint directory is wrong (``EX_CONFIG``;
-                                   a ``ConfigError``, or a durable checkpoint of another model):
-                                   don't retry, a person must look
-143    EXIT_CODE_PREEMPTED         left gracefully on SIGTERM (128 + 15), after saving a durable
-                                   checkpoint of its step (with a DurableCheckpointer): restart
-                                   it when capacity returns
-=====  ==========================  ==============================================================
-
-:func:`exit_code_for` maps an exception escaping the training loop to its
-code; ``examples/train_ddp.py`` shows the pattern (``sys.exit(run(main))``).
+Each ``EXIT_CODE_*`` below says what it means and what the scheduler should do;
+:data:`EXIT_CODE_RESCHEDULE` (75) and :data:`EXIT_CODE_PREEMPTED` (143) come from
+:mod:`torchft_lite.health.watchdog`. The table is in docs/durable.md ("Exit codes").
+:func:`exit_code_for` maps an exception escaping the training loop to its code;
+``examples/train_ddp.py`` shows the pattern (``raise SystemExit(run(main))``).
 """
 
 from __future__ import annotations
@@ -41,10 +21,20 @@ __all__ = ["EXIT_CODE_BAD_REPLICA", "EXIT_CODE_DIVERGED", "EXIT_CODE_DONE", "EXI
 logger = logging.getLogger(__name__)
 
 EXIT_CODE_DONE = 0
+"""Finished: don't restart."""
 EXIT_CODE_FAILED = 1
+"""An unexpected error, or killed through the lighthouse (torchft's code): restart it (it heals from a peer or
+resumes from disk)."""
 EXIT_CODE_BAD_REPLICA = 65
+"""This group's gradients were non-finite too many steps in a row (``EX_DATAERR``; :mod:`torchft_lite.health.nonfinite`):
+replace it, on another host if its accelerator is suspect."""
 EXIT_CODE_DIVERGED = 70
+"""Replica groups at the same step hold different states and no majority agrees (``EX_SOFTWARE``;
+:mod:`torchft_lite.health.fingerprint`): every group stops, nothing commits; resume the whole job from its last
+durable checkpoint (a person may want to find the bad host first)."""
 EXIT_CODE_FATAL = 78
+"""A setting or the checkpoint directory is wrong (``EX_CONFIG``; a ``ConfigError``, or a durable checkpoint of
+another model): don't retry, a person must look."""
 
 
 def exit_code_for(exc: BaseException) -> int:

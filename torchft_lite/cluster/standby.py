@@ -1,33 +1,12 @@
-"""A standby trainer: a process that has paid a restart's fixed costs before it is needed.
-
-A restarted replica group spends most of its rejoin starting an interpreter and
-importing torch (1-3 s on a busy CPU), then the modules ``torch.optim`` loads
-on its first optimizer (``torch._dynamo``, about 1 s more) and the library's
-own; the library's part after that (``Manager()``, first quorum, heal, first
-commit) is a few tens of milliseconds. A launcher that keeps one standby per
-rank warm replaces a dead group with one that only has to run the script::
+"""A standby trainer: a process that has paid a restart's fixed costs (the interpreter, torch's imports) before it is needed.
 
     python -m torchft_lite.cluster.standby [--preload MODULE,...] SCRIPT [ARG...]
 
-The protocol with the launcher uses the standby's stdin and stdout (pipes, so
-nothing of it shows on a command line; :class:`torchft_lite.cluster.local.ReplicaGroup`
-drives it with ``start_standby()`` and ``start()``):
-
-1. the standby imports the ``--preload`` modules, then writes ``ready`` and
-   a newline to stdout;
-2. it reads one line from stdin: a JSON object ``{"env": {...}}``, the
-   variables of the incarnation it becomes (its rank and world size, the
-   group's store), set over the environment it was started with;
-3. it points stdout at stderr (the launcher's log for that incarnation), stdin
-   at ``/dev/null``, and runs SCRIPT as ``__main__`` with ``sys.argv`` and
-   ``sys.path[0]`` as ``python SCRIPT ARG...`` would have them. Its exit status
-   is the script's.
-
-End of input before a go line (the launcher went away) ends it with status 0
-without running anything; a malformed go line ends it with status 2, saying why.
-A standby is an ordinary process of the job: it holds no lease and no port
-until it runs the script, and the environment it starts with (the job token
-among it) is what the group's ranks get.
+It imports the ``--preload`` modules and writes ``ready`` and a newline to stdout; then it reads one line from
+stdin, a JSON object ``{"env": {...}}`` (the variables of the incarnation it becomes, set over its environment),
+points stdout at stderr and stdin at ``/dev/null``, and runs SCRIPT as ``__main__`` as ``python SCRIPT ARG...``
+would; its exit status is the script's. End of input before that line ends it with status 0, a malformed line
+with 2. :class:`torchft_lite.cluster.local.ReplicaGroup` drives it (docs/training.md, "Rejoin").
 """
 
 from __future__ import annotations
@@ -87,6 +66,12 @@ def _read_go(stream) -> dict[str, str] | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Warm up, wait for the launcher's go line, run the script (the protocol is the module's docstring).
+
+    A standby is an ordinary process of the job: it holds no lease and no port until it runs the script, and
+    the environment it starts with (the job token among it) is what the group's ranks get. The launcher talks
+    to it over pipes, so nothing of the go line shows on a command line.
+    """
     args = _parse(sys.argv[1:] if argv is None else argv)
     script = os.path.abspath(args.script)
     if not os.path.isfile(script):

@@ -1,6 +1,6 @@
 """The Manager's step listeners (``Manager.add_step_listener``): who is told where a step stands.
 
-A listener (``_capabilities.StepListener``; ``DurableCheckpointer`` is one)
+A listener (``core.capabilities.StepListener``; ``DurableCheckpointer`` is one)
 is called on the training thread at four points of a step. Its failure is
 logged and never fails the step: a durable save must not stop training.
 """

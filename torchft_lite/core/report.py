@@ -2,26 +2,10 @@
 
 At the end of every ``should_commit`` (committed or not) the Manager tells its
 step listeners ``step_finished(report)`` (``Manager.add_step_listener``); the
-metrics exporter (:mod:`torchft_lite.metrics.registry`) is one, and a user with their
-own registry or logger can add another. Group rank 0 also advertises the
-step's compute time to the lighthouse (``"compute_ms"`` and
-``"compute_step"`` in ``QuorumMember.data``), which scores stragglers on it.
-
-Where the time of a step goes, as the training thread sees it (every span ends
-where the next one starts, so they add up to ``total_s``):
-
-* ``quorum_s``: blocked on the quorum: in ``start_quorum`` (a synchronous
-  quorum, its heal included) or in the first ``allreduce`` (an asynchronous
-  quorum that was not back when the forward and backward pass needed it).
-* ``compute_s``: ``start_quorum`` returned -> the first ``allreduce`` call:
-  the forward pass and the backward pass up to the first gradient bucket (the
-  group's own work; what a straggler is slow at). With no ``allreduce`` before
-  ``should_commit`` (LocalSGD's inner steps), up to ``should_commit``.
-* ``allreduce_s``: the first ``allreduce`` call -> ``should_commit``, less the
-  quorum wait in it: the reduction and the rest of the backward pass it
-  overlaps (DDP waits for its buckets before ``backward`` returns).
-* ``commit_s``: ``should_commit`` itself: waiting for and applying a heal,
-  the group's vote.
+metrics exporter (:mod:`torchft_lite.metrics.registry`) is one, and a user with
+their own registry or logger can add another. Group rank 0's
+:class:`ComputeAdvertiser` advertises the step's compute time to the lighthouse,
+which scores stragglers on it.
 """
 
 from __future__ import annotations
@@ -35,7 +19,11 @@ __all__ = ["ComputeAdvertiser", "StepReport", "report_of"]
 
 @dataclass(frozen=True)
 class StepReport:
-    """One finished step (``StepListener.step_finished``); times in seconds."""
+    """One finished step (``StepListener.step_finished``); times in seconds.
+
+    Where the time of a step goes, as the training thread sees it: every span (``quorum_s``, ``compute_s``,
+    ``allreduce_s``, ``commit_s``) ends where the next one starts, so they add up to ``total_s``.
+    """
 
     step: int
     """The step the Manager was at when it began (it commits as ``step + 1``)."""
@@ -56,14 +44,22 @@ class StepReport:
     nonfinite: bool
     """This group's gradients were non-finite and were left out of the average (``torchft_lite.health.nonfinite``)."""
     quorum_s: float
+    """Blocked on the quorum: in ``start_quorum`` (a synchronous quorum, its heal included) or in the first
+    ``allreduce`` (an asynchronous quorum that was not back when the forward and backward pass needed it)."""
     compute_s: float
+    """``start_quorum`` returned -> the first ``allreduce`` call: the forward pass and the backward pass up to
+    the first gradient bucket (the group's own work; what a straggler is slow at). With no ``allreduce`` before
+    ``should_commit`` (LocalSGD's inner steps), up to ``should_commit``."""
     allreduce_s: float
+    """The first ``allreduce`` call -> ``should_commit``, less the quorum wait in it: the reduction and the rest
+    of the backward pass it overlaps (DDP waits for its buckets before ``backward`` returns)."""
     commit_s: float
+    """``should_commit`` itself: waiting for and applying a heal, the group's vote."""
     total_s: float
 
 
 def report_of(step: Any, committed: bool, quorum_id: int, now: float | None = None) -> StepReport:
-    """The report of ``step`` (a ``_step.Step``) that ends at ``now`` (``time.monotonic()``)."""
+    """The report of ``step`` (a ``core.step.Step``) that ends at ``now`` (``time.monotonic()``)."""
     now = time.monotonic() if now is None else now
     began = step.compute_from if step.compute_from is not None else step.started_at
     commit_from = step.commit_from if step.commit_from is not None else now

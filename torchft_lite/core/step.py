@@ -72,7 +72,7 @@ class Step:
     torn_at_max_step: bool = False
     """The state is torn and this quorum makes it up to date: fail stop at the end of the step."""
     nonfinite: bool = False
-    """This group's own gradients were non-finite in a bucket and left out of the average (health.py)."""
+    """This group's own gradients were non-finite in a bucket and left out of the average (``health.nonfinite``)."""
 
     send_to: list[int] = field(default_factory=list)
     """Replica ranks that heal from this one this step."""

@@ -1,25 +1,12 @@
 """Sharded (DTensor) state in durable checkpoints: who writes which shard, and when a resume fits.
 
-With FSDP2 inside a replica group (HSDP) the Manager's state holds DTensors.
-A state file stores each the way a heal carries it (``checkpointing._dtensor``):
-this rank's local shard as an ordinary tensor entry and its layout (mesh,
-placements, global shape and stride) in the file's header. The full tensor is
-never gathered, on saving or on loading.
-
-* **Every rank writes its own shard.** Ranks of a group hold different shards,
-  so a sharded state needs one file per rank (``replicated_in_group=False``,
-  the default); with ``replicated_in_group=True`` group rank 0's file alone
-  would be written and loaded by every rank, so such a save is refused.
-* **Complete means every shard.** The writing group's rank 0 writes the
-  manifest only after every rank's file is written, and lists them all; a
-  checkpoint without the manifest is not complete (``_layout``).
-* **A resume needs the layout it was written with.** Group rank ``r`` loads
-  file ``r``; its shards fit only when the mesh (device type, shape, ranks,
-  dimension names), the placements and the global and local shapes are the
-  ones the checkpoint holds. Another mesh, another placement, or a plain
-  tensor where a DTensor was saved (or the other way round) would put shards
-  on the wrong ranks: :func:`check_layout` refuses it before anything is
-  loaded, naming both layouts. Resharding on resume is not supported.
+A state file stores a DTensor the way a heal carries it (``serialization.dtensor``):
+this rank's local shard as an ordinary tensor entry, its layout in the file's
+header; the full tensor is never gathered. Ranks of a group hold different shards,
+so each writes its own file (:func:`sharded_paths` finds what makes
+``replicated_in_group=True`` refuse a save), and the manifest comes only after every
+rank's file. A resume needs the layout it was written with: :func:`check_layout`
+refuses another before anything is loaded. docs/large-models.md ("Sharded state").
 """
 
 from __future__ import annotations
@@ -93,6 +80,11 @@ def check_layout(where: str, live: torch.Tensor, loaded: torch.Tensor, step: int
 
     ``per_rank``: the checkpoint holds one file per group rank (else group rank 0's, which fits only a state
     that every rank holds whole).
+
+    Group rank ``r`` loads file ``r``; its shards fit only when the mesh (device type, shape, ranks, dimension
+    names), the placements and the global and local shapes are the ones the checkpoint holds. Another mesh,
+    another placement, or a plain tensor where a DTensor was saved (or the other way round) would put shards
+    on the wrong ranks. Resharding on resume is not supported.
     """
     mine, saved = layout_of(live, where), layout_of(loaded, where)
     if not per_rank and any(layout is not None and _per_rank(layout) for layout in (mine, saved)):

@@ -1,31 +1,12 @@
 """Durable checkpoints: every ``every`` committed steps, one replica group writes the job's state to disk.
 
-Live heals cover a group that dies while others live; this covers the whole
-job going down. Per checkpoint step ``S`` (``S % every == 0``):
-
-* **One writer.** Replica groups hold the same state, so only the group that
-  was the first participant of the quorum that committed ``S`` (replica rank 0:
-  every group computes the same answer from the same quorum) writes it: each
-  of its ranks its own state file (group rank 0 alone with
-  ``replicated_in_group=True``), group rank 0 the manifest. The other groups
-  write only their rank-local state (RNG states, data position: a few KB per
-  rank), which differs between groups.
-* **Off the training thread.** At the commit the rank-local state is taken (it
-  is small); at the next ``start_quorum``, after the optimizer stepped, a
-  worker thread copies every tensor into host buffers kept from the last save
-  while the forward and backward pass run; ``should_commit`` waits for that
-  copy before anything may change the state. The worker then writes the files
-  while the next steps run. A save still in flight when the next one is due is
-  skipped (logged), never queued.
-* **Complete or absent.** The writer assembles the checkpoint in a staging
-  directory; its group rank 0 writes the manifest last and renames the
-  directory into place (``_layout``). Files are in the heal format (declared,
-  checksummed, never pickled); loading checks every byte.
-
-Memory: each writing rank keeps one host copy of the state it saves (its
-tensors' bytes), reused from save to save; ranks of groups that never write
-allocate nothing. A failed save (a full disk) is logged at ERROR, counted in
-:meth:`DurableCheckpointer.statistics`, and training goes on.
+Live heals cover a group that dies while others live; :class:`DurableCheckpointer`
+covers the whole job going down. The first participant of the quorum that committed
+a checkpoint step writes it (each of its ranks its own state file, off the training
+thread); every group writes its rank-local state (RNG states, data position). A
+checkpoint is assembled in a staging directory and renamed into place once complete
+(``_layout``), in the heal format; ``resume()`` (``_resume``) loads the newest one
+that reads back intact. How it behaves and what it costs: docs/durable.md.
 """
 
 from __future__ import annotations

@@ -1,34 +1,13 @@
 """Lease fencing: a group commits a step only while its lease at the lighthouse provably holds.
 
-The lighthouse declares a replica gone when it has heard nothing from it
-(no Heartbeat, no Quorum call) for its ``heartbeat_timeout`` T, measured from
-when it *received* the last call. The group's peers then abort the step's
-unfinished collectives and redo the step without it. If the group were to
-commit that step anyway (it was hung, SIGSTOPped or cut off, and woke up with
-its gradients already exchanged), two lineages would hold one step: a fork.
-
-So the group reasons on its own clock, with no round trip per step:
-
-* a call the lighthouse answered that was *sent* at ``s`` reached it no
-  earlier than ``s``, so the lighthouse cannot declare the group gone before
-  ``s + T`` on its clock. With both clocks' rates within ``CLOCK_RATE_BOUND``
-  of each other, and ``EVENT_ALLOWANCE`` left for the group's last collective
-  data to reach the peers before they could hear it is gone, the lease
-  provably holds until ``s + T - margin(T)`` on this process's clock;
-* a lapse can only have happened where the proofs left a hole: an answer that
-  arrived after the previous proof's bound had run out. Holes before the
-  step's quorum don't matter (the lighthouse issued that quorum with the group
-  as a member, so it had it as alive then); one after it might;
-* a lost lease stream means the lighthouse dropped the group: a certain lapse.
-
-The vote is yes only when no hole opened since the step's quorum was answered
-and the lease holds now. What remains assumed: the clocks' rates differ by
-less than ``CLOCK_RATE_BOUND`` (1%, far above what NTP lets a clock slew), and
-the group's last collective data reaches its peers within ``EVENT_ALLOWANCE``
-of its vote (see docs/training.md, "Failure detection and fencing").
-
-Pure: every method takes the time; :class:`~torchft_lite.group_server.lighthouse_link.LighthouseLink`
-feeds it from a clock that keeps counting while the machine is suspended.
+A group that was hung, SIGSTOPped or cut off may wake with its gradients
+exchanged while the lighthouse declared it gone and its peers redid the step
+without it; committing then would fork the job. :class:`LeaseFence` proves on the
+group's own clock, with no round trip per step, that the lighthouse cannot have
+declared it gone (the reasoning is on the class; docs/training.md, "Failure
+detection and fencing", states the rule for users). Pure: every method takes the
+time; :class:`~torchft_lite.group_server.lighthouse_link.LighthouseLink` feeds it
+from :func:`lease_clock`, which keeps counting while the machine is suspended.
 """
 
 from __future__ import annotations
@@ -73,7 +52,26 @@ class FenceStatistics:
 
 
 class LeaseFence:
-    """What this group can prove about its lease, from the lighthouse answers it received."""
+    """What this group can prove about its lease, from the lighthouse answers it received.
+
+    The lighthouse declares a replica gone when it has heard nothing from it (no Heartbeat, no Quorum call)
+    for its ``heartbeat_timeout`` T, measured from when it *received* the last call. So:
+
+    * a call the lighthouse answered that was *sent* at ``s`` reached it no earlier than ``s``, so the
+      lighthouse cannot declare the group gone before ``s + T`` on its clock. With both clocks' rates within
+      ``CLOCK_RATE_BOUND`` of each other, and ``EVENT_ALLOWANCE`` left for the group's last collective data to
+      reach the peers before they could hear it is gone, the lease provably holds until ``s + T - margin(T)``
+      on this process's clock;
+    * a lapse can only have happened where the proofs left a hole: an answer that arrived after the previous
+      proof's bound had run out. Holes before the step's quorum don't matter (the lighthouse issued that
+      quorum with the group as a member, so it had it as alive then); one after it might;
+    * a lost lease stream means the lighthouse dropped the group: a certain lapse.
+
+    The vote is yes only when no hole opened since the step's quorum was answered and the lease holds now.
+    What remains assumed: the clocks' rates differ by less than ``CLOCK_RATE_BOUND`` (1%, far above what NTP
+    lets a clock slew), and the group's last collective data reaches its peers within ``EVENT_ALLOWANCE`` of
+    its vote.
+    """
 
     def __init__(self, default_timeout: float = DEFAULT_LEASE_TIMEOUT) -> None:
         if not default_timeout > 0:

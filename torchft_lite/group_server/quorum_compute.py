@@ -1,30 +1,10 @@
 """What one replica group learns from an issued quorum: a pure function.
 
 The ManagerServer asks the lighthouse for a quorum once per step and then, for
-each rank of its group, calls :func:`compute_quorum_result`. No network, no
-clock, no torch: tests pass literal members.
-
-The rules match torchft's so mixed fleets agree on ranks, stores and heal
-assignments:
-
-* replica rank = position of this replica id among the members (sorted by id);
-* the max step and the members at it ("up to date");
-* a member is behind when its step is below the max, or, at step 0 with
-  ``init_sync``, when it is not the primary (so every replica starts from the
-  same weights);
-* (ours) so is a member at the max step whose state fingerprint differs
-  from the one a majority advertises (:mod:`torchft_lite.health.fingerprint_vote`):
-  it heals from them; with no majority the quorum fails for every member;
-* the behind members are dealt round-robin over the up-to-date ones, offset by
-  the group rank so different group ranks heal from different peers;
-* striping (ours): when every member advertises ``heal_sources`` K > 1 in its
-  ``QuorumMember.data``, behind member ``i`` heals from the K up-to-date
-  members following its single source (that one first) and each of them lists
-  it among its destinations. K is the minimum over the members (a member that
-  advertises nothing, such as torchft's, counts as 1), so every group computes
-  the same assignment; with K = 1 it is exactly torchft's;
-* group rank ``r`` of every replica rendezvous on the TCPStore of the
-  up-to-date member ``r mod len(up to date)`` (the primary).
+each rank of its group, calls :func:`compute_quorum_result`: replica rank, max
+step, the store to rendezvous on and who heals from whom. No network, no clock,
+no torch: tests pass literal members. The rules (on the function) match torchft's
+so mixed fleets agree, plus fingerprint votes and striped heals of our own.
 """
 
 from __future__ import annotations
@@ -52,7 +32,7 @@ class QuorumMember:
     world_size: int = 1
     commit_failures: int = 0
     heal_sources: int = 1  # how many sources it can heal from at once (see heal_sources_of)
-    fingerprint: Advertised | None = None  # of the state at its step (see _fingerprint_vote)
+    fingerprint: Advertised | None = None  # of the state at its step (see health.fingerprint_vote)
 
 
 @dataclass(frozen=True)
@@ -87,6 +67,27 @@ def compute_quorum_result(
 
     Raises ``ValueError`` when the replica is not a member or the quorum is empty, and
     ``StateDivergedError`` when the members at the max step advertise fingerprints with no majority.
+
+    The rules (torchft's, so mixed fleets agree on ranks, stores and heal assignments):
+
+    * replica rank = position of this replica id among the members (sorted by id);
+    * the max step and the members at it ("up to date");
+    * a member is behind when its step is below the max, or, at step 0 with
+      ``init_sync``, when it is not the primary (so every replica starts from the
+      same weights);
+    * (ours) so is a member at the max step whose state fingerprint differs
+      from the one a majority advertises (:mod:`torchft_lite.health.fingerprint_vote`):
+      it heals from them; with no majority the quorum fails for every member;
+    * the behind members are dealt round-robin over the up-to-date ones, offset by
+      the group rank so different group ranks heal from different peers;
+    * striping (ours): when every member advertises ``heal_sources`` K > 1 in its
+      ``QuorumMember.data``, behind member ``i`` heals from the K up-to-date
+      members following its single source (that one first) and each of them lists
+      it among its destinations. K is the minimum over the members (a member that
+      advertises nothing, such as torchft's, counts as 1), so every group computes
+      the same assignment; with K = 1 it is exactly torchft's;
+    * group rank ``r`` of every replica rendezvous on the TCPStore of the
+      up-to-date member ``r mod len(up to date)`` (the primary).
     """
     if not members:
         raise ValueError(f"quorum {quorum_id} has no members")

@@ -1,35 +1,12 @@
-"""The ManagerServer: one per replica group, in group rank 0's process.
+"""The ManagerServer: one per replica group, in group rank 0's process, on the control-plane loop.
 
-It serves torchft's ``ManagerService`` to the ranks of its own group (and
-``CheckpointMetadata`` to healing peers, ``Kill`` to the lighthouse's admin):
-
-* ``Quorum``: waits until every rank of the group asked for the same step,
-  makes one lighthouse ``Quorum`` call for the group (retrying up to
-  ``quorum_retries`` times when the lighthouse is briefly gone), then answers
-  each rank with :func:`~torchft_lite.group_server.quorum_compute.compute_quorum_result`
-  for its group rank. When the call finally fails, every waiting rank gets the
-  error at once. The group's ``heal_sources`` (how many peers a healing rank
-  can stripe over) travels in ``QuorumMember.data`` so every group computes
-  the same assignment.
-* ``ShouldCommit``: collects one vote per rank for a step; all get the AND,
-  or no if the group was cut off from the lighthouse since the quorum.
-* ``CheckpointMetadata``: what each rank's checkpoint transport advertised.
-* ``Kill``: logs the reason and exits the process (``EXIT_CODE_KILLED``).
-* ``Events`` (torchft_lite): relays the lighthouse's membership events to the
-  group's ranks.
-
-It also heartbeats the lighthouse every ``heartbeat_interval`` and holds a
-lease on it (:class:`~torchft_lite.group_server.lighthouse_link.LighthouseLink`: closed
-first on stop, so the lighthouse drops the group at once when this process
-dies or leaves). It serves on the control-plane loop (``torchft_lite.rpc``).
-
-Only the job's own processes may call it (a ``Kill`` ends the process, a
-forged ``Quorum`` or ``ShouldCommit`` steers the group): every call must carry
-the job token (``TORCHFT_LITE_TOKEN``/``_FILE``), else, with no token, come
-from loopback (see :mod:`torchft_lite.rpc.access`). Its lighthouse calls carry
-the same token. With ``TORCHFT_LITE_TLS_CERT``/``_KEY`` set it serves TLS only
-(and advertises an ``https://`` address); its lighthouse calls use TLS by the
-same settings (:mod:`torchft_lite.rpc.tls`).
+It serves torchft's ``ManagerService`` to the ranks of its own group: ``Quorum``
+(one lighthouse Quorum call for the whole group, :meth:`ManagerServer.quorum`),
+``ShouldCommit`` (the ranks' votes, fenced by the lease: :meth:`ManagerServer.decide`),
+``CheckpointMetadata`` for healing peers, ``Kill`` for the lighthouse's admin and
+``Events`` (ours: the lighthouse's membership events, relayed). It heartbeats the
+lighthouse and holds a lease on it through a
+:class:`~torchft_lite.group_server.lighthouse_link.LighthouseLink`.
 """
 
 from __future__ import annotations
@@ -121,7 +98,17 @@ class ManagerServerStatistics:
 
 
 class ManagerServer:
-    """``await server.start()`` ... ``await server.stop()``; on the control-plane loop."""
+    """``await server.start()`` ... ``await server.stop()``; on the control-plane loop.
+
+    It heartbeats the lighthouse every ``heartbeat_interval`` and holds a lease on it (the link is closed first
+    on stop, so the lighthouse drops the group at once when this process dies or leaves).
+
+    Only the job's own processes may call it (a ``Kill`` ends the process, a forged ``Quorum`` or
+    ``ShouldCommit`` steers the group): every call must carry the job token (``TORCHFT_LITE_TOKEN``/``_FILE``),
+    else, with no token, come from loopback (see :mod:`torchft_lite.rpc.access`). Its lighthouse calls carry
+    the same token. With ``TORCHFT_LITE_TLS_CERT``/``_KEY`` set it serves TLS only (and advertises an
+    ``https://`` address); its lighthouse calls use TLS by the same settings (:mod:`torchft_lite.rpc.tls`).
+    """
 
     def __init__(
         self,
@@ -244,6 +231,13 @@ class ManagerServer:
 
     async def quorum(self, request: pb.ManagerQuorumRequest, timeout: float | None) -> pb.ManagerQuorumResponse:
         """A rank's Quorum call; group rank 0 calls this in-process, the others over gRPC.
+
+        It waits until every rank of the group asked for the same step, makes one lighthouse ``Quorum`` call for
+        the group (retrying up to ``quorum_retries`` times when the lighthouse is briefly gone), then answers
+        each rank with :func:`~torchft_lite.group_server.quorum_compute.compute_quorum_result` for its group rank.
+        When the call finally fails, every waiting rank gets the error at once. The group's ``heal_sources`` (how
+        many peers a healing rank can stripe over) travels in ``QuorumMember.data`` so every group computes the
+        same assignment.
 
         Raises ``RpcAbort`` with the status the caller should see.
         """
@@ -433,6 +427,7 @@ class ManagerServer:
         return pb.CheckpointMetadataResponse(checkpoint_metadata=metadata).SerializeToString()
 
     async def _rpc_kill(self, data: bytes, context) -> bytes:
+        """``Kill``: log the reason and exit the process (``EXIT_CODE_KILLED``)."""
         request = _parse(pb.KillRequest, data)
         logger.warning("[%s] killed on request from %s: %s", self.config.replica_id, context.peer(), request.msg)
         # Answer first, then exit: the caller learns the kill was accepted.

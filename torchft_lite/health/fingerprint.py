@@ -1,30 +1,11 @@
 """Replica fingerprints: silent data corruption is found by majority and healed, not spread.
 
-A flipped bit in one group's parameters (bad memory, a flaky accelerator) is
-invisible to the non-finite guard: the values stay finite, the group keeps
-training on a state the others don't hold, and the next heal from it copies
-the corruption. Every ``fingerprint_every`` steps (``HealthConfig``; default
-100, 0 turns it off), every rank fingerprints its state at the start of the
-step, before the quorum is asked for, and sends it with its quorum request; its
-group advertises the fold of its ranks' in its quorum data, and
-:mod:`torchft_lite.health.fingerprint_vote` says what the quorum does with them (the minority heals from the majority; with no majority
-every group stops).
-
-The fingerprint covers the floating-point tensors of the registered state (the
-parameters and the optimizer's moments): each tensor's bytes are summed as
-64-bit words, modulo 2**64, on the tensor's own device (the heal format's
-``sum64``; any single flipped bit changes it), and a 128-bit BLAKE2b digest
-covers every tensor's path, dtype, shape and sum. Integer tensors and other
-values (step counters, a data loader's position, which groups may legitimately
-hold differently) are left out, and so are the paths ``fingerprint_exclude``
-matches: by default BatchNorm's running statistics, which DDP does not
-average across groups.
-
-Every rank fingerprints its own state (ranks of a group may hold different
-shards or, with per-rank data, different parameters; group rank ``r`` of every
-group holds the same) and sends it with its quorum request; the group's
-fingerprint covers all of its ranks', so a flipped bit on any rank is found,
-and the log names the rank.
+A flipped bit in one group's parameters stays finite, so the non-finite guard
+can't see it. Every ``fingerprint_every`` steps (``HealthConfig``) every rank's
+:class:`Fingerprinter` fingerprints its state at the start of the step
+(:func:`fingerprint_of`) and sends it with its quorum request; its group folds its
+ranks' into the group's, and :mod:`torchft_lite.health.fingerprint_vote` says what
+the quorum does with them. docs/health.md ("Replica fingerprints") for users.
 """
 
 from __future__ import annotations
@@ -52,7 +33,7 @@ _MASK = (1 << 64) - 1
 
 @dataclass(frozen=True)
 class Fingerprint:
-    """A state's fingerprint (see the module docstring)."""
+    """A state's fingerprint (see :func:`fingerprint_of`)."""
 
     digest: str
     """Hex BLAKE2b-128 over every covered tensor's path, dtype, shape and sum64."""
@@ -105,7 +86,19 @@ def _paths_and_tensors(state: Any, prefix: str = "") -> list[tuple[str, torch.Te
 
 
 def fingerprint_of(state: Any, exclude: str | None = DEFAULT_EXCLUDE) -> Fingerprint:
-    """The fingerprint of ``state`` (nested dicts and lists of tensors and other values)."""
+    """The fingerprint of ``state`` (nested dicts and lists of tensors and other values).
+
+    It covers the floating-point tensors of the registered state (the parameters and the optimizer's moments):
+    each tensor's bytes are summed as 64-bit words, modulo 2**64, on the tensor's own device (the heal format's
+    ``sum64``; any single flipped bit changes it), and a 128-bit BLAKE2b digest covers every tensor's path,
+    dtype, shape and sum. Integer tensors and other values (step counters, a data loader's position, which
+    groups may legitimately hold differently) are left out, and so are the paths ``exclude`` matches: by
+    default BatchNorm's running statistics, which DDP does not average across groups.
+
+    Every rank fingerprints its own state (ranks of a group may hold different shards or, with per-rank data,
+    different parameters; group rank ``r`` of every group holds the same); the group's fingerprint covers all
+    of its ranks', so a flipped bit on any rank is found, and the log names the rank.
+    """
     pattern = re.compile(exclude) if exclude else None
     covered = [(path, t) for path, t in _paths_and_tensors(state)
                if t.is_floating_point() and not (pattern is not None and pattern.search(path))]

@@ -1,33 +1,12 @@
 """Which replica groups hold a corrupted state: a majority vote on fingerprints, as a pure function.
 
-Every ``fingerprint_every`` steps each rank fingerprints the state it holds
-at its step (:mod:`torchft_lite.health.fingerprint`) and sends it with its quorum
-request to its group's ManagerServer, which folds its ranks' into the group's
-(:func:`group_fingerprint`) and advertises that in the group's
-``QuorumMember.data``::
-
-    "fingerprint": {"step": 300, "digest": "9f0c...", "sums": "<base64>", "ranks": ["51ab...", ...]}
-
-Groups at the same step that took part in the same commits must hold the same
-bytes. When they don't, one of them was hit by silent data corruption (a
-flipped bit in memory, a bad accelerator). The vote is among the members at
-the quorum's max step, and only when every one of them advertises a
-fingerprint of that step (a torchft manager advertises none, and computes its
-heal assignment without this rule: then nobody applies it):
-
-* one digest held by a strict majority: the others are *corrupt*. Every group
-  computes the same verdict from the same quorum, so each treats them as
-  behind: they heal from the majority in this quorum, as a restarted group
-  would.
-* no strict majority (two groups that differ, or a three-way split): nobody
-  can tell which state is right. The quorum fails with
-  :class:`~torchft_lite.errors.StateDivergedError` on every group and nothing
-  commits; each group exits with ``EXIT_CODE_DIVERGED`` (70) so a person (or a
-  whole-job resume from the last durable checkpoint) decides.
-
-No torch and no I/O here: the ManagerServer runs it on each quorum, and group
-rank 0's :class:`~torchft_lite.health.fingerprint.Fingerprinter` runs it again on
-the same data to name the first tensor that differs in its log.
+Each rank sends its fingerprint (:mod:`torchft_lite.health.fingerprint`) with its
+quorum request; the group's ManagerServer folds its ranks' (:func:`group_fingerprint`)
+and advertises that under ``"fingerprint"`` in ``QuorumMember.data``, and every group
+computes the same :func:`vote` from the same quorum. No torch and no I/O here: the
+ManagerServer runs it on each quorum, and group rank 0's
+:class:`~torchft_lite.health.fingerprint.Fingerprinter` again to name the first
+tensor that differs in its log.
 """
 
 from __future__ import annotations
@@ -67,7 +46,7 @@ class Advertised:
 
 @dataclass(frozen=True)
 class Verdict:
-    """The vote of one quorum (see the module docstring)."""
+    """The vote of one quorum (see :func:`vote`)."""
 
     step: int
     majority: tuple[str, ...]
@@ -137,7 +116,22 @@ def _unpack_sums(text: Any) -> tuple[int, ...]:
 def vote(members: Sequence[tuple[str, int, Advertised | None]]) -> Verdict | None:
     """The verdict on ``(replica id, step, fingerprint)`` members; None when there is nothing to judge.
 
-    Nothing to judge: fewer than two members at the max step, or one of them has no fingerprint of it.
+    Nothing to judge: fewer than two members at the max step, or one of them has no fingerprint of it (a
+    torchft manager advertises none, and computes its heal assignment without this rule: then nobody applies
+    it). Groups at the same step that took part in the same commits must hold the same bytes; when they
+    don't, one of them was hit by silent data corruption. The vote is among the members at the max step:
+
+    * one digest held by a strict majority: the others are *corrupt*. Every group computes the same verdict
+      from the same quorum, so each treats them as behind: they heal from the majority in this quorum, as a
+      restarted group would.
+    * no strict majority (two groups that differ, or a three-way split): nobody can tell which state is right.
+      The quorum fails with :class:`~torchft_lite.errors.StateDivergedError` on every group and nothing
+      commits; each group exits with ``EXIT_CODE_DIVERGED`` (70) so a person (or a whole-job resume from the
+      last durable checkpoint) decides.
+
+    What a group advertises::
+
+        "fingerprint": {"step": 300, "digest": "9f0c...", "sums": "<base64>", "ranks": ["51ab...", ...]}
     """
     if not members:
         return None

@@ -1,30 +1,11 @@
-"""Health checks on what a step would commit: the non-finite guard.
+"""Health checks on what a step would commit: the non-finite guard, and the wiring of a rank's checks.
 
-One bad batch, or a flaky accelerator, can make a group's gradients NaN or
-Inf. Averaged in, they poison every group's parameters at once, and a heal then
-copies the poison to any group that was spared. The guard keeps them out:
-
-* Before a gradient bucket enters the allreduce, the group checks it (one
-  fused reduction: the bucket's float32 sum is finite exactly when every
-  element is, short of an overflow past 3e38, which is no usable gradient
-  either). A non-finite bucket is replaced by zeros, and the group does not
-  count in that bucket's average: a second, one-element allreduce sums how many
-  groups were left out, and the average divides by the quorum's count of
-  participants less that number (unchanged when every bucket is finite). Every group (the bad one too) then applies the same average of the good
-  groups' gradients, so parameters stay identical and the step commits.
-* When no group contributed (all were non-finite), or the average itself is
-  non-finite, the step fails on every group alike: nothing commits.
-* A group whose own gradients were non-finite ``max_nonfinite_steps`` committed
-  or attempted steps in a row raises :class:`~torchft_lite.errors.NonFiniteError`
-  from ``should_commit``, after its vote: it leaves, and
-  :func:`torchft_lite.cluster.exit_codes.run` exits with ``EXIT_CODE_BAD_REPLICA`` (65)
-  so the scheduler replaces it (on another host if its accelerator is suspect).
-
-The guard changes the collectives a step issues (two per bucket), so it must be
-on in every group of a job or in none: ``TORCHFT_LITE_NONFINITE_GUARD=0`` (or
-``Manager(health=HealthConfig(nonfinite_guard=False))``) everywhere turns it off.
-It applies to AVG allreduces of floating-point tensors (the gradients DDP and
-``Manager.allreduce`` average); other reductions pass through as before.
+One bad batch, or a flaky accelerator, can make a group's gradients NaN or Inf;
+averaged in, they would poison every group at once, and a heal would copy the
+poison on. :class:`NonFiniteGuard` keeps them out of the average (how, on the
+class); :class:`HealthConfig` is the Manager's ``health=`` and
+:func:`health_checks` wires a rank's guard and fingerprints. docs/health.md ("The
+non-finite guard") says what a user sees.
 """
 
 from __future__ import annotations
@@ -52,7 +33,8 @@ FINGERPRINT_EVERY_ENV = "TORCHFT_LITE_FINGERPRINT_EVERY"
 
 @dataclass(frozen=True)
 class HealthConfig:
-    """The Manager's health checks (keyword ``health=``); see the module docstring."""
+    """The Manager's health checks (keyword ``health=``): the non-finite guard (:class:`NonFiniteGuard`) and
+    replica fingerprints (:mod:`torchft_lite.health.fingerprint`)."""
 
     nonfinite_guard: bool = True
     """Keep non-finite gradients out of the average (must match in every group of the job)."""
@@ -110,7 +92,27 @@ def health_checks(config: HealthConfig, state: Callable[[], Any], advertise: Cal
 
 
 class NonFiniteGuard:
-    """The Manager's side of the guard: starts guarded allreduces, and judges each step after its vote."""
+    """The Manager's side of the guard: starts guarded allreduces, and judges each step after its vote.
+
+    * Before a gradient bucket enters the allreduce, the group checks it (one fused reduction: the bucket's
+      float32 sum is finite exactly when every element is, short of an overflow past 3e38, which is no usable
+      gradient either). A non-finite bucket is replaced by zeros, and the group does not count in that
+      bucket's average: a second, one-element allreduce sums how many groups were left out, and the average
+      divides by the quorum's count of participants less that number (unchanged when every bucket is
+      finite). Every group (the bad one too) then applies the same average of the good groups' gradients, so
+      parameters stay identical and the step commits.
+    * When no group contributed (all were non-finite), or the average itself is non-finite, the step fails on
+      every group alike: nothing commits.
+    * A group whose own gradients were non-finite ``max_nonfinite_steps`` committed or attempted steps in a row
+      raises :class:`~torchft_lite.errors.NonFiniteError` from ``should_commit``, after its vote
+      (:meth:`judge`): it leaves, and :func:`torchft_lite.cluster.exit_codes.run` exits with
+      ``EXIT_CODE_BAD_REPLICA`` (65) so the scheduler replaces it.
+
+    The guard changes the collectives a step issues (two per bucket), so it must be on in every group of a job
+    or in none (``TORCHFT_LITE_NONFINITE_GUARD=0``, or ``HealthConfig(nonfinite_guard=False)``, everywhere turns
+    it off). It applies to AVG allreduces of floating-point tensors (the gradients DDP and
+    ``Manager.allreduce`` average); other reductions pass through as before.
+    """
 
     def __init__(self, config: HealthConfig, log: Callable[..., None], record: Callable[[Step, BaseException], None],
                  advertise: Callable[[str, object], None] | None = None) -> None:

@@ -1,41 +1,12 @@
 """Section timeouts: a hung replica group exits to be rescheduled instead of stalling everyone.
 
 The Manager marks sections of each step (``quorum``, ``heal``, ``step``,
-``checkpoint``). A daemon thread watches them; when one runs past its timeout
-it logs what was being waited for, dumps every thread's stack to stderr and
-exits the process with :data:`EXIT_CODE_RESCHEDULE` (75, ``EX_TEMPFAIL``: "try
-again later", which batch schedulers and torchrun treat as a failure to
-restart). A timeout of ``None`` disables that section. Time spent in a heal
-does not count against the ``step`` section: the ``heal`` section watches it.
-
-Exiting must not hang in turn: the thread that hung the step may hold a lock
-the exit needs (a logging handler's, stderr's) or never release the GIL. So
-the first thing the exit does is arm :mod:`faulthandler`'s own timer, a C
-thread that needs neither: if the process is still alive
-:data:`EXIT_BACKSTOP_SEC` later, it dumps every thread's stack and ends the
-process with code 1.
-
-**Calibration** (opt-in: ``WatchdogConfig(calibrate=True)`` or
-``TORCHFT_LITE_WATCHDOG_CALIBRATE=1``). The defaults must fit every job, so
-they are loose (a hung 1 s step waits 11 minutes) and can be too tight for
-very long steps. With calibration on, the ``quorum``, ``heal`` and ``step``
-timeouts that were not set explicitly become, after ``warmup`` (20) completed
-occurrences, ``multiple`` (4) x the longest one observed, never below
-``floor`` (120 s); the rules are in :mod:`torchft_lite.health.watchdog_calibration`.
-It is off by default because a false expiry costs a healthy group a restart:
-a membership change legitimately makes every group's quorum wait up to the
-lighthouse's ``join_timeout`` (60 s) plus a process-group reconfiguration,
-whether or not the warm-up saw one, and the 120 s floor is sized for that
-(raise it with ``join_timeout`` or ``quorum_timeout``). The observations are
-saved with durable checkpoints (:meth:`Watchdog.calibration_state`) and
-restored by ``DurableCheckpointer.resume``, so a restarted job starts calibrated.
-
-Exit codes of a training process using torchft_lite::
-
-    0    finished
-    1    killed through the lighthouse's Kill (torchft's code)
-    75   EXIT_CODE_RESCHEDULE: a watchdog section timed out (this module)
-    143  EXIT_CODE_PREEMPTED: left gracefully on a preemption signal (SIGTERM by default)
+``checkpoint``); a :class:`Watchdog` thread watches them, and when one runs past
+its timeout it logs what was being waited for, dumps every thread's stack and
+exits with :data:`EXIT_CODE_RESCHEDULE` (75). With calibration on, timeouts come
+from observed durations (:mod:`torchft_lite.health.watchdog_calibration`); the
+observations are saved with durable checkpoints. Defaults, settings and why
+calibration is opt-in: docs/health.md ("Watchdog", "Watchdog calibration").
 """
 
 from __future__ import annotations
@@ -59,7 +30,10 @@ logger = logging.getLogger(__name__)
 _STDERR_FD = 2  # the process's stderr itself, whatever object sys.stderr is by then
 
 EXIT_CODE_RESCHEDULE = 75
+"""A watchdog section timed out (``EX_TEMPFAIL``): restart it, elsewhere if the host is suspect."""
 EXIT_CODE_PREEMPTED = 143
+"""Left gracefully on SIGTERM (128 + 15), after saving a durable checkpoint of its step (with a
+DurableCheckpointer): restart it when capacity returns."""
 EXIT_BACKSTOP_SEC = 10.0
 """How long the watchdog's exit may take before faulthandler ends the process (code 1) regardless."""
 SECTIONS = ("quorum", "heal", "step", "checkpoint")
@@ -81,8 +55,12 @@ class WatchdogConfig:
     checkpoint: float | None = None
     """The user's durable-checkpoint callback (and ``manager.watchdog.section("checkpoint")``)."""
     calibrate: bool = False
-    """Compute the timeouts of ``quorum``, ``heal`` and ``step`` from observed durations, unless explicit.
-    Off by default: see the module docstring for why, and ``TORCHFT_LITE_WATCHDOG_CALIBRATE``."""
+    """Compute the timeouts of ``quorum``, ``heal`` and ``step`` from observed durations, unless explicit
+    (also ``TORCHFT_LITE_WATCHDOG_CALIBRATE=1``). The defaults must fit every job, so they are loose (a hung
+    1 s step waits 11 minutes) and can be too tight for very long steps. Off by default because a false expiry
+    costs a healthy group a restart: a membership change legitimately makes every group's quorum wait up to
+    the lighthouse's ``join_timeout`` (60 s) plus a process-group reconfiguration, whether or not the warm-up
+    saw one (``floor`` is sized for that)."""
     explicit: Iterable[str] | None = None
     """Sections whose timeout the user chose: calibration never changes them. None (the default): every
     section given a timeout in this config; so ``WatchdogConfig(calibrate=True)`` watches nothing until
@@ -207,7 +185,13 @@ class _Open:
 
 
 class Watchdog:
-    """Watches named sections from a daemon thread; ``on_expire`` defaults to dump-and-exit."""
+    """Watches named sections from a daemon thread; ``on_expire`` defaults to dump-and-exit.
+
+    A timeout of ``None`` disables that section. Time spent in a heal does not count against the ``step``
+    section: the ``heal`` section watches it. The observations are saved with durable checkpoints
+    (:meth:`calibration_state`) and restored by ``DurableCheckpointer.resume``, so a restarted job starts
+    calibrated.
+    """
 
     def __init__(self, config: WatchdogConfig, label: str = "",
                  on_expire: Callable[[str, str, float], None] | None = None,
@@ -276,7 +260,7 @@ class Watchdog:
             return WatchdogStatistics(self.config.calibrate, sections)
 
     def calibration_state(self) -> dict[str, Any]:
-        """The observed durations as plain data (saved with durable checkpoints; see the module docstring)."""
+        """The observed durations as plain data (saved with durable checkpoints, restored by ``DurableCheckpointer.resume``)."""
         with self._lock:
             return self._calibration.state()
 
@@ -357,6 +341,14 @@ class _Section:
 
 
 def _dump_and_exit(section: str, what: str, timeout: float) -> None:
+    """Log, dump every thread's stack to stderr, exit with ``EXIT_CODE_RESCHEDULE`` (``EX_TEMPFAIL``: "try again
+    later", which batch schedulers and torchrun treat as a failure to restart).
+
+    Exiting must not hang in turn: the thread that hung the step may hold a lock the exit needs (a logging
+    handler's, stderr's) or never release the GIL. So the first thing is to arm :mod:`faulthandler`'s own
+    timer, a C thread that needs neither: if the process is still alive ``EXIT_BACKSTOP_SEC`` later, it dumps
+    every thread's stack and ends the process with code 1.
+    """
     # Armed first: everything below needs the GIL and locks that a stuck thread may hold forever.
     faulthandler.dump_traceback_later(EXIT_BACKSTOP_SEC, exit=True, file=_STDERR_FD)
     logger.critical("watchdog: %s took more than %.0fs waiting for %s; dumping all threads and exiting "

@@ -2,24 +2,8 @@
 
 The :class:`~torchft_lite.health.watchdog.Watchdog` measures each completed section
 and hands the seconds to :meth:`Calibration.observe`; it asks
-:meth:`Calibration.timeout` what the next occurrence may take. The rules:
-
-* Until a section has completed ``warmup`` times, its configured timeout holds.
-* Then its timeout is ``multiple x`` the longest duration observed for it,
-  never below ``floor``. The maximum only grows, so a heal of a bigger state
-  or a slower step keeps raising the timeout; nothing lowers it again.
-* Only calibrating sections change (calibration on, and the section not set
-  explicitly); durations of ``quorum``, ``heal`` and ``step`` are observed
-  either way, so a checkpoint written with calibration off can start a later
-  run with it on already calibrated.
-* The first occurrence of a section in a process gets the larger of its
-  configured and calibrated timeouts: observations restored from a durable
-  checkpoint describe a warm process, and a restarted one pays one-off costs
-  first (the process group built from nothing, compilation, allocator warm-up).
-
-What is saved is the observations (count and longest duration per section),
-not the timeouts, so a restart that changes ``multiple`` or ``floor`` applies
-them to the history it restores.
+:meth:`Calibration.timeout` what the next occurrence may take. The rules are on
+:class:`Calibration`.
 """
 
 from __future__ import annotations
@@ -85,7 +69,22 @@ class TimeoutChange:
 
 
 class Calibration:
-    """Observed durations per section and the timeouts they give; the caller serializes access."""
+    """Observed durations per section and the timeouts they give; the caller serializes access.
+
+    * Until a section has completed ``warmup`` times, its configured timeout holds.
+    * Then its timeout is ``multiple x`` the longest duration observed for it, never below ``floor``. The
+      maximum only grows, so a heal of a bigger state or a slower step keeps raising the timeout; nothing
+      lowers it again.
+    * Only calibrating sections change (calibration on, and the section not set explicitly); durations of
+      ``quorum``, ``heal`` and ``step`` are observed either way, so a checkpoint written with calibration off
+      can start a later run with it on already calibrated.
+    * The first occurrence of a section in a process gets the larger of its configured and calibrated
+      timeouts: observations restored from a durable checkpoint describe a warm process, and a restarted one
+      pays one-off costs first (the process group built from nothing, compilation, allocator warm-up).
+
+    What is saved (:meth:`state`) is the observations (count and longest duration per section), not the
+    timeouts, so a restart that changes ``multiple`` or ``floor`` applies them to the history it restores.
+    """
 
     def __init__(self, rules: CalibrationRules, configured: Mapping[str, float | None]) -> None:
         unknown = rules.sections - set(CALIBRATED_SECTIONS)

@@ -1,28 +1,11 @@
 """Prometheus metrics of one trainer process: where each step's time went, what it did, what the checks saw.
 
-:class:`ManagerMetrics` is a step listener (``Manager.add_step_listener``):
-every ``StepReport`` (:mod:`torchft_lite.core.report`) becomes histogram
-observations and counter increments, and what other parts keep (the
-fingerprinter's counts, the watchdog's sections) is read when a scrape comes.
-Two ways in:
-
-* **Your own registry**: ``ManagerMetrics(manager, registry=my_registry)``
-  registers the ``torchft_lite_*`` metrics on it and attaches itself to the
-  Manager; serve the registry as you already do. (With no Prometheus at all,
-  any object with a ``step_finished(report)`` method passed to
-  ``manager.add_step_listener`` gets the same reports.)
-* **A port of its own**: ``TORCHFT_LITE_METRICS_PORT`` (unset: off; ``0``: any
-  free port, logged) and ``TORCHFT_LITE_METRICS_HOST`` (default ``127.0.0.1``)
-  make every Manager serve ``/metrics`` from a private registry
-  (:mod:`torchft_lite.metrics.server`: the job token, or loopback-only, as
-  every other server of the job). It stops when the Manager shuts down.
-
-Every metric carries ``replica_id`` (the id the user gave the Manager, without
-the suffix each incarnation adds, so a restarted group continues the same
-series) and ``group_rank``. Label values are bounded: a failed step's
-``reason`` is an exception's type name, a heal's ``source`` a replica rank.
-Several Managers may share one registry (their labels tell them apart); the
-global ``prometheus_client.REGISTRY`` is used only when passed explicitly.
+:class:`ManagerMetrics` is a step listener (``Manager.add_step_listener``): every
+``StepReport`` (:mod:`torchft_lite.core.report`) becomes histogram observations and
+counter increments, and what other parts keep (the fingerprinter's counts, the
+watchdog's sections) is read when a scrape comes. Register it on your own registry,
+or let :func:`metrics_from_env` serve a private one on ``TORCHFT_LITE_METRICS_PORT``
+(:mod:`torchft_lite.metrics.server`). The metrics and both ways in: docs/health.md ("Metrics").
 """
 
 from __future__ import annotations
@@ -208,7 +191,14 @@ def _families_of(registry: CollectorRegistry) -> _Families:
 
 
 class ManagerMetrics:
-    """The ``torchft_lite_*`` metrics of one Manager (see the module docstring); attaches itself to it."""
+    """The ``torchft_lite_*`` metrics of one Manager; attaches itself to it.
+
+    Every metric carries ``replica_id`` (the id the user gave the Manager, without the suffix each incarnation
+    adds, so a restarted group continues the same series) and ``group_rank``. Label values are bounded: a failed
+    step's ``reason`` is an exception's type name (:func:`failure_reason`), a heal's ``source`` a replica rank.
+    Several Managers may share one registry (their labels tell them apart); the global
+    ``prometheus_client.REGISTRY`` is used only when passed explicitly.
+    """
 
     def __init__(self, manager: Any, registry: CollectorRegistry | None = None, *,
                  replica_id: str | None = None) -> None:

@@ -1,39 +1,11 @@
 """Process groups whose communicator lives in a subprocess, so an abort is a kill.
 
-Aborting an in-process NCCL communicator (``ncclCommAbort``) is the weak spot
-of in-process fault tolerance: it can hang behind a kernel stuck on a dead
-peer, or leave the CUDA context unusable. ``ProcessGroupBabyNCCL`` keeps the
-communicator in a child process instead; aborting it is ``SIGKILL``, which
-always works, and the trainer's own CUDA context is never touched by NCCL.
-``ProcessGroupBabyGloo`` is the same machinery over gloo (for CPU jobs, and
-for testing it without a GPU).
-
-How it works:
-
-- A child is started with the group (the Manager waits, bounded, for it to
-  be ready before joining its first quorum). ``configure()`` hands a child
-  the store address, rank and world size and waits (bounded by the timeout)
-  for its rendezvous. When nothing went wrong, the next ``configure()`` builds
-  the new communicator in the same child (if it has no operation still
-  running); after an error or ``abort()`` the child is killed and the next
-  one takes a warm spare (torch imported, first store client made) that was
-  started ahead of time.
-- Collectives are forwarded over a local socket pair. Tensors are shared, not
-  copied: CUDA tensors through CUDA IPC handles, CPU tensors through shared
-  memory (a CPU tensor whose storage is not shared yet is moved into shared
-  memory in place on first use, as ``Tensor.share_memory_()`` does; one over
-  memory torch does not own, from ``frombuffer`` or ``from_blob``, stays
-  where it is and goes through a shared copy). Messages on that
-  socket are pickled, between this process and its own child only; nothing
-  from the network is ever unpickled.
-- Before forwarding CUDA tensors the current stream is synchronized, so the
-  child reads what the trainer wrote; the child synchronizes its stream before
-  it reports an operation done, so the trainer reads what NCCL wrote.
-- Every operation has a deadline (the group's timeout). One that overruns, or
-  any failure, kills the child and leaves the group errored until the next
-  ``configure()``, as with the in-process groups.
-
-The child dies with its parent: it exits when the socket closes.
+Aborting an in-process NCCL communicator (``ncclCommAbort``) can hang behind a
+kernel stuck on a dead peer, or leave the CUDA context unusable.
+``ProcessGroupBabyNCCL`` keeps the communicator in a child process instead:
+aborting it is ``SIGKILL``, which always works, and the trainer's own CUDA context
+is never touched by NCCL. ``ProcessGroupBabyGloo`` is the same machinery over gloo
+(for CPU jobs, and for testing it without a GPU). How it works: :class:`ProcessGroupBaby`.
 """
 
 from __future__ import annotations
@@ -65,7 +37,32 @@ CHILD_START_TIMEOUT = timedelta(seconds=120)
 class ProcessGroupBaby(ReconfigurableProcessGroup):
     """A :class:`ReconfigurableProcessGroup` whose communicator runs in a child process.
 
-    Subclasses name the backend (``_KIND``). See the module docstring.
+    Subclasses name the backend (``_KIND``).
+
+    - A child is started with the group (the Manager waits, bounded, for it to
+      be ready before joining its first quorum). ``configure()`` hands a child
+      the store address, rank and world size and waits (bounded by the timeout)
+      for its rendezvous. When nothing went wrong, the next ``configure()`` builds
+      the new communicator in the same child (if it has no operation still
+      running); after an error or ``abort()`` the child is killed and the next
+      one takes a warm spare (torch imported, first store client made) that was
+      started ahead of time.
+    - Collectives are forwarded over a local socket pair (``_child_link``). Tensors
+      are shared, not copied: CUDA tensors through CUDA IPC handles, CPU tensors
+      through shared memory (a CPU tensor whose storage is not shared yet is moved
+      into shared memory in place on first use, as ``Tensor.share_memory_()`` does;
+      one over memory torch does not own, from ``frombuffer`` or ``from_blob``,
+      stays where it is and goes through a shared copy). Messages on that socket
+      are pickled, between this process and its own child only; nothing from the
+      network is ever unpickled.
+    - Before forwarding CUDA tensors the current stream is synchronized, so the
+      child reads what the trainer wrote; the child synchronizes its stream before
+      it reports an operation done, so the trainer reads what NCCL wrote.
+    - Every operation has a deadline (the group's timeout). One that overruns, or
+      any failure, kills the child and leaves the group errored until the next
+      ``configure()``, as with the in-process groups.
+
+    The child dies with its parent: it exits when the socket closes.
 
     Args:
         timeout: bounds each configure's rendezvous and every operation; an

@@ -1,23 +1,10 @@
 """Who may call a server: holders of the job token, or (with no token) loopback peers only.
 
 Every server of a job (the lighthouse's gRPC and HTTP sides, each group's
-ManagerServer, the checkpoint server a heal reads from) answers with one
-:class:`Access` policy, and every client sends what it asks for:
-
-* **token** (``TORCHFT_LITE_TOKEN``, or ``TORCHFT_LITE_TOKEN_FILE`` naming a
-  file that holds it): every call must carry ``authorization: Bearer <token>``
-  (gRPC metadata, or the HTTP header), from any peer, loopback included; others
-  are answered UNAUTHENTICATED / 401 and nothing else happens.
-* **protected mode** (no token, the default): only loopback peers are served;
-  others are answered PERMISSION_DENIED / 403 with how to set a token (as
-  Redis does). A single host works out of the box, and a job spread over hosts
-  needs a token.
-* **insecure** (``TORCHFT_LITE_INSECURE=1`` or ``--insecure``, no token): every
-  peer is served; a WARNING says so at start. With a token, ``insecure``
-  changes nothing.
-
-Tokens are compared in constant time and never logged or shown; ``repr`` of an
-:class:`Access` hides it.
+ManagerServer, the checkpoint server a heal reads from, a trainer's metrics
+port) answers with one :class:`Access` policy, and every client sends what it
+asks for. The three modes are on :class:`Access`; docs/security.md has the
+table. Tokens are compared in constant time and never logged or shown.
 """
 
 from __future__ import annotations
@@ -51,7 +38,22 @@ class Refusal:
 
 @dataclass(frozen=True)
 class Access:
-    """One server's (or client's) access policy; see the module docstring."""
+    """One server's (or client's) access policy.
+
+    * **token** (``TORCHFT_LITE_TOKEN``, or ``TORCHFT_LITE_TOKEN_FILE`` naming a
+      file that holds it): every call must carry ``authorization: Bearer <token>``
+      (gRPC metadata, or the HTTP header), from any peer, loopback included; others
+      are answered UNAUTHENTICATED / 401 and nothing else happens.
+    * **protected mode** (no token, the default): only loopback peers are served;
+      others are answered PERMISSION_DENIED / 403 with how to set a token (as
+      Redis does). A single host works out of the box, and a job spread over hosts
+      needs a token.
+    * **insecure** (``TORCHFT_LITE_INSECURE=1`` or ``--insecure``, no token): every
+      peer is served; a WARNING says so at start. With a token, ``insecure``
+      changes nothing.
+
+    ``repr`` hides the token.
+    """
 
     token: str | None = field(default=None, repr=False)
     insecure: bool = False

@@ -2,25 +2,11 @@
 
 The job token (:mod:`torchft_lite.rpc.access`) says who may call; TLS keeps the
 token, and everything else on the wire, from being read or changed on the way.
-Both are needed across hosts: a token sent in plain text can be copied by
-anyone who sees the traffic.
-
-* ``TORCHFT_LITE_TLS_CERT`` and ``TORCHFT_LITE_TLS_KEY`` (PEM files; the
-  lighthouse also takes ``--tls-cert``/``--tls-key``): this process's servers
-  (the lighthouse's gRPC and HTTP sides, a group's ManagerServer, the
-  checkpoint server) serve TLS 1.2+ only, and advertise ``https://`` addresses.
-* ``TORCHFT_LITE_TLS_CA`` (PEM): the certificate authority a client checks a
-  server's certificate against (and the server's host name against the
-  certificate's SubjectAltName). Without it, the system's trust store.
-
-**When a client uses TLS** (one rule for gRPC and HTTP): when the address it
-dials says ``https://``, or when any of the three variables is set in its
-process, whatever scheme the address names. So ``TORCHFT_LIGHTHOUSE=http://...``
-written for torchft keeps working once a job turns TLS on, and a job that set
-TLS never falls back to plain text because an address said ``http://``. With
-none of them set and no ``https://`` address, everything is plain, as before.
-
-Nothing here reads a key into a log line; ``repr`` shows paths only.
+:class:`TlsSettings` reads ``TORCHFT_LITE_TLS_CERT`` and ``TORCHFT_LITE_TLS_KEY``
+(this process's servers serve TLS 1.2+ only) and ``TORCHFT_LITE_TLS_CA`` (what a
+client checks a server against), and says when a client uses TLS
+(:meth:`TlsSettings.uses_tls`). docs/lighthouse.md ("TLS") for users. Nothing here
+reads a key into a log line; ``repr`` shows paths only.
 """
 
 from __future__ import annotations
@@ -52,11 +38,14 @@ class TlsSettings:
     """
 
     cert: Path | None = None
-    """This process's certificate chain (leaf first), served by its servers."""
+    """This process's certificate chain (leaf first), served by its servers (the lighthouse's gRPC and HTTP
+    sides, a group's ManagerServer, the checkpoint server), which then serve TLS 1.2+ only and advertise
+    ``https://`` addresses. The lighthouse also takes ``--tls-cert``/``--tls-key``."""
     key: Path | None = None
     """The private key of ``cert``."""
     ca: Path | None = None
-    """The CA certificates a client trusts; None: the system's trust store."""
+    """The CA certificates a client checks a server's certificate against (and the server's host name against
+    the certificate's SubjectAltName); None: the system's trust store."""
     names: InitVar[tuple[str, str, str] | None] = None
     """How errors name the three settings (the variables, or flags); not stored."""
     _pem: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -127,7 +116,13 @@ class TlsSettings:
         return "https" if self.serving else "http"
 
     def uses_tls(self, address: str) -> bool:
-        """Whether a client of this process dials ``address`` with TLS (see the module docstring)."""
+        """Whether a client of this process dials ``address`` with TLS (one rule for gRPC and HTTP).
+
+        When the address says ``https://``, or when any of the three variables is set in this process, whatever
+        scheme the address names. So ``TORCHFT_LIGHTHOUSE=http://...`` written for torchft keeps working once a
+        job turns TLS on, and a job that set TLS never falls back to plain text because an address said
+        ``http://``. With none of them set and no ``https://`` address, everything is plain, as before.
+        """
         return self.enabled or address.strip().lower().startswith("https://")
 
     def describe(self) -> str:

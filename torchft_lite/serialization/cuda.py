@@ -1,24 +1,11 @@
 """Heal copies between GPU and host on a dedicated recovery stream, through pinned memory.
 
-A heal must not queue its copies behind the training step's kernels, nor
-the step's kernels behind its copies. Both directions therefore run on one
-*recovery* CUDA stream per device, with non-blocking copies to and from
-pinned (page-locked) host buffers, which torch's caching host allocator
-keeps for the next heal:
-
-* serving (:func:`to_host`): the recovery stream first waits for the work
-  already queued on the caller's current stream (so it copies the values
-  the state dict holds at publish time, not later ones), copies every CUDA
-  tensor into a pinned buffer, and the calling thread (the encoder, never
-  the training thread) waits for that stream alone.
-* receiving (:func:`to_device`): bytes land in pinned host buffers
-  (:func:`host_buffer`); once verified they are copied into the CUDA
-  targets on the recovery stream, and the calling thread (the heal, not
-  the training thread) waits for those copies before the state dict is
-  handed over, so ``should_commit`` sees finished tensors while the
-  forward pass ran beside the copies.
-
-Without CUDA nothing here is used: CPU tensors never reach these functions.
+A heal must not queue its copies behind the training step's kernels, nor the
+step's kernels behind its copies. Both directions therefore run on one *recovery*
+CUDA stream per device (:func:`recovery_stream`), with non-blocking copies to and
+from pinned host buffers, which torch's caching host allocator keeps for the next
+heal: :func:`to_host` when serving, :func:`to_device` when receiving. Without CUDA
+nothing here is used: CPU tensors never reach these functions.
 """
 
 from __future__ import annotations
@@ -53,7 +40,11 @@ def to_host(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Contiguous CPU copies of ``tensors`` (CPU tensors that already are cost nothing).
 
     CUDA tensors are copied on their device's recovery stream into pinned
-    buffers; this returns once those copies have finished.
+    buffers; this returns once those copies have finished. The recovery stream
+    first waits for the work already queued on the caller's current stream, so it
+    copies the values the state dict holds at publish time, not later ones. The
+    calling thread (the encoder, never the training thread) waits for that stream
+    alone.
     """
     results: list[torch.Tensor] = []
     events = []
@@ -80,7 +71,11 @@ def to_device(pairs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """Copy each ``(host buffer, target)`` into its target; returns once every copy has finished.
 
     CUDA targets are written on the recovery stream; the training thread's
-    current stream is not blocked meanwhile.
+    current stream is not blocked meanwhile. The bytes landed in pinned host
+    buffers (:func:`host_buffer`) and were verified first; the calling thread (the
+    heal, not the training thread) waits for these copies before the state dict is
+    handed over, so ``should_commit`` sees finished tensors while the forward pass
+    ran beside the copies.
     """
     events = []
     with torch.no_grad():

@@ -1,29 +1,10 @@
 """Decoding a state dict in the heal format (``serialization.spec``): the receiving side, after the header.
 
-Once a header has been validated (``_format.parse_header``), a
-:class:`TensorWriter` allocates the destination tensors (or takes the
-receiver's own, see :func:`targets_of`) and writes the data section into
-them. Bytes reach them two ways: :meth:`~TensorWriter.write` copies a
-received buffer in, or a network protocol asks for
-:meth:`~TensorWriter.buffer_at` (a writable view of the destination memory,
-never past the end of a checksum block) and reports
-:meth:`~TensorWriter.filled` after the kernel has written into it, so nothing
-is copied in user space. The pages of a tensor allocated here are populated
-in bulk just before its first bytes land (``serialization.prefault``), not faulted in
-one by one inside the socket's copy.
-
-Each block's sum64 is computed on the checksum thread as soon as its last
-byte has landed, while the event loop reads on. The sender's sums arrive
-after the data (:meth:`~TensorWriter.expect`); :meth:`~TensorWriter.finish`
-waits for the last sums, compares, and builds the state dict.
-
-A receiver striping one heal over several sources may have to take blocks
-again from another source (a stream that broke half-way, or bytes that differ
-from the primary source's): :meth:`~TensorWriter.blocks_differing_from`
-finds them and :meth:`~TensorWriter.receive_again` forgets what arrived
-for them, so that the next bytes are not refused as "received twice".
-
-:func:`decode_bytes` decodes one whole encoding held in memory.
+Once a header has been validated (``spec.parse_header``), a :class:`TensorWriter`
+allocates the destination tensors (or takes the receiver's own, see
+:func:`targets_of`), writes the data section into them as it arrives, checks every
+block's sum64, and builds the state dict. :func:`decode_bytes` decodes one whole
+encoding held in memory.
 """
 
 from __future__ import annotations
@@ -52,7 +33,7 @@ def targets_of(state_dict: Any) -> dict[Path, torch.Tensor]:
     """Every tensor of ``state_dict`` (DTensors as they are) by its path: where a receive may land in place.
 
     The paths are the ones a sender's header declares for the same structure
-    (both come from ``_encode.flatten``).
+    (both come from ``encode.flatten``).
     """
     flat = flatten(state_dict)
     return dict(zip(flat.paths, flat.leaves))
@@ -70,6 +51,25 @@ class TensorWriter:
     that very tensor. A DTensor target receives into its local shard (see
     ``serialization.dtensor``). A failed transfer may leave such a target partly
     overwritten.
+
+    Bytes reach the tensors two ways: :meth:`write` copies a received buffer in, or
+    a network protocol asks for :meth:`buffer_at` (a writable view of the
+    destination memory, never past the end of a checksum block) and reports
+    :meth:`filled` after the kernel has written into it, so nothing is copied in
+    user space. The pages of a tensor allocated here are populated in bulk just
+    before its first bytes land (``serialization.prefault``), not faulted in one by
+    one inside the socket's copy.
+
+    Each block's sum64 is computed on the checksum thread as soon as its last byte
+    has landed, while the event loop reads on. The sender's sums arrive after the
+    data (:meth:`expect`); :meth:`finish` waits for the last sums, compares, and
+    builds the state dict.
+
+    A receiver striping one heal over several sources may have to take blocks
+    again from another source (a stream that broke half-way, or bytes that differ
+    from the primary source's): :meth:`blocks_differing_from` finds them and
+    :meth:`receive_again` forgets what arrived for them, so that the next bytes are
+    not refused as "received twice".
     """
 
     def __init__(self, header: Header, targets: Mapping[Path, torch.Tensor] | None = None,
@@ -95,7 +95,7 @@ class TensorWriter:
         self._expected: list[int | None] = [None] * len(blocks)  # the sender's, from the trailers
         self.received_bytes = 0
         self._abandoned = threading.Event()
-        # blocks of fresh tensors whose pages are populated in bulk ahead of their first bytes (_prefault)
+        # blocks of fresh tensors whose pages are populated in bulk ahead of their first bytes (serialization.prefault)
         self._populator = None
         if fresh and prefault.supported():
             spans = [(self._tensors[tensor].data_ptr() + start - header.entries[tensor].offset, end - start)

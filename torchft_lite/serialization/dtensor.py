@@ -1,8 +1,7 @@
 """DTensors in the heal format: the local shard travels, its layout rides in the header.
 
-A DTensor is sent as its local tensor (an ordinary tensor entry: only this
-rank's shard is ever read, the full tensor is never materialised) plus a
-``dtensor`` node in the tree::
+A DTensor is sent as its local tensor (an ordinary tensor entry: only this rank's
+shard is ever read) plus a ``dtensor`` node in the tree::
 
     ["dtensor", [TENSOR_INDEX, {"mesh": MESH, "placements": [PLACEMENT, ...],
                                 "shape": [...], "stride": [...], "shard_order": null | [[dim, [mesh_dim, ...]], ...]}]]
@@ -10,23 +9,8 @@ rank's shard is ever read, the full tensor is never materialised) plus a
                  "rank": SENDER_GLOBAL_RANK}
     PLACEMENT = ["shard", dim] | ["strided_shard", dim, split_factor] | ["replicate"] | ["partial", reduce_op]
 
-Every field is plain data, validated before use; nothing is unpickled.
-
-The receiver rebuilds the DTensor on a DeviceMesh of its own, as torchft's
-receiver binds the sender's mesh to its own process groups: replica groups
-have the same layout, so group rank ``r`` of the sender and of the receiver
-hold the same shard. The mesh is, in order of preference:
-
-1. the mesh of a DTensor in the receiver's own state dict (``state_dict=``
-   of the transport) with the same device type, ranks and dimension names
-   (a DTensor at the same path with the same layout is also received in
-   place, and is itself the result);
-2. otherwise a new ``DeviceMesh`` of those ranks, built without process
-   groups (nothing collective happens inside a receive): enough to load the
-   local shard into a model, not to run collectives on the received DTensor.
-
-The local tensor stays where the receive put it (on CPU, or in the target's
-own local tensor), as torchft's receiver leaves it.
+Every field is plain data, validated (:func:`parse`) before use; the receiver
+rebuilds the DTensor on a mesh of its own (:class:`MeshResolver`, :func:`rebuild`).
 """
 
 from __future__ import annotations
@@ -232,6 +216,18 @@ class MeshResolver:
 
     ``targets`` are the receiver's own state dict's tensors by path (DTensors
     among them bring their meshes).
+
+    As torchft's receiver binds the sender's mesh to its own process groups:
+    replica groups have the same layout, so group rank ``r`` of the sender and of
+    the receiver hold the same shard. The mesh is, in order of preference:
+
+    1. the mesh of a DTensor in the receiver's own state dict (``state_dict=`` of
+       the transport) with the same device type, ranks and dimension names (a
+       DTensor at the same path with the same layout is also received in place,
+       and is itself the result);
+    2. otherwise a new ``DeviceMesh`` of those ranks, built without process groups
+       (nothing collective happens inside a receive): enough to load the local
+       shard into a model, not to run collectives on the received DTensor.
     """
 
     def __init__(self, targets: Mapping[Any, torch.Tensor] | None) -> None:
@@ -292,7 +288,10 @@ def _same_layout(target: Any, layout: DTensorLayout, placements: tuple) -> bool:
 
 
 def rebuild(local: torch.Tensor, layout: DTensorLayout, target: Any, meshes: MeshResolver, where: str) -> Any:
-    """The DTensor of ``layout`` around the received ``local``; ``target`` is the receiver's tensor at its path."""
+    """The DTensor of ``layout`` around the received ``local``; ``target`` is the receiver's tensor at its path.
+
+    The local tensor stays where the receive put it (on CPU, or in the target's own local tensor), as torchft's
+    receiver leaves it."""
     import torch.distributed.tensor as module
 
     if local.numel() > math.prod(layout.shape):

@@ -1,29 +1,13 @@
 """Populate fresh destination pages in bulk just before the socket writes into them.
 
-A receive into fresh tensors (no state dict of the receiver's own to land
-in) allocates them when the header arrives; their pages do not exist yet.
-Left alone, the kernel's copy out of the socket faults them in one 4 KiB
-page at a time, inside the receive call on the event loop, where each fault
-is dearer than the copy of its bytes (the socket is locked meanwhile, and in
-this VM a fault also exits to the hypervisor). ``madvise(MADV_POPULATE_WRITE)``
-(Linux 5.14+) makes a whole range present in one call, as a write would,
-without changing a byte of it. A :class:`Populator` does it for the checksum
-blocks of a receive's fresh tensors on two threads, in data order, ahead of
-the socket's writes; a block the writes reach before the threads do is
-populated then, inline (``TensorWriter.buffer_at``), and never twice.
-
-Measured with ``benchmarks/heal_bench.py`` (1 GiB into a fresh process, 2
-shared cores): the first transfer went from 0.72-1.06 s to 0.56-0.57 s and
-the receiver's CPU from 0.82-0.86 to 0.59-0.60 s per GiB. Populating on one
-or two threads running ahead of the writes instead cost more CPU
-(0.66-0.73 s per GiB) and was no faster: on two cores the threads take
-their turn from the two event loops doing the transfer. Elsewhere (another
-OS, a kernel without it) nothing is populated, and pages fault as before.
-
-Later, in the full benchmark (other processes holding a few GiB), one
-thread's populate of 1 GiB took 1.5-2.6 s where two threads took 0.17-0.19 s
-(0.31-0.37 s against 0.17-0.18 s on a quiet machine): the threads ahead came
-back.
+A receive into fresh tensors allocates them when the header arrives; their pages
+do not exist yet. Left alone, the kernel's copy out of the socket faults them in
+one 4 KiB page at a time, inside the receive call on the event loop, where each
+fault is dearer than the copy of its bytes (the socket is locked meanwhile, and in
+a VM a fault also exits to the hypervisor). ``madvise(MADV_POPULATE_WRITE)``
+(Linux 5.14+, :func:`populate`) makes a range present in one call without changing
+a byte; a :class:`Populator` does it ahead of the writes. Elsewhere nothing is
+populated, and pages fault as before. What it saved: docs/benchmarks.md ("Heals").
 """
 
 from __future__ import annotations
@@ -105,7 +89,10 @@ class Populator:
     each in turn), else from the first block left. ``keep`` (the tensors
     holding the blocks) stays referenced until the threads are done, so they
     never populate memory that was freed. A block is populated once: by a
-    thread, or by the writer that claims it first.
+    thread, or by the writer that claims it first (inline, in
+    ``TensorWriter.buffer_at``). Why two threads ahead rather than inline alone:
+    with other processes holding memory, one thread's populate took far longer
+    (docs/benchmarks.md, "Heals").
     """
 
     def __init__(self, blocks: Sequence[tuple[int, int] | None], keep: object) -> None:

@@ -1,6 +1,6 @@
 """The heal format: what one encoded state dict declares, and the checks a receiver makes before trusting it.
 
-One encoded state dict is::
+One encoded state dict is (the tree's grammar is on :func:`decode_tree`, the blocks on :class:`Blocks`)::
 
     prefix   20 bytes   b"TFTLSD02" | header length (uint64 LE) | crc32 of the header (uint32 LE)
     header   UTF-8 JSON {"format": 2, "byteorder": "little", "step": N, "data_bytes": D,
@@ -8,25 +8,10 @@ One encoded state dict is::
                          "tensors": [ENTRY, ...], "tree": NODE}
     data     D bytes    every tensor's bytes (in "byteorder"), contiguous, in ENTRY order, no padding
     trailer  8 bytes per block: each block's sum64 (uint64 LE), in data order
+    ENTRY  = {"dtype": "bfloat16", "shape": [2, 3], "offset": 0, "nbytes": 12}
 
-    ENTRY = {"dtype": "bfloat16", "shape": [2, 3], "offset": 0, "nbytes": 12}
-    NODE  = [tag, value], tag one of
-            none bool int str bytes(base64) float(float.hex) dtype size timedelta([d, s, us])
-            tensor(index into "tensors") list tuple dict([[KEY, NODE], ...])
-            dtensor([index of its local shard in "tensors", LAYOUT]: see ``serialization.dtensor``)
-    KEY   = a none/bool/int/float/str node, or a tuple of keys
-
-Blocks cut each tensor every ``B`` bytes (see ``serialization.checksum``). The trailer
-comes last so the sender checksums each block as it goes out instead of
-reading the whole state dict once more before the first byte; a transfer of
-a block-aligned data range carries the sums of its own blocks after it.
-
-This module holds the declaration (limits, dtypes, :class:`TensorEntry`,
-:class:`Blocks`) and its validation (:func:`unpack_prefix`,
-:func:`parse_header` -> :class:`Header`). The receiver only ever builds plain
-types: nothing is unpickled or evaluated, and every header field is validated
-before anything is allocated. Making an encoding is ``serialization.encode``; writing a
-received data section into tensors and checking it is ``serialization.decode``.
+:func:`parse_header` validates every field before anything is allocated; nothing is
+unpickled or evaluated. Encoding is ``serialization.encode``, decoding ``serialization.decode``.
 """
 
 from __future__ import annotations
@@ -109,7 +94,12 @@ class TensorEntry:
 
 
 class Blocks:
-    """The checksum blocks of a data section: each tensor cut every ``block_bytes``."""
+    """The checksum blocks of a data section: each tensor cut every ``block_bytes`` (see ``serialization.checksum``).
+
+    Their sums travel in the trailer, after the data, so the sender checksums each block as it goes out instead
+    of reading the whole state dict once more before the first byte; a transfer of a block-aligned data range
+    carries the sums of its own blocks after it.
+    """
 
     def __init__(self, entries: Sequence[TensorEntry], block_bytes: int) -> None:
         self.block_bytes = block_bytes
@@ -306,7 +296,18 @@ def _reject_constant(name: str) -> Any:
 
 
 def decode_tree(node: Any, path: Path, on_tensor: Callable[..., Any]) -> Any:
-    """Build ``node``; ``on_tensor(index, path[, layout])`` makes each tensor (a DTensor's with its layout)."""
+    """Build ``node``; ``on_tensor(index, path[, layout])`` makes each tensor (a DTensor's with its layout).
+
+    The tree's grammar::
+
+        NODE  = [tag, value], tag one of
+                none bool int str bytes(base64) float(float.hex) dtype size timedelta([d, s, us])
+                tensor(index into "tensors") list tuple dict([[KEY, NODE], ...])
+                dtensor([index of its local shard in "tensors", LAYOUT]: see ``serialization.dtensor``)
+        KEY   = a none/bool/int/float/str node, or a tuple of keys
+
+    The receiver only ever builds plain types from it.
+    """
     if len(path) > MAX_DEPTH:
         raise _bad(f"nested deeper than {MAX_DEPTH} levels at {format_path(path)}")
     if not isinstance(node, list) or len(node) != 2 or not isinstance(node[0], str):

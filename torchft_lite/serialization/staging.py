@@ -1,41 +1,13 @@
 """A heal's bytes onto the GPU while the socket is still being read: a small ring of pinned slots, reused.
 
-Why: a receive into GPU tensors used to take a pinned host buffer as large as
-each tensor, and copy them all to the device once every byte had arrived. A
-fresh process (a restarted replica: the heal that matters) has no pinned
-memory cached, so it pinned the whole state dict page by page first: on the
-first GPU run a 1 GiB heal took 1.26 s the first time and 0.41-0.50 s later.
-
-How: the receive hands the socket views into *slots* of one pinned buffer of
-``SLOTS`` x ``SLOT_BYTES``, allocated once per process (:func:`pinned_ring`)
-and kept. A slot holds one *chunk*: a piece of one checksum block, at most a
-slot long (a block of the default 1 MiB is one chunk). Once a chunk has all
-its bytes, one job on the checksum thread copies it into its GPU target on
-the device's recovery stream (``cuda.recovery_stream``, never behind the
-training step's kernels), sums it while the copy runs, waits for the copy,
-and gives the slot back. So the copies to the device overlap the network,
-the checksums overlap both, and the host memory a heal pins is the ring's,
-whatever the state dict's size. A block's sum is its chunks' sums added
-(sum64 adds 8-byte words, and chunks start every ``SLOT_BYTES`` of a block, a
-multiple of 8). When every slot is busy the reader waits for one (bounded by
-``SLOT_WAIT``), unless none of this receive's copies is in flight (then no
-slot would come back: a stream count above the ring's takes an unpinned
-overflow slot instead).
-
-A failed receive (cut off half-way, timed out, or refused at the end)
-abandons its stager: the slots of chunks still being read come back, queued
-copies are skipped, and later bytes are refused.
-
-What a receive into GPU targets gives up: a target is written as its bytes
-arrive, before the whole transfer is verified, as contiguous CPU targets
-always were (``TensorWriter``: a failed receive may leave targets partly
-overwritten). The copies of a receive that was abandoned and of the next one
-are ordered: one checksum thread runs the jobs in order, and one recovery
-stream per device runs the copies in order.
-
-:class:`Stager` holds one receive's chunks; the ring (:class:`StagingRing`)
-and the copier (:class:`RecoveryStreamCopier`) are injected, so the
-bookkeeping is tested on CPU with a plain copy.
+A receive into GPU tensors hands the socket views into *slots* of one pinned
+buffer of ``SLOTS`` x ``SLOT_BYTES``, allocated once per process (:func:`pinned_ring`)
+and kept; each filled slot is copied to its GPU target on the recovery stream and
+checksummed meanwhile (:class:`Stager`). So the copies to the device overlap the
+network, and the host memory a heal pins is the ring's, whatever the state dict's
+size (what pinning the whole state cost before: docs/benchmarks.md, "GPUs"). The
+ring (:class:`StagingRing`) and the copier (:class:`RecoveryStreamCopier`) are
+injected, so the bookkeeping is tested on CPU with a plain copy.
 """
 
 from __future__ import annotations
@@ -160,6 +132,24 @@ class Stager:
     CUDA tensors, by default). The ``TensorWriter`` asks :meth:`buffer_at`
     for where data bytes land, reports :meth:`filled`, and takes each block's
     sum from :meth:`block_sum` once the block is complete.
+
+    A slot holds one *chunk*: a piece of one checksum block, at most a slot long
+    (a block of the default 1 MiB is one chunk). Once a chunk has all its bytes,
+    one job on the checksum thread copies it into its GPU target on the device's
+    recovery stream (``cuda.recovery_stream``, never behind the training step's
+    kernels), sums it while the copy runs, waits for the copy, and gives the slot
+    back. A block's sum is its chunks' sums added (sum64 adds 8-byte words, and
+    chunks start every ``SLOT_BYTES`` of a block, a multiple of 8). When every slot
+    is busy the reader waits for one (bounded by ``SLOT_WAIT``), unless none of
+    this receive's copies is in flight (then no slot would come back: a stream
+    count above the ring's takes an unpinned overflow slot instead).
+
+    What a receive into GPU targets gives up: a target is written as its bytes
+    arrive, before the whole transfer is verified, as contiguous CPU targets
+    always were (``TensorWriter``: a failed receive may leave targets partly
+    overwritten). The copies of a receive that was abandoned and of the next one
+    are ordered: one checksum thread runs the jobs in order, and one recovery
+    stream per device runs the copies in order.
     """
 
     def __init__(self, ring: StagingRing, copier: Copier,
@@ -259,7 +249,8 @@ class Stager:
             self._sums.pop(block, None)  # copies already queued land before the new bytes' (one thread, one stream)
 
     def abandon(self) -> None:
-        """The receive failed: copy nothing more into the targets; give back the slots still being read."""
+        """The receive failed (cut off half-way, timed out, or refused at the end): copy nothing more into the
+        targets (queued copies are skipped); give back the slots still being read; later bytes are refused."""
         self._abandoned.set()
         for chunk in self._open.values():
             self._give_back(chunk)

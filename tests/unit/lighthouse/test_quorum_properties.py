@@ -4,8 +4,8 @@ Each example draws a config and a sequence of heartbeats, joins (random replica
 ids, steps, ``shrink_only``, commit failures, resumed from a checkpoint or not),
 leaves, forgets, clock advances, operators' epoch requests and decisions, and
 feeds them to one :class:`QuorumState` with literal timestamps. A model
-written from the rules in the module docstrings (no incremental counters: every
-set is recomputed) follows the same inputs.
+written from the rules in the docstrings of QuorumState and EpochBook (no
+incremental counters: every set is recomputed) follows the same inputs.
 
 What is checked, because ``lighthouse/quorum.py`` promises it:
 

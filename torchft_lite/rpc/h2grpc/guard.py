@@ -1,23 +1,12 @@
 """The native engine's flood guard: it enforces :class:`~torchft_lite.rpc.limits.ServerLimits`.
 
-Two halves, because the limits are of two kinds:
-
-* **What a frame costs** is checked as frames arrive: each connection holds a
-  :class:`FloodMeter` per kind of frame a peer can make us spend work on
-  without a call to show for it (PINGs and SETTINGS are answered, a reset
-  stream was parsed and dispatched for nothing). A peer over a budget gets
-  :class:`LimitExceeded`, which the connection answers with GOAWAY
-  ENHANCE_YOUR_CALM before closing.
-* **What a connection holds** is checked by :class:`ConnectionGuard`, one per
-  server: the connection cap when a connection is made, and a sweep (about
-  once a second) for the deadlines: a connection with no open stream for
-  ``idle_timeout``, a request whose headers or body still trickle in after
-  ``request_timeout`` (slowloris). The sweep reads the connections' private
-  state: it is their other half, kept apart so the frame parser stays small,
-  and it costs the hot path nothing (no timer per stream or per call).
-
-Every hit is counted by name in the server's :class:`~torchft_lite.rpc.limits.LimitLog`
-(``GrpcServer.limits_hit``) and logged at WARNING, rate-limited.
+Two halves, because the limits are of two kinds: **what a frame costs** is
+checked as frames arrive, by a connection's :class:`FloodMeter` per kind of frame
+(:func:`flood_meters`); **what a connection holds** is checked by one
+:class:`ConnectionGuard` per server (the connection cap, and a sweep for idle and
+slow connections). Every hit is counted by name in the server's
+:class:`~torchft_lite.rpc.limits.LimitLog` (``GrpcServer.limits_hit``) and logged
+at WARNING, rate-limited.
 """
 
 from __future__ import annotations
@@ -75,7 +64,11 @@ class FloodMeter:
 
 
 def flood_meters(limits: ServerLimits) -> tuple[FloodMeter, FloodMeter, FloodMeter]:
-    """A new connection's meters: PINGs (forgiven when data is sent), SETTINGS, and streams reset or refused."""
+    """A new connection's meters: PINGs (forgiven when data is sent), SETTINGS, and streams reset or refused.
+
+    These are the frames a peer can make us spend work on without a call to show for it (PINGs and SETTINGS
+    are answered, a reset stream was parsed and dispatched for nothing). A peer over a budget gets
+    :class:`LimitExceeded`, which the connection answers with GOAWAY ENHANCE_YOUR_CALM before closing."""
     window = limits.flood_window
     return (FloodMeter("ping_flood", "PING frames while no data was sent", limits.max_pings, window),
             FloodMeter("settings_flood", "SETTINGS frames", limits.max_settings, window),
@@ -120,7 +113,14 @@ class GuardOwner(Protocol):
 
 
 class ConnectionGuard:
-    """One server's connection cap and deadline sweep; see the module docstring."""
+    """One server's connection cap and deadline sweep.
+
+    The cap is checked when a connection is made (:meth:`admit`); the sweep (about once a second) checks the
+    deadlines: a connection with no open stream for ``idle_timeout``, a request whose headers or body still
+    trickle in after ``request_timeout`` (slowloris). The sweep reads the connections' private state: it is
+    their other half, kept apart so the frame parser stays small, and it costs the hot path nothing (no timer
+    per stream or per call).
+    """
 
     def __init__(self, owner: GuardOwner, log: LimitLog) -> None:
         self.owner = owner

@@ -1,24 +1,11 @@
 """A small gRPC server (h2c) on asyncio/uvloop for the lighthouse's hot path.
 
-Why not ``grpc.aio``: measured with benchmarks/lighthouse_bench.py on the
-project's 2-core machine, the lighthouse on grpc.aio spends 2.3-2.9x the server
-CPU per round of this server (115 vs 40 ms at 300 replica groups, 508 vs 177 ms
-at 1000; a bare prototype measured 230-320 vs ~75 us per call), which decides
-whether a lighthouse keeps up with 1000 replica groups. (grpc.aio also sheds calls as CANCELLED once more than
-1000 are queued, since grpcio 1.82; torchft_lite/rpc/engines.py raises that limit for
-the grpcio engine.) The lighthouse serves tiny requests and identical
-responses, which this server handles with one write per answer.
-
-Handlers have the same shape as grpc.aio generic handlers over raw bytes:
-``async def unary(request: bytes, context) -> bytes`` and
-``async def server_stream(request: bytes, context) -> AsyncIterator[bytes]``;
-``context`` offers ``peer()`` and ``await abort(code, details)``, so the same
-handler functions run on either engine.
-
-Every call passes the server's :class:`~torchft_lite.rpc.access.Access` check
-(the job token, else loopback peers only) before its method is even looked up;
-a refused call is answered UNAUTHENTICATED or PERMISSION_DENIED and counted in
-``GrpcServer.refusals``, and nothing else happens.
+The lighthouse serves tiny requests and identical responses, which this server
+answers with one write each; on grpc.aio the lighthouse spent 2.3-2.9x the server
+CPU per round (docs/benchmarks.md, "The lighthouse's gRPC engine"), which decides
+whether a lighthouse keeps up with 1000 replica groups. Handlers have the shape of
+grpc.aio generic handlers over raw bytes, so the same functions run on either
+engine (``torchft_lite.rpc.engines``); see :class:`GrpcServer`.
 """
 
 from __future__ import annotations
@@ -92,6 +79,17 @@ class _Method:
 
 
 class GrpcServer:
+    """Serves registered methods over h2c (or TLS, ALPN h2).
+
+    Handlers: ``async def unary(request: bytes, context) -> bytes`` (:meth:`add_unary`) and
+    ``async def server_stream(request: bytes, context) -> AsyncIterator[bytes]`` (:meth:`add_server_stream`);
+    ``context`` (an :class:`RpcContext`) offers ``peer()`` and ``await abort(code, details)``.
+
+    Every call passes the server's :class:`~torchft_lite.rpc.access.Access` check (the job token, else loopback
+    peers only) before its method is even looked up; a refused call is answered UNAUTHENTICATED or
+    PERMISSION_DENIED and counted in :attr:`refusals`, and nothing else happens.
+    """
+
     def __init__(
         self,
         *,
