@@ -1,4 +1,5 @@
-"""Shared helpers: a lighthouse on port 0, condition polling, a fake ManagerService."""
+"""Shared helpers of every layer: a lighthouse on port 0, condition polling, a clock the test moves,
+a fake ManagerService."""
 
 from __future__ import annotations
 
@@ -48,6 +49,20 @@ async def wait_until(predicate: Callable[[], bool | Awaitable[bool]], what: str,
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
         await asyncio.sleep(0.05)
+
+
+class FrozenClock:
+    """A monotonic clock that moves only when the test moves it (``now``, or ``advance()``): pass it where
+    code takes a ``clock``, so that a timeout passes exactly when the test says, never on its own."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
 
 
 REQUIRE_TORCHFT_ENV = "TORCHFT_LITE_REQUIRE_TORCHFT"

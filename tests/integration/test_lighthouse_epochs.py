@@ -13,20 +13,12 @@ import pytest
 from lighthouse.client import LighthouseClient, LighthouseError
 from lighthouse.fencing import QuorumIdStore
 from lighthouse.server import LighthouseServer
-from tests.conftest import WAIT, lighthouse_config, wait_until
+from tests.conftest import WAIT, FrozenClock, lighthouse_config, wait_until
 from tests.integration.test_lighthouse_http import http
 
 pytestmark = pytest.mark.integration
 
 ADMIN = {"Authorization": "Bearer s3cret"}
-
-
-class FrozenClock:
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def earlier_job_reached(state_dir, step: int, quorum_id: int = 17) -> None:

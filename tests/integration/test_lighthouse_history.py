@@ -9,19 +9,11 @@ import pytest
 
 from lighthouse.client import LighthouseClient
 from lighthouse.server import LighthouseServer
-from tests.conftest import WAIT, lighthouse_config, wait_until
+from tests.conftest import WAIT, FrozenClock, lighthouse_config, wait_until
 
 pytestmark = pytest.mark.integration
 
 WALL = 1_800_000_000.0  # the wall clock runs this far ahead of the monotonic one
-
-
-class FakeClock:
-    def __init__(self, now: float) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 async def get(server: LighthouseServer, path: str) -> tuple[int, dict | str]:
@@ -35,7 +27,7 @@ async def get(server: LighthouseServer, path: str) -> tuple[int, dict | str]:
 
 
 def test_a_group_gone_back_and_healed_is_in_the_history_the_status_line_and_the_metrics():
-    clock = FakeClock(1000.0)
+    clock = FrozenClock(1000.0)
 
     async def scenario():
         server = LighthouseServer(lighthouse_config(min_replicas=1, heartbeat_timeout=5.0), clock=clock,

@@ -11,19 +11,11 @@ import pytest
 
 from lighthouse.client import LighthouseClient
 from lighthouse.server import LighthouseServer
-from tests.conftest import WAIT, lighthouse_config, wait_until
+from tests.conftest import WAIT, FrozenClock, lighthouse_config, wait_until
 
 pytestmark = pytest.mark.integration
 
 GRACE = 30.0
-
-
-class FrozenClock:
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 async def started(clock: FrozenClock, **overrides) -> LighthouseServer:
