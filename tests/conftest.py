@@ -93,12 +93,28 @@ def non_loopback_address() -> str:
     return address
 
 
-def wait_until_sync(predicate: Callable[[], bool], what: str, timeout: float = WAIT) -> None:
+def wait_until_sync(predicate: Callable[[], bool], what: str, timeout: float = WAIT, interval: float = 0.05,
+                    failed: Callable[[], str | None] | None = None) -> None:
+    """Poll ``predicate`` every ``interval`` seconds until true; fail naming ``what`` after ``timeout``
+    seconds, or at once when ``failed()`` names why it can't come true any more (say, a process it waits
+    for exited)."""
     deadline = time.monotonic() + timeout
     while not predicate():
+        reason = failed() if failed is not None else None
+        if reason is not None:
+            pytest.fail(f"{reason} while waiting for {what}")
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.05)
+        time.sleep(interval)
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process (not gone, not a zombie). Linux: reads /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 class FakeManager:

@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.conftest import alive, wait_until_sync
 from torchft_lite.errors import CollectiveError, CollectiveTimeout
 from torchft_lite.process_group import ProcessGroupBabyGloo
 
@@ -28,23 +28,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WAIT_S = 120.0  # generous: two shared cores, several interpreters importing torch at once
-
-
-def alive(pid: int) -> bool:
-    """Whether ``pid`` is a live process (not gone, not a zombie)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def wait_until(condition, what: str, timeout: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.05)
 
 
 @pytest.fixture
@@ -122,7 +105,7 @@ def test_a_healthy_reconfigure_keeps_the_child_and_one_after_an_abort_takes_the_
     for pg in pgs:
         pg.abort()
     for pid in first:
-        wait_until(lambda: not alive(pid), f"the aborted child {pid} to exit")
+        wait_until_sync(lambda: not alive(pid), f"the aborted child {pid} to exit", WAIT_S)
     configure(pgs, f"127.0.0.1:{store.port}/torchft/3/0")
     assert [pg.child_pid() for pg in pgs] == spares
     assert all(pg.spare_pid() not in (None, *spares) for pg in pgs)  # a new spare is warming up
@@ -139,7 +122,7 @@ def test_a_reconfigure_with_an_operation_still_running_kills_that_child(store, g
     configure(pgs, f"127.0.0.1:{store.port}/torchft/2/0")  # a new quorum while it waits
     with pytest.raises(CollectiveError):
         work.wait()
-    wait_until(lambda: not alive(child), f"the busy child {child} to be killed")
+    wait_until_sync(lambda: not alive(child), f"the busy child {child} to be killed", WAIT_S)
     assert waiting.child_pid() != child and waiting.errored() is None
     tensors = [torch.ones(2), torch.full((2,), 2.0)]
     allreduce(pgs, tensors)
@@ -154,7 +137,7 @@ def test_an_overdue_collective_kills_the_child_and_errors_the_group(store, group
     with pytest.raises(CollectiveTimeout):
         work.get_future().wait()
     assert isinstance(waiting.errored(), CollectiveTimeout)
-    wait_until(lambda: not alive(child), f"the overdue child {child} to be killed")
+    wait_until_sync(lambda: not alive(child), f"the overdue child {child} to be killed", WAIT_S)
     with pytest.raises(CollectiveError, match="errored until the next configure"):
         waiting.allreduce([torch.ones(2)])
 
@@ -180,7 +163,7 @@ def test_abort_kills_the_child(store, groups) -> None:
     configure([pg], f"127.0.0.1:{store.port}/torchft/1/0")
     child = pg.child_pid()
     pg.abort()
-    wait_until(lambda: not alive(child), f"the aborted child {child} to exit")
+    wait_until_sync(lambda: not alive(child), f"the aborted child {child} to exit", WAIT_S)
     assert isinstance(pg.errored(), CollectiveError)
 
 
@@ -232,7 +215,7 @@ def test_children_exit_when_their_parent_is_killed(store, tmp_path) -> None:
         parent.kill()
         parent.wait(WAIT_S)
         for pid in children:
-            wait_until(lambda: not alive(pid), f"child {pid} to exit after its parent was killed")
+            wait_until_sync(lambda: not alive(pid), f"child {pid} to exit after its parent was killed", WAIT_S)
     finally:
         if parent.poll() is None:
             parent.kill()
