@@ -65,6 +65,16 @@ class FrozenClock:
         self.now += seconds
 
 
+def block_amax(tensor, block: int = 1024, dtype=None):
+    """Each element's block maximum magnitude, shaped like ``tensor`` (blocks of ``block`` values of the
+    flattened tensor), in ``dtype`` (float32 unless given): the scale behind 8-bit quantization's bounds."""
+    import torch  # here, not at the top: most of the suite's tests need no torch
+
+    flat = tensor.detach().reshape(-1).to(torch.float32 if dtype is None else dtype).abs()
+    padded = torch.nn.functional.pad(flat, (0, -flat.numel() % block))
+    return padded.view(-1, block).amax(1).repeat_interleave(block)[:flat.numel()].view(tensor.shape)
+
+
 REQUIRE_TORCHFT_ENV = "TORCHFT_LITE_REQUIRE_TORCHFT"
 
 

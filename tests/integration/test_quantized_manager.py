@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed import TCPStore
 
 from lighthouse.thread import BackgroundLighthouse
-from tests.conftest import WAIT, lighthouse_config
+from tests.conftest import WAIT, block_amax, lighthouse_config
 from torchft_lite.local_sgd import DiLoCo
 from torchft_lite.manager import Manager
 from torchft_lite.process_group import ProcessGroupGloo
@@ -69,12 +69,6 @@ def run_two(fn):
         return [f.result(timeout=3 * WAIT) for f in futures]
 
 
-def block_amax(tensor: torch.Tensor) -> torch.Tensor:
-    flat = tensor.reshape(-1).abs()
-    padded = torch.nn.functional.pad(flat, (0, -flat.numel() % BLOCK))
-    return padded.view(-1, BLOCK).amax(1).repeat_interleave(BLOCK)[:flat.numel()].view(tensor.shape)
-
-
 def gradient(index: int, step: int, shape=(5000,)) -> torch.Tensor:
     generator = torch.Generator().manual_seed(100 * index + step)
     return torch.randn(shape, generator=generator) * (index + 1)
@@ -108,7 +102,7 @@ def test_two_groups_average_quantized_gradients_within_the_bound(lighthouse):
         assert step == step1 and torch.equal(got, got1)
         if participants == 2 and step > 0:  # at step 0 group 1 heals and sends zeros
             exact = (gradient(0, step) + gradient(1, step)) / 2
-            bound = (block_amax(gradient(0, step)) + block_amax(gradient(1, step))) / 127 / 2
+            bound = (block_amax(gradient(0, step), BLOCK) + block_amax(gradient(1, step), BLOCK)) / 127 / 2
             assert bool(((got - exact).abs() <= bound * (1 + SLACK)).all()), step
             assert not torch.equal(got, exact)
             checked += 1
@@ -158,7 +152,7 @@ def test_diloco_with_should_quantize_moves_both_groups_by_the_quantized_average(
             pseudo = [0.1 * (gradient(g, 10 * (i - 1) + n, b.shape) + gradient(g, 10 * i + n, b.shape))
                       for g in range(2)]
             exact = (pseudo[0] + pseudo[1]) / 2
-            bound = (block_amax(pseudo[0]) + block_amax(pseudo[1])) / 127 / 2
+            bound = (block_amax(pseudo[0], BLOCK) + block_amax(pseudo[1], BLOCK)) / 127 / 2
             moved = b - a
             assert bool(((moved - exact).abs() <= bound * (1 + SLACK) + 1e-5).all()), (step, n)  # + float32 rounding
             assert participants == 2

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch.distributed import ReduceOp
 
+from tests.conftest import block_amax
 from torchft_lite.collectives import UnsupportedProcessGroupError, UnsupportedReduceOpError
 from torchft_lite.errors import CollectiveError
 from torchft_lite.health import HealthConfig
@@ -161,11 +162,6 @@ def pair():
 
 def gradients(seed: int) -> torch.Tensor:
     return torch.randn(NUMEL, generator=torch.Generator().manual_seed(seed)) * (seed + 1)
-
-
-def block_amax(tensor: torch.Tensor) -> torch.Tensor:
-    padded = torch.nn.functional.pad(tensor.abs(), (0, -tensor.numel() % 1024))
-    return padded.view(-1, 1024).amax(1).repeat_interleave(1024)[:tensor.numel()]
 
 
 def test_quantized_gradients_are_averaged_within_the_bound_and_identical_in_both_groups(pair):
