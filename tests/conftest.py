@@ -103,6 +103,22 @@ def non_loopback_address() -> str:
     return address
 
 
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    """A throwaway CA and a certificate it signed for 127.0.0.1/::1/localhost (openssl CLI), per module."""
+    from benchmarks._throwaway_pki import make_pki
+
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture(scope="module")
+def other_pki(tmp_path_factory):
+    """A second CA and certificate, which ``pki``'s CA never signed: a client or server not of the job."""
+    from benchmarks._throwaway_pki import make_pki
+
+    return make_pki(tmp_path_factory.mktemp("other"), name="other")
+
+
 def wait_until_sync(predicate: Callable[[], bool], what: str, timeout: float = WAIT, interval: float = 0.05,
                     failed: Callable[[], str | None] | None = None) -> None:
     """Poll ``predicate`` every ``interval`` seconds until true; fail naming ``what`` after ``timeout``
