@@ -10,10 +10,11 @@ import logging
 import grpc
 import pytest
 
-from lighthouse.client import LighthouseClient, LighthouseError
+from lighthouse.client import LighthouseError
 from lighthouse.fencing import QuorumIdStore
 from lighthouse.server import LighthouseServer
 from tests.conftest import WAIT, FrozenClock, lighthouse_config, wait_until
+from tests.integration.helpers import client_for
 from tests.integration.test_lighthouse_http import http
 
 pytestmark = pytest.mark.integration
@@ -26,10 +27,6 @@ def earlier_job_reached(state_dir, step: int, quorum_id: int = 17) -> None:
     store = QuorumIdStore(state_dir)
     store.save(quorum_id)
     store.save_max_step(step)
-
-
-def client_for(server: LighthouseServer) -> LighthouseClient:
-    return LighthouseClient(f"127.0.0.1:{server.grpc_port}", connect_timeout=WAIT)
 
 
 def test_a_new_job_at_step_0_starts_an_epoch_after_the_holder_timeout_and_the_state_dir_keeps_it(tmp_path):

@@ -9,9 +9,9 @@ import asyncio
 
 import pytest
 
-from lighthouse.client import LighthouseClient
 from lighthouse.server import LighthouseServer
 from tests.conftest import WAIT, FrozenClock, lighthouse_config, wait_until
+from tests.integration.helpers import client_for
 
 pytestmark = pytest.mark.integration
 
@@ -24,10 +24,6 @@ async def started(clock: FrozenClock, **overrides) -> LighthouseServer:
     server = LighthouseServer(lighthouse_config(**settings), clock=clock)
     await server.start()
     return server
-
-
-def client_for(server: LighthouseServer) -> LighthouseClient:
-    return LighthouseClient(f"127.0.0.1:{server.grpc_port}", connect_timeout=WAIT)
 
 
 @pytest.mark.parametrize("with_state_dir", [False, True], ids=["no-state-dir", "empty-state-dir"])

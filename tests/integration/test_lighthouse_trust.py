@@ -17,21 +17,16 @@ import pytest
 from prometheus_client import generate_latest
 
 from lighthouse import fencing
-from lighthouse.client import LighthouseClient
 from lighthouse.fencing import QuorumIdStore
 from lighthouse.metrics import build_registry
 from lighthouse.protocol import torchft_pb2 as pb
-from lighthouse.server import LighthouseServer
 from lighthouse.validation import MAX_DATA_BYTES, STEP_LIMIT
 from tests.conftest import WAIT, running_lighthouse
+from tests.integration.helpers import client_for
 
 pytestmark = pytest.mark.integration
 
 HUGE = STEP_LIMIT - 1  # the largest step a member may claim
-
-
-def client_for(server: LighthouseServer) -> LighthouseClient:
-    return LighthouseClient(f"127.0.0.1:{server.grpc_port}", connect_timeout=WAIT)
 
 
 def member(**fields) -> pb.QuorumMember:
