@@ -13,7 +13,6 @@ the whole job went down, fresh processes resume:
 
 from __future__ import annotations
 
-import hashlib
 import multiprocessing as mp
 import traceback
 from datetime import timedelta
@@ -25,6 +24,7 @@ import torch.distributed as dist
 
 from lighthouse.thread import BackgroundLighthouse
 from tests.conftest import WAIT, lighthouse_config
+from tests.integration.helpers import shard_digests
 from tests.integration.spawned import run_spawned
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -32,16 +32,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 LONG = timedelta(seconds=WAIT)
 IN, HIDDEN, OUT = 16, 45, 7  # 45 and 7 rows over 2 ranks: uneven shards
 EVERY, SAVED, STEPS = 2, 4, 5
-
-
-def digests(state: dict) -> dict[str, str]:
-    """This rank's local tensors (a DTensor's shard) by path, hashed."""
-    from torchft_lite.checkpointing._encode import flatten
-    from torchft_lite.checkpointing._format import byte_view, format_path
-
-    flat = flatten(state)
-    return {format_path(path): hashlib.sha256(byte_view(t.detach().contiguous())).hexdigest()[:16]
-            for path, t in zip(flat.paths, flat.tensors)}
 
 
 def worker(phase: str, rank: int, port: int, lighthouse: str, directory: str, results: "mp.Queue") -> None:
@@ -87,11 +77,12 @@ def run(phase: str, rank: int, port: int, lighthouse: str, directory: Path) -> d
     report: dict = {}
     try:
         if phase != "train":
-            before = digests(state())
+            before = shard_digests(state())
             try:
                 report["resumed"] = checkpointer.resume()
             except CheckpointMismatchError as exc:
-                return {"refused": str(exc), "untouched": digests(state()) == before, "step": manager.current_step()}
+                return {"refused": str(exc), "untouched": shard_digests(state()) == before,
+                        "step": manager.current_step()}
         while manager.current_step() < STEPS:
             manager.start_quorum()
             generator = torch.Generator().manual_seed(10 * manager.current_step() + rank)  # data by position
@@ -99,7 +90,7 @@ def run(phase: str, rank: int, port: int, lighthouse: str, directory: Path) -> d
             if manager.should_commit():
                 optimizer.step()
             optimizer.zero_grad()
-            report[manager.current_step()] = digests(state())
+            report[manager.current_step()] = shard_digests(state())
         checkpointer.close()
         report["saves"] = checkpointer.statistics().saves_completed
         return report

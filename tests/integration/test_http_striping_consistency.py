@@ -9,7 +9,6 @@ or never answers leaves its ranges to the primary.
 """
 
 import copy
-import hashlib
 import itertools
 import logging
 import re
@@ -23,6 +22,7 @@ import pytest
 import torch
 
 from tests.conftest import WAIT
+from tests.integration.helpers import digest
 from torchft_lite.checkpointing import HTTPTransport, _checksum, _http_receive
 from torchft_lite.checkpointing import _encode, _format, _header_difference
 
@@ -70,11 +70,6 @@ def state_dict() -> dict:
     return {"user": {"model": model.state_dict(), "optim": optim.state_dict(), "big": torch.randn(1_500_000),
                      "half": torch.randn(7, 3).to(torch.bfloat16)},
             "torchft": {"step": 5, "batches_committed": 10}}
-
-
-def digest(step: int, state) -> str:
-    """Of the whole encoding: every tensor's bytes, dtype and shape, and every non-tensor leaf."""
-    return hashlib.sha256(_encode.encode_to_bytes(step, state)).hexdigest()
 
 
 def sources(*servers: HTTPTransport) -> list[tuple[int, str]]:

@@ -1,6 +1,5 @@
 """HTTPTransport over real sockets: held requests, steps, chunks, tokens, release and failures."""
 
-import hashlib
 import logging
 import os
 import socket
@@ -22,6 +21,7 @@ from torchft_lite.checkpointing import _decode, _encode, _format
 from torchft_lite.checkpointing import _http_server, _http_socket
 from torchft_lite.errors import CheckpointError, CheckpointHTTPError, CheckpointTimeout, CheckpointTransferError
 from tests.conftest import WAIT, wait_until_sync
+from tests.integration.helpers import digest
 
 pytestmark = pytest.mark.integration
 
@@ -37,10 +37,6 @@ def state_dict(big_elements: int = 1000) -> dict:
     return {"user": {"model": model.state_dict(), "optim": optim.state_dict(),
                      "big": torch.randn(big_elements), "half": torch.randn(7, 3).to(torch.bfloat16)},
             "torchft": {"step": 5, "batches_committed": 10, "note": ("x", None, b"\x01")}}
-
-
-def digest(step: int, state) -> str:
-    return hashlib.sha256(_encode.encode_to_bytes(step, state)).hexdigest()
 
 
 def test_a_request_before_publish_is_held_then_served(make_transport, threads, caplog):
@@ -369,7 +365,7 @@ def test_mutating_right_after_disallow_leaves_what_was_served_intact(make_transp
     sock.close()
     body = bytes(received).split(b"\r\n\r\n", 1)[1]
     step, state = _decode.decode_bytes(body)  # checks every block's checksum too
-    assert hashlib.sha256(_encode.encode_to_bytes(step, state)).hexdigest() == expected
+    assert digest(step, state) == expected
 
 
 @pytest.mark.parametrize("num_chunks", [0, 4])

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from lighthouse.rpc.access import Access
-from torchft_lite.checkpointing import HTTPTransport, _encode, _http_server
+from torchft_lite.checkpointing import HTTPTransport, _http_server
 from torchft_lite.errors import CheckpointHTTPError
 from tests.conftest import WAIT, non_loopback_address, wait_until_sync
+from tests.integration.helpers import same_encoding
 
 pytestmark = pytest.mark.integration
 
@@ -26,10 +27,6 @@ TOKEN = "job-s3cret"
 
 def state_dict() -> dict:
     return {"w": torch.arange(300_000, dtype=torch.float32), "b": torch.ones(3), "step": 5}
-
-
-def same(received, sent, step: int = 5) -> bool:
-    return _encode.encode_to_bytes(step, received) == _encode.encode_to_bytes(step, sent)
 
 
 def call(url: str, method: str = "GET", headers: dict | None = None) -> tuple[int, bytes, dict]:
@@ -65,7 +62,7 @@ def test_every_route_without_or_with_a_wrong_token_is_401_and_serves_nothing(mak
     assert server.statistics().bytes_served == 0
 
     received = make_transport(access=Access(TOKEN)).recv_checkpoint(0, server.metadata(), 5, LONG)
-    assert same(received, sent)
+    assert same_encoding(received, sent)
     server.disallow_checkpoint()
 
 
@@ -75,7 +72,7 @@ def test_transports_take_the_token_from_the_environment_as_the_managers_does(mak
     sent = state_dict()
     server.send_checkpoint([1], 5, sent, LONG)
     assert call(f"{server.metadata()}/5/header?session=s1")[0] == 401  # so the server does require it
-    assert same(client.recv_checkpoint(0, server.metadata(), 5, LONG), sent)
+    assert same_encoding(client.recv_checkpoint(0, server.metadata(), 5, LONG), sent)
     server.disallow_checkpoint()
 
 
@@ -95,7 +92,7 @@ def test_without_a_token_only_loopback_peers_are_served_unless_insecure(make_tra
             server.send_checkpoint([1], 5, sent, LONG)
             client = make_transport()
             if access.insecure:
-                assert same(client.recv_checkpoint(0, server.metadata(), 5, LONG), sent)
+                assert same_encoding(client.recv_checkpoint(0, server.metadata(), 5, LONG), sent)
             else:
                 with pytest.raises(CheckpointHTTPError, match="HTTP Error 403") as caught:
                     client.recv_checkpoint(0, server.metadata(), 5, LONG)
@@ -103,7 +100,7 @@ def test_without_a_token_only_loopback_peers_are_served_unless_insecure(make_tra
                 assert server.statistics().bytes_served == 0
                 # The same server answers a peer on loopback.
                 loopback = f"http://127.0.0.1:{server.port}/checkpoint"
-                assert same(client.recv_checkpoint(0, loopback, 5, LONG), sent)
+                assert same_encoding(client.recv_checkpoint(0, loopback, 5, LONG), sent)
             server.disallow_checkpoint()
     finally:
         for server in transports:
@@ -114,12 +111,12 @@ def test_a_done_from_a_session_that_never_asked_does_not_end_the_heal_of_a_recei
     server = make_transport()
     sent = state_dict()
     server.send_checkpoint([1, 2], 5, sent, LONG)  # two receivers expected
-    assert same(make_transport().recv_checkpoint(0, server.metadata(), 5, LONG), sent)
+    assert same_encoding(make_transport().recv_checkpoint(0, server.metadata(), 5, LONG), sent)
     released = threads.submit(server.disallow_checkpoint)  # waits for the second
     # A second report from the first receiver under another name, or a stale one: it stands for no receiver.
     status, body, _ = call(f"{server.metadata()}/5/done?session=stray&ok=1", "POST")
     # Counted, it would release the step now, and the second receiver would get a 400.
-    assert same(make_transport().recv_checkpoint(0, server.metadata(), 5, LONG), sent)
+    assert same_encoding(make_transport().recv_checkpoint(0, server.metadata(), 5, LONG), sent)
     released.result(WAIT)
     assert status == 409 and b"asked this server" in body
 
@@ -131,7 +128,7 @@ def test_an_early_done_from_a_session_that_never_asked_counts_for_nothing(make_t
     server.send_checkpoint([1], 6, sent, LONG)
     released = threads.submit(server.disallow_checkpoint)
     # Counted at the publish, it would have released the step at once, and the receiver would get a 400.
-    assert same(make_transport().recv_checkpoint(0, server.metadata(), 6, LONG), sent, step=6)
+    assert same_encoding(make_transport().recv_checkpoint(0, server.metadata(), 6, LONG), sent, step=6)
     released.result(WAIT)
     assert status == 409
 
@@ -173,7 +170,7 @@ def test_a_striping_receiver_releases_a_secondary_that_never_answered_it(make_tr
     first.send_checkpoint([1], 5, small, LONG)
     client = make_transport()
     received = client.recv_checkpoint_striped([(0, first.metadata()), (1, second.metadata())], 5, LONG)
-    assert same(received, small)
+    assert same_encoding(received, small)
     second.send_checkpoint([1], 5, small, LONG)
     assert second.statistics().receivers_finished == 1  # so its disallow_checkpoint returns at once
     for server in (first, second):

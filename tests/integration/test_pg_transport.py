@@ -5,7 +5,6 @@ on its own store prefix, so a test that leaves a receive pending (the timeout
 test) cannot disturb the next.
 """
 
-import hashlib
 import itertools
 import queue
 import time
@@ -17,10 +16,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from torchft_lite.checkpointing import _encode
 from torchft_lite.checkpointing.pg_transport import PGTransport
 from torchft_lite.errors import CheckpointTimeout, CheckpointTransferError
 from tests.conftest import WAIT
+from tests.integration.helpers import digest
 
 pytestmark = pytest.mark.integration
 
@@ -48,10 +47,6 @@ def sharded_state(seed: int) -> dict:
     weight = DTensor.from_local(torch.randn(2, 3), mesh, [Shard(0)], run_check=False, shape=torch.Size([8, 3]),
                                 stride=(3, 1))
     return {"weight": weight, "step": seed}
-
-
-def digest(step: int, state) -> str:
-    return hashlib.sha256(_encode.encode_to_bytes(step, state)).hexdigest()
 
 
 def gloo_group(store: dist.Store, prefix: str, rank: int) -> dist.ProcessGroup:

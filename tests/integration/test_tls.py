@@ -28,8 +28,8 @@ from lighthouse.protocol import torchft_pb2 as pb
 from lighthouse.rpc.access import TOKEN_ENV, Access
 from lighthouse.rpc.tls import TlsSettings
 from tests.conftest import WAIT, running_lighthouse, wait_until
+from tests.integration.helpers import same_encoding
 from torchft_lite._manager_client import ManagerClient
-from torchft_lite.checkpointing import _encode
 from torchft_lite.errors import CheckpointError, CheckpointURLError, ConfigError
 from torchft_lite.manager_server import ManagerServer, ManagerServerConfig
 
@@ -226,10 +226,6 @@ def state_dict() -> dict:
             "h": torch.randn(17, 33, generator=generator).to(torch.bfloat16), "step": 9, "lr": 0.125}
 
 
-def same(received, sent, step: int) -> bool:
-    return _encode.encode_to_bytes(step, received) == _encode.encode_to_bytes(step, sent)
-
-
 def test_a_heal_over_tls_is_bit_identical(make_transport, pki):
     tls = job_tls(pki)
     sent = state_dict()
@@ -241,7 +237,7 @@ def test_a_heal_over_tls_is_bit_identical(make_transport, pki):
     in_place = make_transport(access=Access(TOKEN), tls=tls, state_dict=lambda: targets)
     source.send_checkpoint([1, 2, 3], 9, sent, LONG)
     for receiver in (whole, ranged, in_place):
-        assert same(receiver.recv_checkpoint(0, source.metadata(), 9, LONG), sent, 9)
+        assert same_encoding(receiver.recv_checkpoint(0, source.metadata(), 9, LONG), sent, 9)
     assert torch.equal(targets["w"], sent["w"]) and torch.equal(targets["h"], sent["h"])  # landed in place
     source.disallow_checkpoint()
     assert source.statistics().bytes_served > 3 * sent["w"].numel() * 4
@@ -255,7 +251,7 @@ def test_a_heal_striped_over_two_tls_sources(make_transport, pki):
     primary.send_checkpoint([1], 9, sent, LONG)
     secondary.send_checkpoint([1], 9, sent, LONG)
     received = receiver.recv_checkpoint_striped([(0, primary.metadata()), (1, secondary.metadata())], 9, LONG)
-    assert same(received, sent, 9)
+    assert same_encoding(received, sent, 9)
     primary.disallow_checkpoint()
     secondary.disallow_checkpoint()
     assert primary.statistics().bytes_served > 0 and secondary.statistics().bytes_served > 0
