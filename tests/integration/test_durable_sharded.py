@@ -14,7 +14,6 @@ the whole job went down, fresh processes resume:
 from __future__ import annotations
 
 import multiprocessing as mp
-import traceback
 from datetime import timedelta
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import torch.distributed as dist
 from lighthouse.thread import BackgroundLighthouse
 from tests.conftest import WAIT, lighthouse_config
 from tests.integration.helpers import shard_digests
-from tests.integration.spawned import run_spawned
+from tests.integration.spawned import put_outcome, run_spawned
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -35,10 +34,8 @@ EVERY, SAVED, STEPS = 2, 4, 5
 
 
 def worker(phase: str, rank: int, port: int, lighthouse: str, directory: str, results: "mp.Queue") -> None:
-    try:
-        results.put(("ok", (rank, run(phase, rank, port, lighthouse, Path(directory)))))
-    except BaseException as exc:  # reported to the test, which fails naming it
-        results.put(("error", f"{phase} rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    put_outcome(results, f"{phase} rank {rank}",
+                lambda: (rank, run(phase, rank, port, lighthouse, Path(directory))))
 
 
 def run(phase: str, rank: int, port: int, lighthouse: str, directory: Path) -> dict:

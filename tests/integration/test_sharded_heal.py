@@ -18,7 +18,6 @@ those two ranks (PGTransport) or from that rank's checkpoint server
 from __future__ import annotations
 
 import multiprocessing as mp
-import traceback
 from datetime import timedelta
 
 import pytest
@@ -27,7 +26,7 @@ import torch.distributed as dist
 
 from tests.conftest import WAIT
 from tests.integration.helpers import shard_digests, tensor_digest
-from tests.integration.spawned import run_spawned
+from tests.integration.spawned import put_outcome, run_spawned
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -76,10 +75,7 @@ def train_step(model, optimizer, seed: int) -> None:
 
 
 def worker(group: int, rank: int, port: int, kind: str, results: "mp.Queue") -> None:
-    try:
-        results.put(("ok", (group, rank, heal(group, rank, port, kind))))
-    except BaseException as exc:  # reported to the test, which fails naming it
-        results.put(("error", f"group {group} rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    put_outcome(results, f"group {group} rank {rank}", lambda: (group, rank, heal(group, rank, port, kind)))
 
 
 def heal(group: int, rank: int, port: int, kind: str) -> dict:
