@@ -1,4 +1,4 @@
-"""Fixtures shared by the checkpoint transport tests."""
+"""Fixtures shared by the integration tests (their plain helpers are in helpers.py next to this file)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,16 @@ import concurrent.futures
 from datetime import timedelta
 
 import pytest
+import torch.distributed as dist
 
 from tests.conftest import WAIT
 from torchft_lite.checkpointing import HTTPTransport
+
+
+@pytest.fixture
+def store():
+    """A master TCPStore on 127.0.0.1, port 0, that waits for no workers (60 s timeout)."""
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
 
 
 @pytest.fixture

@@ -31,11 +31,6 @@ WAIT_S = 120.0  # generous: two shared cores, several interpreters importing tor
 
 
 @pytest.fixture
-def store() -> dist.TCPStore:
-    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-
-
-@pytest.fixture
 def groups():
     made: list[ProcessGroupBabyGloo] = []
 
