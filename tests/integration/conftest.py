@@ -8,8 +8,26 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from tests.conftest import WAIT
+from lighthouse.thread import BackgroundLighthouse
+from tests.conftest import WAIT, lighthouse_config
 from torchft_lite.checkpointing import HTTPTransport
+
+LIGHTHOUSE = dict(min_replicas=1, join_timeout=1.0)
+"""The ``lighthouse`` fixture's settings, unless a test or module marks others with
+``@pytest.mark.lighthouse(**settings)``."""
+
+
+def pytest_configure(config) -> None:
+    config.addinivalue_line("markers", "lighthouse(**settings): the lighthouse fixture's lighthouse_config settings")
+
+
+@pytest.fixture
+def lighthouse(request):
+    """A BackgroundLighthouse on port 0 for this test (its ``server.address()`` is what Managers dial), with
+    LIGHTHOUSE's settings and those of the closest ``lighthouse`` mark; stopped after the test."""
+    mark = request.node.get_closest_marker("lighthouse")
+    with BackgroundLighthouse(lighthouse_config(**{**LIGHTHOUSE, **(mark.kwargs if mark else {})})) as lh:
+        yield lh
 
 
 @pytest.fixture

@@ -1,17 +1,25 @@
 """Helpers shared by the integration tests (fixtures are in conftest.py next to this file).
 
 Plain functions and classes, imported by the test modules (and by the processes some of them spawn): nothing
-here starts anything at import time, and torch is imported only by the helpers that use it, so the
-lighthouse's tests stay free of it.
+here starts anything at import time.
 """
 
 from __future__ import annotations
 
 import hashlib
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+from torch.distributed import TCPStore
 
 from lighthouse.client import LighthouseClient
 from lighthouse.server import LighthouseServer
 from tests.conftest import WAIT
+from torchft_lite.checkpointing import _encode
+from torchft_lite.checkpointing._format import byte_view, format_path
+from torchft_lite.manager import Manager
 
 
 def client_for(server: LighthouseServer) -> LighthouseClient:
@@ -25,29 +33,60 @@ def client_for(server: LighthouseServer) -> LighthouseClient:
 def digest(step: int, state) -> str:
     """Of the whole encoding of ``state`` as ``step``: every tensor's bytes, dtype and shape, and every
     non-tensor leaf."""
-    from torchft_lite.checkpointing import _encode
-
     return hashlib.sha256(_encode.encode_to_bytes(step, state)).hexdigest()
 
 
 def same_encoding(received, sent, step: int = 5) -> bool:
     """Whether ``received`` and ``sent`` encode to the same bytes as ``step``."""
-    from torchft_lite.checkpointing import _encode
-
     return _encode.encode_to_bytes(step, received) == _encode.encode_to_bytes(step, sent)
 
 
 def tensor_digest(tensor) -> str:
     """Of one tensor's bytes (a DTensor: pass its local shard, or ``full_tensor()``), 16 hex digits."""
-    from torchft_lite.checkpointing._format import byte_view
-
     return hashlib.sha256(byte_view(tensor.detach().contiguous())).hexdigest()[:16]
 
 
 def shard_digests(state: dict) -> dict[str, str]:
     """This rank's local tensors of ``state`` (a DTensor's shard) by path, each hashed by ``tensor_digest``."""
-    from torchft_lite.checkpointing._encode import flatten
-    from torchft_lite.checkpointing._format import format_path
-
-    flat = flatten(state)
+    flat = _encode.flatten(state)
     return {format_path(path): tensor_digest(tensor) for path, tensor in zip(flat.paths, flat.tensors)}
+
+
+# ---------------------------------------------------------------- Managers in this process
+
+
+PAIR = dict(min_replica_size=2, use_async_quorum=False, connect_timeout=timedelta(seconds=20))
+"""``make_manager`` settings of two replica groups in threads that wait for each other at every step."""
+
+
+def make_manager(lighthouse, pg, transport, replica_id: str, state: dict | None = None, *,
+                 load_state_dict: Callable[[Any], None] | None = None, state_dict: Callable[[], Any] | None = None,
+                 timeout: float = 20.0, min_replica_size: int = 1, preemption_signals=(), **settings):
+    """A Manager of one rank on ``lighthouse`` (a BackgroundLighthouse), with its own TCPStore on port 0
+    (kept alive as long as the manager) and ``transport`` (None: the Manager's default).
+
+    Its state: ``load_state_dict``/``state_dict`` when given; else the dict ``state`` (a fresh
+    ``{"w": zeros(3)}`` by default), whose ``"w"`` is what a heal sends and replaces. ``settings`` go to
+    the Manager as they are."""
+    if load_state_dict is None or state_dict is None:
+        weights = state if state is not None else {"w": torch.zeros(3)}
+        load_state_dict = lambda sd: weights.update(w=sd["w"].clone())  # noqa: E731
+        state_dict = lambda: {"w": weights["w"]}  # noqa: E731
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    manager = Manager(
+        pg=pg, load_state_dict=load_state_dict, state_dict=state_dict, min_replica_size=min_replica_size, rank=0,
+        world_size=1, store_addr="127.0.0.1", store_port=store.port, lighthouse_addr=lighthouse.server.address(),
+        replica_id=replica_id, hostname="127.0.0.1", checkpoint_transport=transport,
+        timeout=timedelta(seconds=timeout), quorum_timeout=timedelta(seconds=30),
+        preemption_signals=preemption_signals, **settings,
+    )
+    manager._test_store = store  # keep the store alive as long as the manager
+    return manager
+
+
+def run_two(fn: Callable[[int], Any]) -> list[Any]:
+    """``fn(0)`` and ``fn(1)`` in two threads at once (two replica groups); their results, each waited for
+    up to 3 x WAIT."""
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(fn, index) for index in range(2)]
+        return [f.result(timeout=3 * WAIT) for f in futures]

@@ -21,8 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lighthouse.thread import BackgroundLighthouse
-from tests.conftest import WAIT, lighthouse_config
+from tests.conftest import WAIT
 from tests.integration.helpers import shard_digests
 from tests.integration.spawned import put_outcome, run_spawned
 
@@ -104,29 +103,23 @@ def run_group(phase: str, lighthouse: str, directory: Path) -> dict[int, dict]:
     return dict(run_spawned(worker, arg_lists, f"the {phase} run's two processes", 4 * WAIT))
 
 
-@pytest.fixture
-def lighthouse():
-    with BackgroundLighthouse(lighthouse_config(min_replicas=1, join_timeout=1.0)) as lh:
-        yield lh.server.address()
-
-
 def test_a_sharded_model_resumes_each_ranks_shards_and_another_layout_is_refused(tmp_path, lighthouse):
     from torchft_lite.durable._layout import Layout
 
-    trained = run_group("train", lighthouse, tmp_path)
+    trained = run_group("train", lighthouse.server.address(), tmp_path)
     assert trained[0]["saves"] >= 2  # steps 2 and 4, completed by group rank 0 (it writes the manifest)
     newest = Layout(tmp_path).complete()[0]
     assert newest.step == SAVED and sorted(newest.files) == ["state-r0.tft", "state-r1.tft"]
     assert trained[0][SAVED] != trained[1][SAVED]  # the ranks hold different shards
 
-    resumed = run_group("resume", lighthouse, tmp_path)
+    resumed = run_group("resume", lighthouse.server.address(), tmp_path)
     for rank in (0, 1):
         assert resumed[rank]["resumed"] == SAVED
         # The next step from the checkpoint equals the first run's: every shard and moment came back to its rank.
         assert resumed[rank][STEPS] == trained[rank][STEPS]
         assert resumed[rank][STEPS] != trained[rank][SAVED]
 
-    refused = run_group("other-layout", lighthouse, tmp_path)
+    refused = run_group("other-layout", lighthouse.server.address(), tmp_path)
     for rank in (0, 1):
         message = refused[rank]["refused"]
         saved_as, now = message.split("this process has it as")

@@ -20,6 +20,7 @@ from torch.distributed import TCPStore
 from lighthouse.protocol import torchft_pb2 as pb
 from lighthouse.thread import BackgroundLighthouse
 from tests.conftest import lighthouse_config, wait_until_sync
+from tests.integration.helpers import make_manager
 from torchft_lite.checkpointing import CheckpointTransport
 from torchft_lite.errors import CheckpointTransferError, ManagerTimeout
 from torchft_lite.manager import MEMBER_GONE_GRACE, Manager
@@ -86,27 +87,6 @@ class InMemoryTransport(CheckpointTransport):
 
     def shutdown(self, wait: bool = True) -> None:
         pass
-
-
-@pytest.fixture
-def lighthouse():
-    with BackgroundLighthouse(lighthouse_config(min_replicas=1, join_timeout=1.0)) as lh:
-        yield lh
-
-
-def make_manager(lighthouse, pg, transport, replica_id, state=None, timeout=20.0, min_replica_size=1,
-                 preemption_signals=(), **kw) -> Manager:
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    weights = state if state is not None else {"w": torch.zeros(3)}
-    manager = Manager(
-        pg=pg, load_state_dict=lambda sd: weights.update(w=sd["w"].clone()), state_dict=lambda: {"w": weights["w"]},
-        min_replica_size=min_replica_size, rank=0, world_size=1, store_addr="127.0.0.1", store_port=store.port,
-        lighthouse_addr=lighthouse.server.address(), replica_id=replica_id, hostname="127.0.0.1",
-        checkpoint_transport=transport, timeout=timedelta(seconds=timeout), quorum_timeout=timedelta(seconds=30),
-        preemption_signals=preemption_signals, **kw,
-    )
-    manager._test_store = store  # keep the store alive as long as the manager
-    return manager
 
 
 def test_steps_commit_and_an_injected_allreduce_error_retries_the_step(lighthouse):
