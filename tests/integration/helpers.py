@@ -6,6 +6,7 @@ here starts anything at import time.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -15,11 +16,14 @@ import torch
 from torch.distributed import TCPStore
 
 from lighthouse.client import LighthouseClient
+from lighthouse.rpc.access import Access
+from lighthouse.rpc.tls import TlsSettings
 from lighthouse.server import LighthouseServer
 from tests.conftest import WAIT
 from torchft_lite.checkpointing import _encode
 from torchft_lite.checkpointing._format import byte_view, format_path
 from torchft_lite.manager import Manager
+from torchft_lite.manager_server import ManagerServer, ManagerServerConfig
 
 
 def client_for(server: LighthouseServer) -> LighthouseClient:
@@ -90,3 +94,25 @@ def run_two(fn: Callable[[int], Any]) -> list[Any]:
     with ThreadPoolExecutor(2) as pool:
         futures = [pool.submit(fn, index) for index in range(2)]
         return [f.result(timeout=3 * WAIT) for f in futures]
+
+
+@contextlib.asynccontextmanager
+async def manager_server(lighthouse_addr: str, access: Access | None = None, *, tls: TlsSettings | None = None,
+                         lighthouse: LighthouseClient | None = None, **settings):
+    """A ManagerServer on 127.0.0.1 (port 0) whose Kill is recorded in ``server.kills`` instead of exiting;
+    stopped at the end. Replica "victim" of one rank, store "store:1234", heartbeats every 0.1 s and a
+    quorum timeout of WAIT, unless ``settings`` (ManagerServerConfig's) say otherwise. ``access``, ``tls``
+    and ``lighthouse`` (a client of its own) go to the server: None is the server's default."""
+    config = dict(replica_id="victim", lighthouse_addr=lighthouse_addr, hostname="127.0.0.1",
+                  store_address="store:1234", world_size=1, bind="127.0.0.1:0", heartbeat_interval=0.1,
+                  quorum_timeout=WAIT)
+    config.update(settings)
+    kills: list[str] = []
+    server = ManagerServer(ManagerServerConfig(**config), on_kill=kills.append, lighthouse=lighthouse,
+                           access=access, tls=tls)
+    server.kills = kills
+    await server.start()
+    try:
+        yield server
+    finally:
+        await server.stop()

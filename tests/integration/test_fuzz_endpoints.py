@@ -50,8 +50,9 @@ from lighthouse.protocol import torchft_pb2 as pb
 from lighthouse.server import MAX_REPLICA_ID_LEN, LighthouseServer
 from lighthouse.validation import STEP_LIMIT, member_problem, replica_id_problem
 from lighthouse.rpc.loop import new_event_loop
-from tests.conftest import WAIT, FakeManager, lighthouse_config
-from torchft_lite.manager_server import ManagerServer, ManagerServerConfig
+from tests.conftest import WAIT, FakeManager, running_lighthouse
+from tests.integration.helpers import manager_server
+from torchft_lite.manager_server import ManagerServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -80,6 +81,15 @@ class ServerLoop:
     def run(self, coro, timeout: float = WAIT):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
+    @contextlib.contextmanager
+    def entered(self, manager: contextlib.AbstractAsyncContextManager) -> Iterator:
+        """The async context manager ``manager`` (a server's), entered and exited on this loop."""
+        value = self.run(manager.__aenter__())
+        try:
+            yield value
+        finally:
+            self.run(manager.__aexit__(None, None, None))
+
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(WAIT)
@@ -96,36 +106,18 @@ def server_loop() -> Iterator[ServerLoop]:
         loop.close()
 
 
-@contextlib.contextmanager
-def lighthouse_on(loop: ServerLoop, **overrides) -> Iterator[LighthouseServer]:
+def lighthouse_on(loop: ServerLoop, **overrides) -> contextlib.AbstractContextManager[LighthouseServer]:
     # holder_timeout: the fuzz pushes the highest step anywhere up to int64 max and its holders never come back;
     # a new epoch mid-run would then refuse later requests above the epoch's step (FAILED_PRECONDITION) and the
     # final check's call at int64 max, which the expectations here do not model (tests/unit/lighthouse covers it).
     settings_ = dict(heartbeat_timeout=1.0, join_timeout=0.5, kill_timeout=1.0, holder_timeout=3600.0)
     settings_.update(overrides)
-    server = LighthouseServer(lighthouse_config(**settings_))
-    loop.run(server.start())
-    try:
-        yield server
-    finally:
-        loop.run(server.stop())
+    return loop.entered(running_lighthouse(**settings_))
 
 
-@contextlib.contextmanager
-def manager_on(loop: ServerLoop, lighthouse: LighthouseServer, world_size: int = 2) -> Iterator[ManagerServer]:
-    kills: list[str] = []
-    manager = ManagerServer(
-        ManagerServerConfig(replica_id="fuzz-manager", lighthouse_addr=lighthouse.address(), hostname="127.0.0.1",
-                            store_address="store:1", world_size=world_size, bind="127.0.0.1:0",
-                            heartbeat_interval=0.1, quorum_timeout=WAIT),
-        on_kill=kills.append,
-    )
-    manager.kills = kills  # type: ignore[attr-defined]
-    loop.run(manager.start())
-    try:
-        yield manager
-    finally:
-        loop.run(manager.stop())
+def manager_on(loop: ServerLoop, lighthouse: LighthouseServer) -> contextlib.AbstractContextManager[ManagerServer]:
+    return loop.entered(manager_server(lighthouse.address(), replica_id="fuzz-manager", store_address="store:1",
+                                       world_size=2))
 
 
 def port_of(address: str) -> int:

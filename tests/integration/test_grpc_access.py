@@ -9,7 +9,6 @@ token) it is any caller that is not loopback.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -25,6 +24,7 @@ from lighthouse.client import LighthouseClient
 from lighthouse.protocol import torchft_pb2 as pb
 from lighthouse.rpc.access import TOKEN_ENV, Access
 from tests.conftest import WAIT, non_loopback_address, running_lighthouse, wait_until
+from tests.integration.helpers import manager_server
 from torchft_lite._manager_client import ManagerClient
 from torchft_lite.errors import ManagerError, QuorumError
 from torchft_lite.manager_server import EXIT_CODE_KILLED, ManagerServer, ManagerServerConfig
@@ -60,22 +60,6 @@ async def raw_call(port: int, path: str, request: bytes, metadata, *, host: str 
         except grpc.aio.AioRpcError as exc:
             return exc.code(), exc.details() or ""
     return grpc.StatusCode.OK, ""
-
-
-@contextlib.asynccontextmanager
-async def manager_server(lighthouse_addr: str, access: Access, **overrides):
-    settings = dict(replica_id="victim", lighthouse_addr=lighthouse_addr, hostname="127.0.0.1",
-                    store_address="store:1234", world_size=1, bind="127.0.0.1:0", heartbeat_interval=0.1,
-                    quorum_timeout=WAIT)
-    settings.update(overrides)
-    kills: list[str] = []
-    server = ManagerServer(ManagerServerConfig(**settings), on_kill=kills.append, access=access)
-    server.kills = kills
-    await server.start()
-    try:
-        yield server
-    finally:
-        await server.stop()
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ test here sets one too, as a job across hosts would.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import secrets
 import signal
@@ -28,10 +27,9 @@ from lighthouse.protocol import torchft_pb2 as pb
 from lighthouse.rpc.access import TOKEN_ENV, Access
 from lighthouse.rpc.tls import TlsSettings
 from tests.conftest import WAIT, running_lighthouse, wait_until
-from tests.integration.helpers import same_encoding
+from tests.integration.helpers import manager_server, same_encoding
 from torchft_lite._manager_client import ManagerClient
 from torchft_lite.errors import CheckpointError, CheckpointURLError, ConfigError
-from torchft_lite.manager_server import ManagerServer, ManagerServerConfig
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(openssl_missing() is not None, reason=str(openssl_missing()))]
@@ -43,22 +41,6 @@ LONG = timedelta(seconds=WAIT)
 
 def job_tls(pki) -> TlsSettings:
     return TlsSettings(pki.cert, pki.key, pki.ca)
-
-
-@contextlib.asynccontextmanager
-async def manager_server(lighthouse_addr: str, access: Access, tls: TlsSettings):
-    """A ManagerServer 'victim' on 127.0.0.1 whose Kill is recorded in ``server.kills`` instead of exiting."""
-    kills: list[str] = []
-    config = ManagerServerConfig(replica_id="victim", lighthouse_addr=lighthouse_addr, hostname="127.0.0.1",
-                                 store_address="store:1234", world_size=1, bind="127.0.0.1:0",
-                                 heartbeat_interval=0.1, quorum_timeout=WAIT)
-    server = ManagerServer(config, on_kill=kills.append, access=access, tls=tls)
-    server.kills = kills
-    await server.start()
-    try:
-        yield server
-    finally:
-        await server.stop()
 
 
 async def raw_heartbeat(port: int, channel: grpc.aio.Channel) -> tuple[grpc.StatusCode, str]:
