@@ -8,10 +8,15 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
+import ssl
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from typing import Any, Callable
 
+import aiohttp
 import torch
 from torch.distributed import TCPStore
 
@@ -29,6 +34,52 @@ from torchft_lite.manager_server import ManagerServer, ManagerServerConfig
 def client_for(server: LighthouseServer) -> LighthouseClient:
     """A gRPC client of ``server`` (in this process, on 127.0.0.1) that waits up to WAIT to connect."""
     return LighthouseClient(f"127.0.0.1:{server.grpc_port}", connect_timeout=WAIT)
+
+
+# ---------------------------------------------------------------- HTTP requests
+
+
+def bearer(token: str | None) -> dict[str, str]:
+    """The header that carries ``token`` (none for None)."""
+    return {} if token is None else {"Authorization": f"Bearer {token}"}
+
+
+def fetch(url: str, method: str = "GET", headers: dict[str, str] | None = None, *,
+          context: ssl.SSLContext | None = None, text: bool = False, timeout: float = WAIT,
+          expect: int | None = None) -> tuple[int, Any, dict[str, str]]:
+    """Status, body (bytes; a str when ``text``) and headers of one blocking request; an error status is an
+    answer too, and ``expect`` is the status it must have, when given."""
+    request = urllib.request.Request(url, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout, context=context) as answer:
+            status, body, answer_headers = answer.status, answer.read(), dict(answer.headers)
+    except urllib.error.HTTPError as refused:
+        with refused:
+            status, body, answer_headers = refused.code, refused.read(), dict(refused.headers)
+    assert expect is None or status == expect, (url, status, body[:500])
+    return status, body.decode() if text else body, answer_headers
+
+
+async def http(target: LighthouseServer | int, method: str, path: str, *, host: str = "127.0.0.1",
+               session: aiohttp.ClientSession | None = None, **kwargs) -> tuple[int, Any, dict[str, str]]:
+    """Status, body (JSON when it parses, else text) and headers of one request to the HTTP side of ``target``
+    (a lighthouse server, or the port it serves HTTP on) at ``host``; a redirect is an answer, not followed.
+    Over ``session`` when given (its cookies, its headers), else over a session of its own."""
+    port = target if isinstance(target, int) else target.http_port
+    own = session is None
+    session = session or aiohttp.ClientSession()
+    try:
+        async with session.request(method, f"http://{host}:{port}{path}", allow_redirects=False,
+                                   **kwargs) as response:
+            text = await response.text()
+            try:
+                body = json.loads(text)
+            except ValueError:
+                body = text
+            return response.status, body, dict(response.headers)
+    finally:
+        if own:
+            await session.close()
 
 
 # ---------------------------------------------------------------- checkpoints: what was sent, what arrived

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import re
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from lighthouse.thread import BackgroundLighthouse
-from tests.conftest import WAIT, lighthouse_config, wait_until_sync
+from tests.conftest import lighthouse_config, wait_until_sync
+from tests.integration.helpers import fetch
 from torchft_lite.local_cluster import ReplicaGroup, job_access
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -55,9 +55,8 @@ def exposed_names(text: str) -> set[str]:
 
 
 def scrape(url: str) -> str:
-    request = urllib.request.Request(url, headers=job_access().headers())
-    with urllib.request.urlopen(request, timeout=WAIT) as answer:
-        return answer.read().decode()
+    """The metrics ``url`` serves to a caller with the job's token."""
+    return fetch(url, headers=job_access().headers(), text=True, expect=200)[1]
 
 
 def test_the_dashboard_is_well_formed():

@@ -13,8 +13,6 @@ import itertools
 import logging
 import re
 import socket
-import urllib.error
-import urllib.request
 from collections import OrderedDict
 from datetime import timedelta
 
@@ -22,7 +20,7 @@ import pytest
 import torch
 
 from tests.conftest import WAIT
-from tests.integration.helpers import digest
+from tests.integration.helpers import bearer, digest, fetch
 from torchft_lite.checkpointing import HTTPTransport, _checksum, _http_receive
 from torchft_lite.checkpointing import _encode, _format, _header_difference
 
@@ -433,22 +431,12 @@ def test_a_secondary_with_another_layout_leaves_its_ranges_to_the_primary(make_t
 # ---------------------------------------------------------------- the /checksums route
 
 
-def request(url: str, token: str | None = None, method: str = "GET") -> tuple[int, bytes]:
-    headers = {} if token is None else {"Authorization": f"Bearer {token}"}
-    try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers, method=method),
-                                    timeout=WAIT) as response:
-            return response.status, response.read()
-    except urllib.error.HTTPError as error:
-        return error.code, error.read()
-
-
 def test_checksums_are_every_blocks_sum_and_leave_the_session_open(make_transport, threads):
     server = make_transport(token="s3cret")
     sent = state_dict()
     server.send_checkpoint([1], 5, sent, HOUR)
     base = f"{server.metadata()}/5"
-    status, body = request(f"{base}/checksums?session=s1", token="s3cret")
+    status, body, _ = fetch(f"{base}/checksums?session=s1", headers=bearer("s3cret"))
     assert status == 200
     blob = _encode.encode_to_bytes(5, sent)
     header_length, _ = _format.unpack_prefix(blob[:_format.PREFIX_SIZE])
@@ -457,7 +445,7 @@ def test_checksums_are_every_blocks_sum_and_leave_the_session_open(make_transpor
     assert body == blob[data_end:]  # the trailer a whole-stream receiver gets
     assert len(_checksum.unpack(body)) == 6 + len(_encode.flatten(sent).tensors) - 1  # big spans six blocks
     assert server.statistics().receivers_finished == 0  # asking for sums finishes nothing
-    assert request(f"{base}/done?session=s1&ok=1", token="s3cret", method="POST")[0] == 200
+    assert fetch(f"{base}/done?session=s1&ok=1", "POST", bearer("s3cret"))[0] == 200
     assert server.statistics().receivers_finished == 1
     threads.submit(server.disallow_checkpoint).result(WAIT)  # the report released it: no hour-long wait
 
@@ -475,10 +463,11 @@ def test_checksums_are_every_blocks_sum_and_leave_the_session_open(make_transpor
 def test_checksum_requests_with_bad_arguments_are_answered_clearly(make_transport, threads, path, token, status):
     server = make_transport(token="s3cret")
     server.send_checkpoint([1], 5, state_dict(), HOUR)
-    answer, body = request(server.metadata() + path, token=token)
+    answer, body, _ = fetch(server.metadata() + path, headers=bearer(token))
     assert answer == status, body
-    request(server.metadata() + "/5/header?session=s1", token="s3cret")  # a done counts only from a session that asked
-    request(server.metadata() + "/5/done?session=s1&ok=0", token="s3cret", method="POST")
+    # a done counts only from a session that asked
+    fetch(server.metadata() + "/5/header?session=s1", headers=bearer("s3cret"))
+    fetch(server.metadata() + "/5/done?session=s1&ok=0", "POST", bearer("s3cret"))
     threads.submit(server.disallow_checkpoint).result(WAIT)
 
 
@@ -486,9 +475,9 @@ def test_checksums_of_a_released_step_are_refused(make_transport):
     server = make_transport()
     server.send_checkpoint([], 5, state_dict(), LONG)
     server.disallow_checkpoint()
-    status, body = request(f"{server.metadata()}/4/checksums?session=s1")
+    status, body, _ = fetch(f"{server.metadata()}/4/checksums?session=s1")
     assert status == 400 and b"released" in body
-    status, body = request(f"{server.metadata()}/5/checksums?session=s1&timeout=0.2")  # may be retried: held
+    status, body, _ = fetch(f"{server.metadata()}/5/checksums?session=s1&timeout=0.2")  # may be retried: held
     assert status == 504 and b"not published within" in body
 
 

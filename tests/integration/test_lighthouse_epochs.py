@@ -14,8 +14,7 @@ from lighthouse.client import LighthouseError
 from lighthouse.fencing import QuorumIdStore
 from lighthouse.server import LighthouseServer
 from tests.conftest import WAIT, FrozenClock, lighthouse_config, wait_until
-from tests.integration.helpers import client_for
-from tests.integration.test_lighthouse_http import http
+from tests.integration.helpers import client_for, http
 
 pytestmark = pytest.mark.integration
 

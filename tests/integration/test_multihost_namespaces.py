@@ -18,7 +18,6 @@ import json
 import re
 import ssl
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -27,6 +26,7 @@ from benchmarks._chaos_faults import BridgedHosts
 from benchmarks._throwaway_pki import make_pki, openssl_missing
 from tests.integration.cluster_jobs import (REPO, assert_identical_per_step, kill_and_rejoin, read_reports,
                                             wait_for_rows)
+from tests.integration.helpers import fetch
 from torchft_lite.local_cluster import LighthouseProcess, ReplicaGroup, job_access
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -50,10 +50,8 @@ def hosts():
 def status(lighthouse: LighthouseProcess, host: str, ca: Path) -> dict:
     """The lighthouse's /api/status, fetched over the bridge with the token and TLS, as a peer would."""
     context = ssl.create_default_context(cafile=str(ca))
-    request = urllib.request.Request(f"https://{host}:{lighthouse.http_port}/api/status",
-                                     headers=job_access().headers())
-    with urllib.request.urlopen(request, timeout=10, context=context) as answer:
-        return json.loads(answer.read())
+    return json.loads(fetch(f"https://{host}:{lighthouse.http_port}/api/status", headers=job_access().headers(),
+                            context=context, timeout=10, expect=200)[1])
 
 
 def heal_receivers(log_dir: Path, group: int) -> list[str]:
