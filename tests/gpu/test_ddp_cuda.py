@@ -15,8 +15,8 @@ import pytest
 import torch
 from torch import nn
 
-from tests.integration.test_fault_tolerant_ddp import WAIT, assert_identical_per_step, cluster, read_reports, \
-    steps_of, wait_for
+from tests.integration.helpers import (JOB_WAIT as WAIT, assert_identical_per_step, cluster, read_reports, steps_of,
+                                       wait_for)
 from torchft_lite.ddp import DistributedDataParallel
 from torchft_lite.work import ManagedWork, completed_future
 

@@ -12,9 +12,11 @@ import json
 import ssl
 import urllib.error
 import urllib.request
+from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
 
 import aiohttp
 import torch
@@ -24,9 +26,10 @@ from lighthouse.client import LighthouseClient
 from lighthouse.rpc.access import Access
 from lighthouse.rpc.tls import TlsSettings
 from lighthouse.server import LighthouseServer
-from tests.conftest import WAIT
+from tests.conftest import WAIT, wait_until_sync
 from torchft_lite.checkpointing import _encode
 from torchft_lite.checkpointing._format import byte_view, format_path
+from torchft_lite.local_cluster import LighthouseProcess, ReplicaGroup
 from torchft_lite.manager import Manager
 from torchft_lite.manager_server import ManagerServer, ManagerServerConfig
 
@@ -167,3 +170,99 @@ async def manager_server(lighthouse_addr: str, access: Access | None = None, *, 
         yield server
     finally:
         await server.stop()
+
+
+# ---------------------------------------------------------------- jobs of replica-group processes
+
+REPO = Path(__file__).resolve().parents[2]
+TRAIN_DDP = REPO / "examples" / "train_ddp.py"
+JOB_WAIT = 240.0  # generous: several torch processes share two cores
+
+
+def read_reports(path: Path) -> list[dict]:
+    """The rows a job's ``--report`` file holds so far: one JSON object a line (none before the file exists)."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def steps_of(rows: list[dict], group: int, rank: int = 0) -> list[int]:
+    return [r["step"] for r in rows if r["group"] == group and r["rank"] == rank]
+
+
+def assert_identical_per_step(rows: list[dict]) -> int:
+    """Group rank r of every replica group holds the same parameters at every step it committed.
+
+    (Group rank r of all replica groups forms one data-parallel ring, as in
+    torchft; ranks of one group see different data, so they are compared per
+    rank.) Returns how many (step, rank) pairs were seen by more than one group.
+    """
+    by_step: dict[tuple[int, int], dict[int, str]] = defaultdict(dict)
+    for row in rows:
+        by_step[(row["step"], row["rank"])][row["group"]] = row["checksum"]
+    shared = 0
+    for (step, rank), sums in sorted(by_step.items()):
+        assert len(set(sums.values())) == 1, f"parameters diverged at step {step} rank {rank}: {sums}"
+        shared += len(sums) > 1
+    return shared
+
+
+def read_logs(directory: Path, pattern: str) -> str:
+    """The logs under ``directory`` whose names match ``pattern`` (such as ``group1.*.log``), in name order."""
+    return "".join(p.read_text(errors="replace") for p in sorted(directory.glob(pattern)))
+
+
+def failed_group(groups: Sequence[ReplicaGroup]) -> str | None:
+    """Which of ``groups`` has no process left and one that exited with an error, if any."""
+    for group in groups:
+        if not group.alive() and any(code not in (0, None) for code in group.wait(0)):
+            return f"group {group.group_id} exited with {group.wait(0)}"
+    return None
+
+
+def wait_for(predicate: Callable[[], bool], what: str, timeout: float = JOB_WAIT,
+             groups: Sequence[ReplicaGroup] = ()) -> None:
+    """Poll ``predicate`` every 0.2 s until true; fail naming ``what`` after ``timeout`` seconds, or at once
+    when one of ``groups`` failed (``failed_group``)."""
+    wait_until_sync(predicate, what, timeout, interval=0.2, failed=lambda: failed_group(groups))
+
+
+@contextlib.contextmanager
+def replica_groups(tmp_path: Path, **lighthouse_kw) -> Iterator[tuple[LighthouseProcess, Callable[..., ReplicaGroup]]]:
+    """A lighthouse process (no startup grace unless ``lighthouse_kw`` says otherwise: these tests start every
+    group themselves) and ``start(group_id, num_groups, script, args, world_size=1, env=None)``, which starts a
+    replica group logging under ``tmp_path``. Every group, then the lighthouse, is stopped at the end."""
+    lighthouse_kw.setdefault("startup_grace", 0.0)
+    lighthouse = LighthouseProcess(log_path=tmp_path / "lighthouse.log", **lighthouse_kw).start()
+    groups: list[ReplicaGroup] = []
+
+    def start(group_id: int, num_groups: int, script: Path, args: Sequence[str], world_size: int = 1,
+              env: dict[str, str] | None = None) -> ReplicaGroup:
+        group = ReplicaGroup(group_id, num_groups, lighthouse.address, script, args, world_size=world_size,
+                             log_dir=tmp_path, env=env)
+        groups.append(group)
+        return group.start()
+
+    try:
+        yield lighthouse, start
+    finally:
+        for group in groups:
+            group.stop()
+        lighthouse.stop()
+
+
+@contextlib.contextmanager
+def cluster(tmp_path: Path, **lighthouse_kw):
+    """``replica_groups`` of ``examples/train_ddp.py``: yields the lighthouse, ``add(group_id, num_groups,
+    steps, ...)`` (a group reporting to the job's report file) and that file."""
+    report = tmp_path / "report.jsonl"
+    with replica_groups(tmp_path, **lighthouse_kw) as (lighthouse, start):
+        def add(group_id: int, num_groups: int, steps: int, world_size: int = 1, sleep: float = 0.0,
+                env: dict[str, str] | None = None, pg: str = "gloo", min_replicas: int = 1,
+                extra: tuple[str, ...] = ()) -> ReplicaGroup:
+            return start(group_id, num_groups, TRAIN_DDP,
+                         ["--steps", str(steps), "--report", str(report), "--step-sleep", str(sleep), "--timeout", "15",
+                          "--pg", pg, "--min-replicas", str(min_replicas), *extra],
+                         world_size=world_size, env=env)
+
+        yield lighthouse, add, report

@@ -343,8 +343,7 @@ def test_a_bad_token_variable_is_a_clear_error_at_construction(monkeypatch):
 @pytest.mark.slow
 def test_training_with_a_job_token_commits_steps_and_heals(tmp_path, monkeypatch):
     """Real groups (examples/train_ddp.py) and a real lighthouse, all given the token by the environment."""
-    from tests.integration.test_fault_tolerant_ddp import (assert_identical_per_step, cluster, read_reports,
-                                                           steps_of, wait_for)
+    from tests.integration.helpers import assert_identical_per_step, cluster, read_reports, steps_of, wait_for
 
     monkeypatch.setenv(TOKEN_ENV, TOKEN)  # local_cluster passes it on as it is, instead of making one
     with cluster(tmp_path, min_replicas=1, join_timeout=1.0, heartbeat_timeout=1.0) as (_, add, report):

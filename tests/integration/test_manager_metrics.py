@@ -134,7 +134,7 @@ def test_with_the_jobs_certificate_it_serves_https_only(solo, pki):
 
 @pytest.mark.slow
 def test_a_real_trainer_serves_its_steps_while_it_trains(tmp_path: Path):
-    from tests.integration.test_fault_tolerant_ddp import cluster, wait_for
+    from tests.integration.helpers import cluster, wait_for
     from torchft_lite.local_cluster import job_access
 
     with cluster(tmp_path, min_replicas=1) as (_, add, _report):

@@ -281,8 +281,7 @@ def test_bad_settings_fail_at_start_with_the_setting_named(pki, other_pki, monke
 @pytest.mark.slow
 def test_training_with_tls_and_a_token_commits_steps_and_heals(tmp_path, monkeypatch, pki, caplog):
     """Real groups (examples/train_ddp.py) and a real lighthouse; TLS and the token both from the environment."""
-    from tests.integration.test_fault_tolerant_ddp import (assert_identical_per_step, cluster, read_reports,
-                                                           steps_of, wait_for)
+    from tests.integration.helpers import assert_identical_per_step, cluster, read_reports, steps_of, wait_for
 
     caplog.set_level(logging.DEBUG)
     monkeypatch.setenv(TOKEN_ENV, TOKEN)
