@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from lighthouse.quorum import Decision, QuorumConfig, QuorumState
+from torchft_lite.work import DoneWork, ManagedWork, completed_future
 
 
 class FailingWork(dist.Work):
@@ -26,6 +27,58 @@ class FailingWork(dist.Work):
 
     def get_future(self) -> torch.futures.Future:
         return self.future
+
+
+# ---------------------------------------------------------------- stand-ins for a Manager
+
+
+class CountingManager:
+    """What DDP uses of a Manager, for one replica: every allreduce is done at once (no peer) and recorded."""
+
+    def __init__(self) -> None:
+        self.allreduced: list[torch.Tensor] = []
+
+    def allreduce(self, tensor: torch.Tensor) -> ManagedWork:
+        self.allreduced.append(tensor)
+        return ManagedWork(completed_future(tensor))
+
+
+class SoloManager:
+    """What LocalSGD and DiLoCo use of a Manager, for one replica group alone: an allreduce averages over one
+    (``reduce`` leaves the tensor as is; a subclass may do otherwise), and a step commits unless ``commit`` is
+    False. Records the calls (``events``), the tensors allreduced and the state-dict functions registered."""
+
+    _use_async_quorum = False
+
+    def __init__(self, commit: bool = True) -> None:
+        self.commit = commit
+        self.step = 0
+        self.events: list[str] = []
+        self.allreduced: list[torch.Tensor] = []
+        self.state_fns: dict[str, tuple] = {}
+
+    def start_quorum(self) -> None:
+        self.events.append("start_quorum")
+
+    def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False) -> DoneWork:
+        self.allreduced.append(tensor)
+        return DoneWork(self.reduce(tensor))
+
+    def reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def should_commit(self) -> bool:
+        self.events.append("should_commit")
+        if self.commit:
+            self.step += 1
+        return self.commit
+
+    def current_step(self) -> int:
+        return self.step
+
+    def register_state_dict_fn(self, key, load, save) -> None:
+        assert key not in self.state_fns
+        self.state_fns[key] = (load, save)
 
 
 # ---------------------------------------------------------------- the lighthouse's quorum rules

@@ -9,47 +9,11 @@ import pytest
 import torch
 from torch import nn
 
+from tests.unit.helpers import SoloManager
 from torchft_lite._diloco_fragment import _buckets
 from torchft_lite.local_sgd import DiLoCo, LocalSGD, extract_local_tensor
-from torchft_lite.work import DoneWork
 
 WAIT = 30.0
-
-
-class SoloManager:
-    """One replica group alone: an allreduce averages over one (leaves the tensor as is)."""
-
-    _use_async_quorum = False
-
-    def __init__(self, commit: bool = True) -> None:
-        self.commit = commit
-        self.step = 0
-        self.events: list[str] = []
-        self.allreduced: list[torch.Tensor] = []
-        self.state_fns: dict[str, tuple] = {}
-
-    def start_quorum(self) -> None:
-        self.events.append("start_quorum")
-
-    def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False) -> DoneWork:
-        self.allreduced.append(tensor)
-        return DoneWork(self.reduce(tensor))
-
-    def reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
-
-    def should_commit(self) -> bool:
-        self.events.append("should_commit")
-        if self.commit:
-            self.step += 1
-        return self.commit
-
-    def current_step(self) -> int:
-        return self.step
-
-    def register_state_dict_fn(self, key, load, save) -> None:
-        assert key not in self.state_fns
-        self.state_fns[key] = (load, save)
 
 
 class Fleet:
