@@ -6,6 +6,7 @@ here starts anything at import time.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import json
@@ -16,14 +17,16 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, AsyncIterator, Callable, Iterator, Sequence
 
 import aiohttp
+import grpc
 import torch
 from torch.distributed import TCPStore
 
 from lighthouse.client import LighthouseClient
 from lighthouse.rpc.access import Access
+from lighthouse.rpc.h2grpc import GrpcServer
 from lighthouse.rpc.tls import TlsSettings
 from lighthouse.server import LighthouseServer
 from tests.conftest import WAIT, wait_until_sync
@@ -37,6 +40,69 @@ from torchft_lite.manager_server import ManagerServer, ManagerServerConfig
 def client_for(server: LighthouseServer) -> LighthouseClient:
     """A gRPC client of ``server`` (in this process, on 127.0.0.1) that waits up to WAIT to connect."""
     return LighthouseClient(f"127.0.0.1:{server.grpc_port}", connect_timeout=WAIT)
+
+
+# ---------------------------------------------------------------- the lighthouse's own gRPC server
+
+
+class Probe:
+    """gRPC handlers whose behaviour a test picks through the request bytes.
+
+    Echo answers ``big:N`` with N bytes (rounded down to 256s), aborts with FAILED_PRECONDITION on ``abort``,
+    raises on ``raise``, holds ``hold`` until ``release`` is set, and on ``wait`` sets ``started`` and waits
+    until cancelled (counted in ``cancelled``); anything else comes back as it is, followed by ``|`` and the
+    peer's address when ``echo_peer``. Count streams the numbers below its request; Watch, a long-lived stream
+    as a lease is, says ``open`` and holds until ``release``."""
+
+    def __init__(self, echo_peer: bool = False) -> None:
+        self.echo_peer = echo_peer
+        self.cancelled = 0
+        self.started = asyncio.Event()
+        self.release = asyncio.Event()
+
+    async def echo(self, request: bytes, context) -> bytes:
+        if request.startswith(b"big:"):
+            return bytes(range(256)) * (int(request[4:]) // 256)
+        if request == b"abort":
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not now: caf\u00e9 100%")
+        if request == b"raise":
+            raise RuntimeError("boom")
+        if request == b"hold":
+            await self.release.wait()
+        if request == b"wait":
+            self.started.set()
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
+        return request + b"|" + context.peer().encode() if self.echo_peer else request
+
+    async def count(self, request: bytes, context):
+        for i in range(int(request)):
+            yield str(i).encode()
+
+    async def watch(self, request: bytes, context):
+        yield b"open"
+        await self.release.wait()
+
+
+@contextlib.asynccontextmanager
+async def probe_server(echo_peer: bool = False, **settings) -> AsyncIterator[tuple[GrpcServer, Probe, int]]:
+    """A GrpcServer (``settings`` are its own) on 127.0.0.1, port 0, serving a ``Probe`` at /t.S/Echo,
+    /t.S/Count and /t.S/Watch: ``(server, probe, port)``. At the end the probe's holds are released and the
+    server stopped (1 s of grace)."""
+    probe = Probe(echo_peer)
+    server = GrpcServer(**settings)
+    server.add_unary("/t.S/Echo", probe.echo)
+    server.add_server_stream("/t.S/Count", probe.count)
+    server.add_server_stream("/t.S/Watch", probe.watch)
+    port = await server.start("127.0.0.1", 0)
+    try:
+        yield server, probe, port
+    finally:
+        probe.release.set()
+        await server.stop(1.0)
 
 
 # ---------------------------------------------------------------- HTTP requests
