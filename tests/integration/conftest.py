@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from lighthouse.thread import BackgroundLighthouse
 from tests.conftest import WAIT, lighthouse_config
+from tests.integration.helpers import ScriptedSource
 from torchft_lite.checkpointing import HTTPTransport
 
 LIGHTHOUSE = dict(min_replicas=1, join_timeout=1.0)
@@ -58,3 +59,17 @@ def make_transport():
 def threads():
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         yield pool
+
+
+@pytest.fixture
+def scripted(threads):
+    """``scripted(answer)``: a ScriptedSource answering with ``answer(path, query)``, closed after the test."""
+    sources: list[ScriptedSource] = []
+
+    def start(answer) -> ScriptedSource:
+        sources.append(ScriptedSource(threads, answer))
+        return sources[-1]
+
+    yield start
+    for source in sources:
+        source.close()

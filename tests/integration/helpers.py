@@ -10,8 +10,10 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import socket
 import ssl
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -174,6 +176,53 @@ def shard_digests(state: dict) -> dict[str, str]:
     """This rank's local tensors of ``state`` (a DTensor's shard) by path, each hashed by ``tensor_digest``."""
     flat = _encode.flatten(state)
     return {format_path(path): tensor_digest(tensor) for path, tensor in zip(flat.paths, flat.tensors)}
+
+
+class ScriptedSource:
+    """A checkpoint source on 127.0.0.1 (port 0, at ``url``) that answers each request with ``answer(path,
+    query)``, a whole HTTP response, then closes the connection; ``paths`` holds ``"METHOD path"`` of every
+    request. It serves from a thread of ``threads`` (an executor) until ``close()``: for answers our own
+    server never gives (the ``scripted`` fixture closes the ones it starts)."""
+
+    def __init__(self, threads, answer: Callable[[str, dict[str, str]], bytes]) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.listener.settimeout(0.1)
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}/checkpoint"
+        self.paths: list[str] = []
+        self.stopped = False
+        self.task = threads.submit(self._serve, answer)
+
+    def _serve(self, answer) -> None:
+        while not self.stopped:
+            try:
+                conn, _ = self.listener.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.settimeout(WAIT)
+                request = b""
+                while b"\r\n\r\n" not in request:
+                    chunk = conn.recv(4096)
+                    if not chunk:
+                        break
+                    request += chunk
+                method, target = request.split(b" ")[:2]
+                parsed = urllib.parse.urlsplit(target.decode())
+                self.paths.append(f"{method.decode()} {parsed.path}")
+                try:
+                    conn.sendall(answer(parsed.path, dict(urllib.parse.parse_qsl(parsed.query))))
+                except OSError:
+                    pass  # the receiver hung up (it refused the answer): the test says what it expected
+
+    def close(self) -> None:
+        self.stopped = True
+        self.task.result(WAIT)
+        self.listener.close()
+
+
+def response(status: int, body: bytes, extra: str = "") -> bytes:
+    """A whole HTTP/1.1 answer: ``status``, Content-Length, the header lines in ``extra`` and ``body``."""
+    return (f"HTTP/1.1 {status} X\r\nContent-Length: {len(body)}\r\n{extra}\r\n").encode() + body
 
 
 # ---------------------------------------------------------------- Managers in this process
