@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import time
 from typing import AsyncIterator, Awaitable, Callable
@@ -73,6 +74,11 @@ def block_amax(tensor, block: int = 1024, dtype=None):
     flat = tensor.detach().reshape(-1).to(torch.float32 if dtype is None else dtype).abs()
     padded = torch.nn.functional.pad(flat, (0, -flat.numel() % block))
     return padded.view(-1, block).amax(1).repeat_interleave(block)[:flat.numel()].view(tensor.shape)
+
+
+def disk_full(*args, **kwargs):
+    """A stand-in for a write (or an fsync) that finds the disk full: raises ENOSPC."""
+    raise OSError(errno.ENOSPC, "No space left on device")
 
 
 REQUIRE_TORCHFT_ENV = "TORCHFT_LITE_REQUIRE_TORCHFT"

@@ -9,7 +9,6 @@ lighthouse. Lease ownership is tested in ``test_lighthouse_leases.py``.
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 
 import grpc
@@ -21,7 +20,7 @@ from lighthouse.fencing import QuorumIdStore
 from lighthouse.metrics import build_registry
 from lighthouse.protocol import torchft_pb2 as pb
 from lighthouse.validation import MAX_DATA_BYTES, STEP_LIMIT
-from tests.conftest import WAIT, running_lighthouse
+from tests.conftest import WAIT, disk_full, running_lighthouse
 from tests.integration.helpers import client_for
 
 pytestmark = pytest.mark.integration
@@ -113,10 +112,7 @@ def test_one_forged_member_with_a_huge_step_does_not_move_what_the_state_dir_kee
 
 
 def test_a_state_dir_whose_writes_fail_is_logged_counted_and_survived(tmp_path, monkeypatch, caplog):
-    def full_disk(path, value):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(fencing, "_write_atomically", full_disk)
+    monkeypatch.setattr(fencing, "_write_atomically", disk_full)
 
     async def scenario():
         async with running_lighthouse(state_dir=tmp_path, join_timeout=0.3) as server, client_for(server) as c:
