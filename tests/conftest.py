@@ -76,6 +76,25 @@ def block_amax(tensor, block: int = 1024, dtype=None):
     return padded.view(-1, block).amax(1).repeat_interleave(block)[:flat.numel()].view(tensor.shape)
 
 
+def cpu_mesh(ranks, names=None, rank: int = 0, device_type: str = "cpu"):
+    """A DeviceMesh over ``ranks`` (nested lists: more dimensions) as rank ``rank`` sees it, built without
+    process groups: DTensors on it need no collective, nor any process but this one."""
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh(device_type, torch.tensor(ranks), mesh_dim_names=names, _init_backend=False, _rank=rank)
+
+
+def dtensor(local, mesh, placements, shape):
+    """A DTensor whose local shard is ``local`` on ``mesh`` (``placements``), standing for a contiguous tensor
+    of ``shape``; no collective checks it."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=torch.Size(shape),
+                              stride=torch.empty(shape).stride())
+
+
 def disk_full(*args, **kwargs):
     """A stand-in for a write (or an fsync) that finds the disk full: raises ENOSPC."""
     raise OSError(errno.ENOSPC, "No space left on device")

@@ -20,6 +20,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from tests.conftest import cpu_mesh, dtensor
 from torchft_lite.checkpointing._encode import flatten
 from torchft_lite.checkpointing._format import PREFIX_SIZE, parse_header, unpack_prefix
 from torchft_lite.durable import DurableCheckpointer, read_checkpoint
@@ -31,22 +32,18 @@ ROWS, COLS = 301, 64  # 301 rows over 2 ranks: uneven shards (151 and 150 rows),
 STEP = 6
 
 
-def mesh_of(rank: int, shape: tuple[int, ...] = (2,), names: tuple[str, ...] = ("fsdp",)) -> DeviceMesh:
-    return DeviceMesh("cpu", torch.arange(2).reshape(shape), mesh_dim_names=names, _init_backend=False, _rank=rank)
-
-
 def shard(full: torch.Tensor, rank: int, mesh: DeviceMesh, dim: int = 0) -> DTensor:
     """Group rank ``rank``'s Shard(dim) of ``full`` on a 1-D mesh (or the last dim of a 2-D one)."""
     local = full.tensor_split(2, dim=dim)[rank].clone()
     placements = [Shard(dim)] if mesh.ndim == 1 else [Replicate(), Shard(dim)]
-    return DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
+    return dtensor(local, mesh, placements, full.shape)
 
 
 def model_state(rank: int, seed: int, dim: int = 0, shape: tuple[int, ...] = (2,),
                 names: tuple[str, ...] = ("fsdp",)) -> dict:
     """What an FSDP2 model and its AdamW hold on group rank ``rank``: shards of every tensor."""
     generator = torch.Generator().manual_seed(seed)
-    mesh = mesh_of(rank, shape, names)
+    mesh = cpu_mesh(torch.arange(2).reshape(shape).tolist(), names, rank)
     weight, moment = (torch.randn(ROWS, COLS, generator=generator) for _ in range(2))
     return {"model": {"w": shard(weight, rank, mesh, dim)},
             "optim": {"state": {0: {"exp_avg": shard(moment, rank, mesh, dim), "step": torch.tensor(3.0)}}}}
