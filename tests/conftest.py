@@ -76,6 +76,20 @@ def block_amax(tensor, block: int = 1024, dtype=None):
     return padded.view(-1, block).amax(1).repeat_interleave(block)[:flat.numel()].view(tensor.shape)
 
 
+def two_layers(seed: int = 0):
+    """The same two-layer model (3 -> 4 -> 2) for a seed every time: drawn from a generator of its own, as the
+    global one is shared by the replica groups' threads."""
+    import torch
+    from torch import nn
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator))
+    return model
+
+
 def cpu_mesh(ranks, names=None, rank: int = 0, device_type: str = "cpu"):
     """A DeviceMesh over ``ranks`` (nested lists: more dimensions) as rank ``rank`` sees it, built without
     process groups: DTensors on it need no collective, nor any process but this one."""

@@ -13,8 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch import nn
 
+from tests.conftest import two_layers
 from tests.integration.helpers import PAIR, make_manager, run_two
 from torchft_lite.local_sgd import DiLoCo, LocalSGD
 from torchft_lite.process_group import ProcessGroupGloo
@@ -40,16 +40,6 @@ class FailingGloo:
         return getattr(self.inner, name)
 
 
-def make_model(seed: int = 0) -> nn.Module:
-    # Its own generator: the global one is shared by the groups' threads.
-    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=generator))
-    return model
-
-
 def snapshot(tensors) -> list[torch.Tensor]:
     return [t.detach().clone() for t in tensors]
 
@@ -57,7 +47,7 @@ def snapshot(tensors) -> list[torch.Tensor]:
 def diloco_group(lighthouse, index: int, inner_steps: int, fail_sync_at_step: int, alpha: float = 0.0,
                  delay: int = 1, seed: int = 0, replica_id: str | None = None) -> dict:
     """Train one group; returns its global copy per manager step and what a failed sync left."""
-    model = make_model(seed)
+    model = two_layers(seed)
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
     outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
     state = {"load_state_dict": lambda sd: (model.load_state_dict(sd["model"]), inner.load_state_dict(sd["inner"])),
@@ -107,7 +97,7 @@ def test_streaming_diloco_groups_agree_on_the_global_parameters_and_a_failed_syn
     r0, r1 = run_two(lambda index: diloco_group(lighthouse, index, inner_steps=12, fail_sync_at_step=2,
                                                 alpha=alpha))
     assert r0["step"] == r1["step"] == 5
-    fragment0 = len(list(make_model()[0].parameters()))
+    fragment0 = len(list(two_layers()[0].parameters()))
     assert sorted(r0["globals"]) == sorted(r1["globals"]) == list(range(6))
     for step in r0["globals"]:
         for a, b in zip(r0["globals"][step], r1["globals"][step]):
@@ -134,7 +124,7 @@ def test_streaming_diloco_groups_agree_on_the_global_parameters_and_a_failed_syn
 
 def test_local_sgd_groups_end_with_identical_parameters(lighthouse):
     def group(index: int):
-        model = make_model()
+        model = two_layers()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         state = {"load_state_dict": lambda sd: model.load_state_dict(sd["model"]),
                  "state_dict": lambda: {"model": model.state_dict()}}

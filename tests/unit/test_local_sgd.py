@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.conftest import two_layers
 from tests.unit.helpers import SoloManager
 from torchft_lite._diloco_fragment import _buckets
 from torchft_lite.local_sgd import DiLoCo, LocalSGD, extract_local_tensor
@@ -55,16 +56,6 @@ def run_groups(*fns):
     with ThreadPoolExecutor(len(fns)) as pool:
         futures = [pool.submit(fn) for fn in fns]
         return [f.result(timeout=WAIT) for f in futures]
-
-
-def two_layers() -> nn.Sequential:
-    """The same model every time; its own generator, since the global one is shared by the groups' threads."""
-    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=generator))
-    return model
 
 
 def inner_step(model: nn.Module, optimizer: torch.optim.Optimizer, grad: float) -> None:
