@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import re
 import socket
 import ssl
 import urllib.error
@@ -325,6 +326,11 @@ def assert_identical_per_step(rows: list[dict]) -> int:
 def read_logs(directory: Path, pattern: str) -> str:
     """The logs under ``directory`` whose names match ``pattern`` (such as ``group1.*.log``), in name order."""
     return "".join(p.read_text(errors="replace") for p in sorted(directory.glob(pattern)))
+
+
+def metrics_urls(directory: Path, pattern: str = "group0.*.log") -> list[str]:
+    """The Prometheus addresses the trainers whose logs match ``pattern`` said they serve on."""
+    return re.findall(r"serving Prometheus metrics on (http://127\.0\.0\.1:\d+/metrics)", read_logs(directory, pattern))
 
 
 def failed_group(groups: Sequence[ReplicaGroup]) -> str | None:

@@ -11,7 +11,7 @@ import pytest
 
 from lighthouse.thread import BackgroundLighthouse
 from tests.conftest import lighthouse_config, wait_until_sync
-from tests.integration.helpers import fetch
+from tests.integration.helpers import fetch, metrics_urls
 from torchft_lite.local_cluster import ReplicaGroup, job_access
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -95,8 +95,7 @@ def test_every_metric_the_dashboard_queries_is_served_by_a_live_lighthouse_and_t
 
             def logged_url() -> bool:
                 assert trainer.alive(), f"the trainer exited; its log is in {tmp_path}"
-                logs = "".join(p.read_text(errors="replace") for p in tmp_path.glob("group0.*.log"))
-                urls[:] = re.findall(r"serving Prometheus metrics on (http://127\.0\.0\.1:\d+/metrics)", logs)
+                urls[:] = metrics_urls(tmp_path)
                 return bool(urls)
 
             wait_until_sync(logged_url, "the trainer to log its metrics address", timeout=START)

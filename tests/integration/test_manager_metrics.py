@@ -134,7 +134,7 @@ def test_with_the_jobs_certificate_it_serves_https_only(solo, pki):
 
 @pytest.mark.slow
 def test_a_real_trainer_serves_its_steps_while_it_trains(tmp_path: Path):
-    from tests.integration.helpers import cluster, wait_for
+    from tests.integration.helpers import cluster, metrics_urls, wait_for
     from torchft_lite.local_cluster import job_access
 
     with cluster(tmp_path, min_replicas=1) as (_, add, _report):
@@ -142,8 +142,7 @@ def test_a_real_trainer_serves_its_steps_while_it_trains(tmp_path: Path):
         found: list[str] = []
 
         def logged_url() -> bool:
-            logs = "".join(p.read_text(errors="replace") for p in tmp_path.glob("group0.*.log"))
-            found[:] = re.findall(r"serving Prometheus metrics on (http://127\.0\.0\.1:\d+/metrics)", logs)
+            found[:] = metrics_urls(tmp_path)
             return bool(found)
 
         wait_for(logged_url, "the trainer to log its metrics address", groups=[group])
