@@ -7,8 +7,9 @@ import asyncio
 import contextlib
 import errno
 import os
+import threading
 import time
-from typing import AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Hashable, Iterable
 
 import grpc
 import pytest
@@ -171,6 +172,43 @@ def wait_until_sync(predicate: Callable[[], bool], what: str, timeout: float = W
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
         time.sleep(interval)
+
+
+def in_threads(keys: Iterable[Hashable], body: Callable[[Any], Any], timeout: float = WAIT,
+               hung: str | None = "a thread hung") -> tuple[dict, dict]:
+    """``body(key)`` for every key at once, on a thread each, each joined for up to ``timeout`` seconds; the
+    test fails with ``hung`` if one is still running (unless ``hung`` is None). What each returned and what each
+    raised, as two dicts in the order of ``keys``."""
+    keys = list(keys)
+    returned: dict = {}
+    raised: dict = {}
+
+    def run(key) -> None:
+        try:
+            returned[key] = body(key)
+        except BaseException as exc:  # handed to the caller
+            raised[key] = exc
+
+    threads = [threading.Thread(target=run, args=(key,)) for key in keys]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout)
+    if hung is not None:
+        assert not any(thread.is_alive() for thread in threads), hung
+    return ({key: returned[key] for key in keys if key in returned},
+            {key: raised[key] for key in keys if key in raised})
+
+
+def all_in_threads(keys: Iterable[Hashable], body: Callable[[Any], Any], timeout: float = WAIT,
+                   hung: str = "a thread hung") -> dict:
+    """``in_threads``, where no ``body`` may raise: the test fails naming the first key whose did (its error
+    chained). What each returned, by key."""
+    returned, raised = in_threads(keys, body, timeout, hung)
+    if raised:
+        key, exc = next(iter(raised.items()))
+        raise AssertionError(f"{key} raised {exc!r}") from exc
+    return returned
 
 
 def alive(pid: int) -> bool:

@@ -17,7 +17,6 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Iterator, Sequence
@@ -32,7 +31,7 @@ from lighthouse.rpc.access import Access
 from lighthouse.rpc.h2grpc import GrpcServer
 from lighthouse.rpc.tls import TlsSettings
 from lighthouse.server import LighthouseServer
-from tests.conftest import WAIT, wait_until_sync
+from tests.conftest import WAIT, all_in_threads, wait_until_sync
 from torchft_lite.checkpointing import _encode
 from torchft_lite.checkpointing._format import byte_view, format_path
 from torchft_lite.local_cluster import LighthouseProcess, ReplicaGroup
@@ -261,9 +260,7 @@ def make_manager(lighthouse, pg, transport, replica_id: str, state: dict | None 
 def run_two(fn: Callable[[int], Any]) -> list[Any]:
     """``fn(0)`` and ``fn(1)`` in two threads at once (two replica groups); their results, each waited for
     up to 3 x WAIT."""
-    with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(fn, index) for index in range(2)]
-        return [f.result(timeout=3 * WAIT) for f in futures]
+    return list(all_in_threads(range(2), fn, 3 * WAIT, "a replica group's thread hung").values())
 
 
 @contextlib.asynccontextmanager

@@ -19,7 +19,7 @@ from torch.distributed import TCPStore
 
 from lighthouse.protocol import torchft_pb2 as pb
 from lighthouse.thread import BackgroundLighthouse
-from tests.conftest import lighthouse_config, wait_until_sync
+from tests.conftest import all_in_threads, lighthouse_config, wait_until_sync
 from tests.integration.helpers import make_manager
 from torchft_lite.checkpointing import CheckpointTransport
 from torchft_lite.errors import CheckpointTransferError, ManagerTimeout
@@ -214,31 +214,18 @@ class StripingTransport(InMemoryTransport):
 
 def run_steps(managers: dict[str, Manager], steps: int, before_step=None) -> dict[str, list]:
     """Each manager trains ``steps`` steps on its own thread; returns its should_commit results."""
-    results: dict[str, list] = {name: [] for name in managers}
-    errors: dict[str, BaseException] = {}
+    def train(name: str) -> list:
+        committed = []
+        for step in range(steps):
+            if before_step is not None:
+                before_step(name, step)
+            manager = managers[name]
+            manager.start_quorum()
+            manager.allreduce(torch.ones(3)).wait()
+            committed.append(manager.should_commit())
+        return committed
 
-    def train(name: str) -> None:
-        try:
-            for step in range(steps):
-                if before_step is not None:
-                    before_step(name, step)
-                manager = managers[name]
-                manager.start_quorum()
-                manager.allreduce(torch.ones(3)).wait()
-                results[name].append(manager.should_commit())
-        except BaseException as exc:  # surfaced below, with the manager's name
-            errors[name] = exc
-
-    threads = [threading.Thread(target=train, args=(name,)) for name in managers]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
-    assert not any(thread.is_alive() for thread in threads), "a training thread hung"
-    if errors:
-        name, exc = next(iter(errors.items()))
-        raise AssertionError(f"{name} raised {exc!r}") from exc
-    return results
+    return all_in_threads(managers, train, 120, "a training thread hung")
 
 
 @pytest.mark.parametrize("b_heal_sources", [2, 1])

@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from datetime import timedelta
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.conftest import alive, wait_until_sync
+from tests.conftest import alive, all_in_threads, wait_until_sync
 from torchft_lite.errors import CollectiveError, CollectiveTimeout
 from torchft_lite.process_group import ProcessGroupBabyGloo
 
@@ -48,21 +47,8 @@ def groups():
 
 def configure(pgs: list[ProcessGroupBabyGloo], addr: str) -> None:
     """Configure ``pgs`` as ranks 0..n-1 of one group, concurrently (a rendezvous needs every rank)."""
-    errors: list[BaseException] = []
-
-    def run(rank: int) -> None:
-        try:
-            pgs[rank].configure(addr, f"replica-{rank}", rank, len(pgs))
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(len(pgs))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(WAIT_S)
-    assert not any(thread.is_alive() for thread in threads), "configure() did not return"
-    assert not errors, errors
+    all_in_threads(range(len(pgs)), lambda rank: pgs[rank].configure(addr, f"replica-{rank}", rank, len(pgs)),
+                   WAIT_S, "configure() did not return")
 
 
 def allreduce(pgs: list[ProcessGroupBabyGloo], tensors: list[torch.Tensor]) -> None:

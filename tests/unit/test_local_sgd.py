@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 from torch import nn
 
-from tests.conftest import two_layers
+from tests.conftest import all_in_threads, two_layers
 from tests.unit.helpers import SoloManager
 from torchft_lite._diloco_fragment import _buckets
 from torchft_lite.local_sgd import DiLoCo, LocalSGD, extract_local_tensor
@@ -53,9 +52,8 @@ class FleetManager(SoloManager):
 
 
 def run_groups(*fns):
-    with ThreadPoolExecutor(len(fns)) as pool:
-        futures = [pool.submit(fn) for fn in fns]
-        return [f.result(timeout=WAIT) for f in futures]
+    """Each of ``fns`` at once, on a thread of its own (a replica group each); what they returned."""
+    return list(all_in_threads(range(len(fns)), lambda index: fns[index](), WAIT, "a group's thread hung").values())
 
 
 def inner_step(model: nn.Module, optimizer: torch.optim.Optimizer, grad: float) -> None:

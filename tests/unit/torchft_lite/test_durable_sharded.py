@@ -10,7 +10,6 @@ anything that tried to gather a full tensor would fail.
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable
@@ -20,7 +19,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from tests.conftest import cpu_mesh, dtensor
+from tests.conftest import cpu_mesh, dtensor, in_threads
 from torchft_lite.checkpointing._encode import flatten
 from torchft_lite.checkpointing._format import PREFIX_SIZE, parse_header, unpack_prefix
 from torchft_lite.durable import DurableCheckpointer, read_checkpoint
@@ -87,24 +86,10 @@ class RankManager:
 
 def on_both_ranks(body: Callable[[int], Any]) -> list[Any]:
     """``body(rank)`` for ranks 0 and 1 at once, one thread each; their results, or raises what one raised."""
-    results: list[Any] = [None, None]
-    raised: list[BaseException] = []
-
-    def run(rank: int) -> None:
-        try:
-            results[rank] = body(rank)
-        except BaseException as exc:  # re-raised below
-            raised.append(exc)
-
-    threads = [threading.Thread(target=run, args=(rank,)) for rank in (0, 1)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    assert not any(thread.is_alive() for thread in threads), "a rank hung"
+    results, raised = in_threads((0, 1), body, 60, "a rank hung")
     if raised:
-        raise raised[0]
-    return results
+        raise next(iter(raised.values()))
+    return [results[0], results[1]]
 
 
 def save_group(directory: Path, seed: int = 1) -> list[dict]:

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.conftest import all_in_threads
 from torchft_lite.errors import CheckpointTransferError, ManagerError
 from torchft_lite.manager import Manager
 from torchft_lite.testing import InMemoryLighthouse, InMemoryProcessGroup
@@ -50,26 +51,10 @@ class Replica:
 
 def train(replicas: dict[str, Replica], steps: int, grads: dict[str, float] | None = None) -> dict[str, list[bool]]:
     """Each replica runs ``steps`` steps on a thread of its own; returns the commit decisions."""
-    results: dict[str, list[bool]] = {name: [] for name in replicas}
-    errors: dict[str, BaseException] = {}
+    def run(name: str) -> list[bool]:
+        return [replicas[name].step((grads or {}).get(name, 1.0))[0] for _ in range(steps)]
 
-    def run(name: str) -> None:
-        try:
-            for _ in range(steps):
-                results[name].append(replicas[name].step((grads or {}).get(name, 1.0))[0])
-        except BaseException as exc:  # surfaced below
-            errors[name] = exc
-
-    threads = [threading.Thread(target=run, args=(name,)) for name in replicas]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    assert not any(thread.is_alive() for thread in threads), "a training thread hung"
-    if errors:
-        name, exc = next(iter(errors.items()))
-        raise AssertionError(f"{name} raised {exc!r}") from exc
-    return results
+    return all_in_threads(replicas, run, 60, "a training thread hung")
 
 
 @pytest.fixture

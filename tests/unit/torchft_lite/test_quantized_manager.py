@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.distributed import ReduceOp
 
-from tests.conftest import block_amax
+from tests.conftest import block_amax, in_threads
 from torchft_lite.collectives import UnsupportedProcessGroupError, UnsupportedReduceOpError
 from torchft_lite.errors import CollectiveError
 from torchft_lite.health import HealthConfig
@@ -126,21 +126,10 @@ class Group:
 
 
 def run(groups: dict[str, Group], step: Callable[[str, Group], Any]) -> dict[str, Any]:
-    results: dict[str, Any] = {}
-
-    def one(name: str) -> None:
-        try:
-            results[name] = step(name, groups[name])
-        except BaseException as exc:  # returned to the test, which asserts on it
-            results[name] = exc
-
-    threads = [threading.Thread(target=one, args=(name,)) for name in groups]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(WAIT)
-    assert not any(thread.is_alive() for thread in threads), "a training thread hung"
-    return results
+    """``step(name, group)`` for every group at once; what each returned, or the error it raised (the test
+    asserts on it)."""
+    results, raised = in_threads(groups, lambda name: step(name, groups[name]), WAIT, "a training thread hung")
+    return {name: raised.get(name, results.get(name)) for name in groups}
 
 
 @pytest.fixture
