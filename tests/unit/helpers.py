@@ -4,7 +4,10 @@ fixtures, should they have any, go in a conftest.py)."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import types
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -27,6 +30,18 @@ class FailingWork(dist.Work):
 
     def get_future(self) -> torch.futures.Future:
         return self.future
+
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def load_example(filename: str, module_name: str) -> types.ModuleType:
+    """A file of examples/ (not a package), run as a module named ``module_name``; what it imports from
+    beside it must then be importable (examples/ on sys.path)."""
+    spec = importlib.util.spec_from_file_location(module_name, EXAMPLES / filename)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 # ---------------------------------------------------------------- stand-ins for a Manager
