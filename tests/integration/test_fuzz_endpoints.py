@@ -51,7 +51,7 @@ from lighthouse.server import MAX_REPLICA_ID_LEN, LighthouseServer
 from lighthouse.validation import STEP_LIMIT, member_problem, replica_id_problem
 from lighthouse.rpc.loop import new_event_loop
 from tests.conftest import WAIT, FakeManager, running_lighthouse
-from tests.integration.helpers import manager_server
+from tests.integration.helpers import fetch, manager_server
 from torchft_lite.manager_server import ManagerServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -730,18 +730,6 @@ def raw_request(method: bytes, target: bytes, version: bytes, headers: list[tupl
     return b"\r\n".join(lines) + b"\r\n\r\n" + body
 
 
-def http_get(port: int, path: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
-    import http.client
-
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT)
-    try:
-        connection.request("GET", path, headers=headers or {})
-        response = connection.getresponse()
-        return response.status, response.read()
-    finally:
-        connection.close()
-
-
 methods = st.one_of(st.sampled_from([b"GET", b"POST", b"GET", b"POST", b"HEAD", b"PUT", b"DELETE", b"OPTIONS"]),
                     st.sampled_from([b"PATCH", b"TRACE", b"CONNECT", b"BREW", b"get", b"G\x00T", b""]))
 versions = st.one_of(st.just(b"HTTP/1.1"), st.sampled_from([b"HTTP/1.0", b"HTTP/2.0", b"HTTP/9.9", b"", b"HTTP/1.1 x"]))
@@ -845,10 +833,10 @@ def test_lighthouse_http_answers_random_requests_without_5xx():
             fuzz()
             print(sorted(statuses.items(), key=str))
             assert rss_bytes() - before < MEMORY_BOUND
-            assert http_get(lighthouse.http_port, "/healthz") == (200, b"ok")
-            status, body = http_get(lighthouse.http_port, "/api/status")
+            assert fetch(f"http://127.0.0.1:{lighthouse.http_port}/healthz")[:2] == (200, b"ok")
+            status, body, _ = fetch(f"http://127.0.0.1:{lighthouse.http_port}/api/status")
             assert status == 200 and "known" in {r["replica_id"] for r in json.loads(body)["replicas"]}
-            assert http_get(lighthouse.http_port, "/metrics")[0] == 200
+            assert fetch(f"http://127.0.0.1:{lighthouse.http_port}/metrics")[0] == 200
             kills = len(fake.kills)
             status = http_exchange(lighthouse.http_port, raw_request(
                 b"POST", b"/api/replicas/known/kill", b"HTTP/1.1",
