@@ -110,6 +110,16 @@ def dtensor(local, mesh, placements, shape):
                               stride=torch.empty(shape).stride())
 
 
+def read_header(blob: bytes):
+    """The parsed header of an encoded checkpoint (its prefix's checksum checked) and the offset where the
+    data after it starts."""
+    from torchft_lite.checkpointing import _format
+
+    length, crc = _format.unpack_prefix(blob[:_format.PREFIX_SIZE])
+    header_end = _format.PREFIX_SIZE + length
+    return _format.parse_header(blob[_format.PREFIX_SIZE:header_end], crc), header_end
+
+
 def disk_full(*args, **kwargs):
     """A stand-in for a write (or an fsync) that finds the disk full: raises ENOSPC."""
     raise OSError(errno.ENOSPC, "No space left on device")

@@ -19,7 +19,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from tests.conftest import WAIT
+from tests.conftest import WAIT, read_header
 from tests.integration.helpers import bearer, digest, fetch
 from torchft_lite.checkpointing import HTTPTransport, _checksum, _http_receive
 from torchft_lite.checkpointing import _encode, _format, _header_difference
@@ -90,10 +90,8 @@ def release_all(threads, *servers: HTTPTransport) -> None:
 
 def layout(state) -> tuple[int, _format.Blocks]:
     """``(bytes of the prefix and header, the checksum blocks)`` of ``state``'s encoding."""
-    blob = _encode.encode_to_bytes(5, state)
-    length, crc = _format.unpack_prefix(blob[:_format.PREFIX_SIZE])
-    header_end = _format.PREFIX_SIZE + length
-    return header_end, _format.parse_header(blob[_format.PREFIX_SIZE:header_end], crc).blocks
+    header, header_end = read_header(_encode.encode_to_bytes(5, state))
+    return header_end, header.blocks
 
 
 def answer_bytes(blocks: _format.Blocks, ranges) -> int:
@@ -485,9 +483,7 @@ def test_checksums_of_a_released_step_are_refused(make_transport):
 
 
 def header_of(step: int, state: dict) -> _format.Header:
-    blob = _encode.encode_to_bytes(step, state)
-    length, crc = _format.unpack_prefix(blob[:_format.PREFIX_SIZE])
-    return _format.parse_header(blob[_format.PREFIX_SIZE:_format.PREFIX_SIZE + length], crc)
+    return read_header(_encode.encode_to_bytes(step, state))[0]
 
 
 @pytest.mark.parametrize("other, expected", [

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from tests.conftest import read_header
 from torchft_lite.checkpointing import _checksum
 from torchft_lite.checkpointing import _decode, _encode, _format
 from torchft_lite.errors import CheckpointTransferError
@@ -15,9 +16,7 @@ STATE = {"a": torch.arange(5000, dtype=torch.float32), "empty": torch.empty(0),
 def encoded(state: dict = STATE) -> tuple[_format.Header, bytes, bytes]:
     """``(header, data, trailer)`` of ``state`` with small blocks, so tensors span several."""
     blob = _encode.encode_to_bytes(3, state, block_bytes=BLOCK)
-    length, crc = _format.unpack_prefix(blob[:_format.PREFIX_SIZE])
-    header = _format.parse_header(blob[_format.PREFIX_SIZE:_format.PREFIX_SIZE + length], crc)
-    data_start = _format.PREFIX_SIZE + length
+    header, data_start = read_header(blob)
     return header, blob[data_start:data_start + header.data_bytes], blob[data_start + header.data_bytes:]
 
 

@@ -14,7 +14,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _MaskPartial, _StridedShard
 
-from tests.conftest import cpu_mesh, dtensor
+from tests.conftest import cpu_mesh, dtensor, read_header
 from torchft_lite.checkpointing import _decode, _encode, _format, _header_difference
 from torchft_lite.errors import CheckpointError, CheckpointTransferError
 
@@ -173,9 +173,7 @@ def test_a_malformed_dtensor_node_is_rejected():
 def test_a_layout_difference_between_two_replicas_headers_is_described():
     def header(placement):
         state = {"w": dtensor(torch.ones(2, 5), cpu_mesh([0, 1, 2, 3], ("fsdp",)), [placement], (8, 5))}
-        blob = _encode.encode_to_bytes(3, state)
-        length, crc = _format.unpack_prefix(blob[:_format.PREFIX_SIZE])
-        return _format.parse_header(blob[_format.PREFIX_SIZE:_format.PREFIX_SIZE + length], crc)
+        return read_header(_encode.encode_to_bytes(3, state))[0]
 
     difference = _header_difference.header_difference(header(Shard(0)), header(Replicate()))
     assert difference == ("value at w: '<DTensor [8, 5] (shard:0) on cpu mesh [4]>' vs "

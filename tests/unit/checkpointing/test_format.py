@@ -9,6 +9,7 @@ import zlib
 import pytest
 import torch
 
+from tests.conftest import read_header
 from torchft_lite.checkpointing import _decode, _encode, _format
 from torchft_lite.errors import CheckpointError, CheckpointTransferError
 
@@ -156,10 +157,9 @@ def test_truncated_input_is_a_transfer_error(cut):
 
 def test_a_writer_missing_data_reports_truncation():
     blob = sample_blob()
-    length, crc = _format.unpack_prefix(blob[:_format.PREFIX_SIZE])
-    header = _format.parse_header(blob[_format.PREFIX_SIZE:_format.PREFIX_SIZE + length], crc)
+    header, data_start = read_header(blob)
     writer = _decode.TensorWriter(header)
-    writer.write(0, blob[_format.PREFIX_SIZE + length:-header.trailer_bytes - 8])
+    writer.write(0, blob[data_start:-header.trailer_bytes - 8])
     with pytest.raises(CheckpointTransferError, match="truncated"):
         writer.finish()
     with pytest.raises(CheckpointTransferError, match="outside"):

@@ -19,9 +19,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from tests.conftest import cpu_mesh, dtensor, in_threads
+from tests.conftest import cpu_mesh, dtensor, in_threads, read_header
 from torchft_lite.checkpointing._encode import flatten
-from torchft_lite.checkpointing._format import PREFIX_SIZE, parse_header, unpack_prefix
 from torchft_lite.durable import DurableCheckpointer, read_checkpoint
 from torchft_lite.durable._files import write_state_file
 from torchft_lite.durable._layout import Layout
@@ -100,9 +99,7 @@ def save_group(directory: Path, seed: int = 1) -> list[dict]:
 
 
 def data_bytes_of(path: Path) -> int:
-    blob = path.read_bytes()
-    length, crc = unpack_prefix(blob[:PREFIX_SIZE])
-    return parse_header(blob[PREFIX_SIZE:PREFIX_SIZE + length], crc).data_bytes
+    return read_header(path.read_bytes())[0].data_bytes
 
 
 def test_each_rank_writes_only_its_own_shards_and_the_manifest_lists_every_rank(tmp_path):
