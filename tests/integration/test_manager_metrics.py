@@ -18,7 +18,7 @@ from lighthouse.rpc.access import Access
 from lighthouse.rpc.tls import TlsSettings
 from tests.conftest import WAIT, non_loopback_address, wait_until_sync
 from tests.integration.helpers import bearer, fetch
-from tests.unit.torchft_lite.test_manager import Replica, replicas  # noqa: F401  (the fixture)
+from tests.unit.helpers import Replica, replicas  # noqa: F401  (the fixture)
 from torchft_lite.metrics import ManagerMetrics, metrics_from_env
 from torchft_lite.testing import InMemoryLighthouse
 

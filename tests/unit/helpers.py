@@ -8,11 +8,16 @@ import importlib.util
 import types
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from lighthouse.quorum import Decision, QuorumConfig, QuorumState
+from tests.conftest import all_in_threads
+from torchft_lite.manager import Manager
+from torchft_lite.testing import InMemoryLighthouse, InMemoryProcessGroup
 from torchft_lite.work import DoneWork, ManagedWork, completed_future
 
 
@@ -94,6 +99,63 @@ class SoloManager:
     def register_state_dict_fn(self, key, load, save) -> None:
         assert key not in self.state_fns
         self.state_fns[key] = (load, save)
+
+
+# ---------------------------------------------------------------- replica groups of real Managers, in memory
+
+
+class Replica:
+    """One replica group of one rank: a weight vector (``size`` values of ``value``), its Manager on the
+    in-memory ``lighthouse`` and its process group (an InMemoryProcessGroup unless ``pg`` is given).
+    ``kwargs`` go to the Manager, but ``min_replica_size`` (1 unless given) and ``timeout_s`` (10)."""
+
+    def __init__(self, lighthouse: InMemoryLighthouse, name: str, value: float = 0.0, *, size: int = 3,
+                 pg: Any = None, **kwargs: Any) -> None:
+        self.weights = torch.full((size,), value)
+        self.pg = InMemoryProcessGroup() if pg is None else pg
+        self.manager: Manager = lighthouse.manager(
+            name, self.pg, load_state_dict=self.load, state_dict=lambda: {"w": self.weights},
+            min_replica_size=kwargs.pop("min_replica_size", 1),
+            timeout=timedelta(seconds=kwargs.pop("timeout_s", 10.0)), **kwargs,
+        )
+        self.loads = 0
+
+    def load(self, state: dict) -> None:
+        self.loads += 1
+        self.weights = state["w"].clone()
+
+    def step(self, grad: float | torch.Tensor = 1.0, **allreduce_kwargs: Any) -> tuple[bool, torch.Tensor]:
+        """One training step: the gradient (``grad`` for every weight, or a copy of the tensor ``grad``) is
+        averaged over the participants; SGD with lr 1 on commit. Whether it committed, and the gradient."""
+        self.manager.start_quorum()
+        g = grad.clone() if isinstance(grad, torch.Tensor) else torch.full_like(self.weights, grad)
+        self.manager.allreduce(g, **allreduce_kwargs).wait()
+        committed = self.manager.should_commit()
+        if committed:
+            self.weights = self.weights - g
+        return committed, g
+
+
+def train(replicas: dict[str, Replica], steps: int, grads: dict[str, float] | None = None) -> dict[str, list[bool]]:
+    """Each replica runs ``steps`` steps on a thread of its own; returns the commit decisions."""
+    def run(name: str) -> list[bool]:
+        return [replicas[name].step((grads or {}).get(name, 1.0))[0] for _ in range(steps)]
+
+    return all_in_threads(replicas, run, 60, "a training thread hung")
+
+
+@pytest.fixture
+def replicas():
+    """``replicas(lighthouse, name, value, **kwargs)``: a Replica, whose Manager is shut down after the test."""
+    made: list[Replica] = []
+
+    def make(lighthouse: InMemoryLighthouse, name: str, value: float, **kwargs: Any) -> Replica:
+        made.append(Replica(lighthouse, name, value, **kwargs))
+        return made[-1]
+
+    yield make
+    for replica in made:
+        replica.manager.shutdown()
 
 
 # ---------------------------------------------------------------- the lighthouse's quorum rules

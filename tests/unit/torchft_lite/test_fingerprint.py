@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.conftest import in_threads
-from tests.unit.torchft_lite.test_manager import Replica, replicas, train  # noqa: F401  (the fixture)
+from tests.unit.helpers import Replica, replicas, train  # noqa: F401  (the fixture)
 from torchft_lite._fingerprint_vote import (
     Advertised, differing_ranks, first_difference, group_fingerprint, parse_fingerprint, vote,
 )
