@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import shutil
 from datetime import timedelta
 
 import pytest
@@ -73,3 +74,28 @@ def scripted(threads):
     yield start
     for source in sources:
         source.close()
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.fixture
+def browser():
+    """A headless Chromium (Debian's package, installed by ``make test``) driven by playwright; skips, saying
+    what is missing, where either is."""
+    if CHROMIUM is None:
+        pytest.skip("chromium is not installed (make test installs Debian's package when run as root)")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.skip("playwright is not installed (dev extras)")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM,
+            args=["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync"],
+        )
+        try:
+            yield browser
+        finally:
+            browser.close()

@@ -44,6 +44,17 @@ def client_for(server: LighthouseServer) -> LighthouseClient:
     return LighthouseClient(f"127.0.0.1:{server.grpc_port}", connect_timeout=WAIT)
 
 
+def form_quorum(lighthouse, members: dict[str, tuple[int, str]]) -> None:
+    """One quorum of ``members`` (replica id: (step, address), each of world size 2) on ``lighthouse`` (a
+    BackgroundLighthouse), joined from a thread of its own: a browser test's thread has Playwright's loop."""
+    async def join():
+        async with LighthouseClient(f"127.0.0.1:{lighthouse.grpc_port}") as client:
+            await asyncio.gather(*(client.quorum(rid, timeout=60, step=step, address=address, world_size=2)
+                                   for rid, (step, address) in members.items()))
+
+    all_in_threads([0], lambda _: asyncio.run(join()), 120, "the quorum's thread hung")
+
+
 # ---------------------------------------------------------------- the lighthouse's own gRPC server
 
 

@@ -16,7 +16,6 @@ import pytest
 
 from lighthouse.thread import BackgroundLighthouse
 from tests.conftest import lighthouse_config, wait_until_sync
-from tests.integration.test_dashboard_browser import browser  # noqa: F401  (the fixture)
 from torchft_lite.local_cluster import ReplicaGroup, job_access
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser, pytest.mark.slow]
