@@ -15,7 +15,9 @@ import torch
 import torch.distributed as dist
 
 from lighthouse.quorum import Decision, QuorumConfig, QuorumState
-from tests.conftest import all_in_threads
+from tests.conftest import all_in_threads, read_header
+from torchft_lite.checkpointing import _decode, _encode, _format
+from torchft_lite.fingerprint import Fingerprinter
 from torchft_lite.manager import Manager
 from torchft_lite.testing import InMemoryLighthouse, InMemoryProcessGroup
 from torchft_lite.work import DoneWork, ManagedWork, completed_future
@@ -156,6 +158,45 @@ def replicas():
     yield make
     for replica in made:
         replica.manager.shutdown()
+
+
+# ---------------------------------------------------------------- the heal format, piece by piece
+
+SMALL_BLOCK = 4096
+MIXED_STATE = {"a": torch.arange(5000, dtype=torch.float32), "empty": torch.empty(0),
+               "b": torch.arange(7, dtype=torch.int64), "c": torch.arange(3, dtype=torch.bfloat16)}
+
+
+def encoded(state: dict = MIXED_STATE) -> tuple[_format.Header, bytes, bytes]:
+    """``(header, data, trailer)`` of ``state`` with small blocks (SMALL_BLOCK), so tensors span several."""
+    blob = _encode.encode_to_bytes(3, state, block_bytes=SMALL_BLOCK)
+    header, data_start = read_header(blob)
+    return header, blob[data_start:data_start + header.data_bytes], blob[data_start + header.data_bytes:]
+
+
+def fill_in_place(writer: _decode.TensorWriter, data: bytes, start: int, end: int, piece: int) -> None:
+    """What the HTTP client does: ask for a view of the destination, let "the kernel" write, report."""
+    position = start
+    while position < end:
+        view = writer.buffer_at(position, end)[:piece]
+        view[:] = data[position:position + len(view)]
+        writer.filled(position, len(view))
+        position += len(view)
+
+
+# ---------------------------------------------------------------- fingerprints
+
+
+def flip_bit(tensor: torch.Tensor, index: int = 1, bit: int = 3) -> None:
+    """Flip one bit of one element, in place (as a cosmic ray or bad DRAM would)."""
+    tensor.view(torch.int32).view(-1)[index] ^= 1 << bit
+
+
+def rank_fingerprint(step: int, st: dict) -> str:
+    """The fingerprint one rank holding ``st`` sends for ``step``."""
+    printer = Fingerprinter(step, lambda: st, lambda *a, **k: None)
+    printer.step_starting(step)
+    return printer.for_step(step)
 
 
 # ---------------------------------------------------------------- the lighthouse's quorum rules

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.conftest import in_threads
-from tests.unit.helpers import Replica, replicas, train  # noqa: F401  (the fixture)
+from tests.unit.helpers import Replica, flip_bit, rank_fingerprint, replicas, train  # noqa: F401  (the fixture)
 from torchft_lite._fingerprint_vote import (
     Advertised, differing_ranks, first_difference, group_fingerprint, parse_fingerprint, vote,
 )
@@ -22,11 +22,6 @@ from torchft_lite.health import HealthConfig
 from torchft_lite.testing import InMemoryLighthouse
 
 EVERY_2 = HealthConfig(fingerprint_every=2)
-
-
-def flip_bit(tensor: torch.Tensor, index: int = 1, bit: int = 3) -> None:
-    """Flip one bit of one element, in place (as a cosmic ray or bad DRAM would)."""
-    tensor.view(torch.int32).view(-1)[index] ^= 1 << bit
 
 
 def state() -> dict:
@@ -121,12 +116,6 @@ def test_every_rank_fingerprints_every_n_steps_for_its_quorum_request_of_that_st
     assert parse_fingerprint('{"fingerprint": %s}' % sent) == Advertised(3, fingerprint_of(s).digest,
                                                                         fingerprint_of(s).sums)
     assert printer.for_step(4) == ""  # a later step's quorum does not carry it
-
-
-def rank_fingerprint(step: int, st: dict) -> str:
-    printer = Fingerprinter(step, lambda: st, lambda *a, **k: None)
-    printer.step_starting(step)
-    return printer.for_step(step)
 
 
 def test_a_group_vouches_for_all_its_ranks_and_a_flip_on_any_rank_changes_its_fingerprint():

@@ -14,7 +14,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from tests.conftest import cpu_mesh, dtensor
-from tests.unit.torchft_lite.test_fingerprint import flip_bit, rank_fingerprint
+from tests.unit.helpers import flip_bit, rank_fingerprint
 from torchft_lite._fingerprint_vote import differing_ranks, first_difference, group_fingerprint, parse_fingerprint
 from torchft_lite.fingerprint import fingerprint_of
 
