@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.integration.helpers import (JOB_WAIT as WAIT, assert_identical_per_step, read_logs, read_reports,
+from tests.integration.helpers import (JOB_WAIT as WAIT, TRAIN_HSDP, assert_identical_per_step, read_logs, read_reports,
                                        replica_groups, steps_of, wait_for)
-from tests.integration.test_hsdp import EXAMPLE
 
 pytestmark = [
     pytest.mark.gpu,
@@ -36,7 +35,7 @@ def test_two_cuda_groups_hold_identical_shards_at_every_step(tmp_path: Path, bf1
     report = tmp_path / "report.jsonl"
     extra = ["--bf16"] if bf16 else []
     with replica_groups(tmp_path, min_replicas=2, join_timeout=30.0) as (_, start):
-        groups = [start(g, 2, EXAMPLE, ["--device", "cuda", "--steps", "6", "--report", str(report), "--timeout",
+        groups = [start(g, 2, TRAIN_HSDP, ["--device", "cuda", "--steps", "6", "--report", str(report), "--timeout",
                                         "30", "--min-replicas", "2", *extra], world_size=2,
                         env={"CUDA_VISIBLE_DEVICES": DEVICES[g]})
                   for g in (0, 1)]
@@ -56,8 +55,8 @@ def test_a_killed_cuda_rank_takes_its_group_out_and_the_restarted_group_heals_it
     args = ["--device", "cuda", "--steps", "100000", "--report", str(report), "--timeout", "30",
             "--group-timeout", "60", "--step-sleep", "0.05"]
     with replica_groups(tmp_path, min_replicas=1, join_timeout=1.0, heartbeat_timeout=1.0) as (_, start):
-        survivor = start(0, 2, EXAMPLE, args, world_size=2, env={"CUDA_VISIBLE_DEVICES": DEVICES[0]})
-        victim = start(1, 2, EXAMPLE, args, world_size=2, env={"CUDA_VISIBLE_DEVICES": DEVICES[1]})
+        survivor = start(0, 2, TRAIN_HSDP, args, world_size=2, env={"CUDA_VISIBLE_DEVICES": DEVICES[0]})
+        victim = start(1, 2, TRAIN_HSDP, args, world_size=2, env={"CUDA_VISIBLE_DEVICES": DEVICES[1]})
         wait_for(lambda: min(len(steps_of(read_reports(report), g, r)) for g in (0, 1) for r in (0, 1)) >= 3,
                  "every rank's 3rd step", groups=[survivor, victim])
         os.kill(victim.procs[1].pid, signal.SIGKILL)

@@ -300,6 +300,7 @@ async def manager_server(lighthouse_addr: str, access: Access | None = None, *, 
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN_DDP = REPO / "examples" / "train_ddp.py"
+TRAIN_HSDP = REPO / "examples" / "train_hsdp.py"
 JOB_WAIT = 240.0  # generous: several torch processes share two cores
 
 

@@ -11,14 +11,13 @@ import pytest
 
 from lighthouse.thread import BackgroundLighthouse
 from tests.conftest import lighthouse_config, wait_until_sync
-from tests.integration.helpers import fetch, metrics_urls
+from tests.integration.helpers import TRAIN_DDP, fetch, metrics_urls
 from torchft_lite.local_cluster import ReplicaGroup, job_access
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 GRAFANA = ROOT / "examples" / "grafana"
-SCRIPT = ROOT / "examples" / "train_ddp.py"
 START = 240.0  # seconds: a torch process starts on two busy cores
 METRIC = re.compile(r"\b((?:lighthouse|torchft_lite)_[a-z0-9_]+)\b")
 SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "summary": ("_sum", "_count")}
@@ -87,7 +86,7 @@ def test_every_metric_the_dashboard_queries_is_served_by_a_live_lighthouse_and_t
     assert any(n.startswith("lighthouse_") for n in wanted) and any(n.startswith("torchft_lite_") for n in wanted)
     config = lighthouse_config(min_replicas=1, access=job_access())
     with BackgroundLighthouse(config) as lighthouse:
-        trainer = ReplicaGroup(0, 1, lighthouse.address(), SCRIPT, ["--steps", "1000000", "--step-sleep", "0.05"],
+        trainer = ReplicaGroup(0, 1, lighthouse.address(), TRAIN_DDP, ["--steps", "1000000", "--step-sleep", "0.05"],
                                log_dir=tmp_path, env={"TORCHFT_LITE_METRICS_PORT": "0"})
         try:
             trainer.start()

@@ -18,13 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.integration.helpers import (JOB_WAIT as WAIT, assert_identical_per_step, read_logs, read_reports,
+from tests.integration.helpers import (JOB_WAIT as WAIT, TRAIN_HSDP, assert_identical_per_step, read_logs, read_reports,
                                        replica_groups, steps_of, wait_for)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "examples" / "train_hsdp.py"
 WORKER = Path(__file__).resolve().parent / "hsdp_grad_worker.py"
 
 
@@ -34,7 +33,7 @@ def test_two_groups_of_two_ranks_hold_identical_shards_at_every_step(tmp_path, h
     which ShardedState puts back on the parameters' own before the optimizer sees them."""
     report = tmp_path / "report.jsonl"
     with replica_groups(tmp_path, min_replicas=2, join_timeout=30.0) as (_, start):
-        groups = [start(g, 2, EXAMPLE, ["--steps", "5", "--report", str(report), "--timeout", "15", "--hook", hook,
+        groups = [start(g, 2, TRAIN_HSDP, ["--steps", "5", "--report", str(report), "--timeout", "15", "--hook", hook,
                                         "--min-replicas", "2"], world_size=2,
                         env={"TORCHFT_LITE_HEAL_IN_PLACE": heal_in_place})
                   for g in (0, 1)]
@@ -113,8 +112,8 @@ def test_one_killed_rank_takes_its_group_out_and_the_restarted_group_heals_shard
     args = ["--steps", "100000", "--report", str(report), "--timeout", "15", "--step-sleep", "0.05"]
     with replica_groups(tmp_path, min_replicas=1, join_timeout=1.0, heartbeat_timeout=1.0) as (_, start):
         env = {"TORCHFT_LITE_HEAL_IN_PLACE": heal_in_place}
-        survivor = start(0, 2, EXAMPLE, args, world_size=2, env=env)
-        victim = start(1, 2, EXAMPLE, args, world_size=2, env=env)
+        survivor = start(0, 2, TRAIN_HSDP, args, world_size=2, env=env)
+        victim = start(1, 2, TRAIN_HSDP, args, world_size=2, env=env)
         both = [survivor, victim]
         wait_for(lambda: min(len(steps_of(read_reports(report), g, r)) for g in (0, 1) for r in (0, 1)) >= 3,
                  "every rank's 3rd step", groups=both)

@@ -24,14 +24,12 @@ import pytest
 
 from benchmarks._chaos_faults import BridgedHosts
 from benchmarks._throwaway_pki import make_pki, openssl_missing
-from tests.integration.cluster_jobs import (REPO, assert_identical_per_step, kill_and_rejoin, read_reports,
-                                            wait_for_rows)
-from tests.integration.helpers import fetch
+from tests.integration.cluster_jobs import assert_identical_per_step, kill_and_rejoin, read_reports, wait_for_rows
+from tests.integration.helpers import TRAIN_DDP, fetch
 from torchft_lite.local_cluster import LighthouseProcess, ReplicaGroup, job_access
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-SCRIPT = REPO / "examples" / "train_ddp.py"
 WAIT = 240.0
 UNAVAILABLE = BridgedHosts.unavailable(hostnames=True) or openssl_missing()
 _RECEIVER = re.compile(r"receivers finished \((?:::ffff:)?([0-9a-f.:]+) sent")
@@ -78,7 +76,7 @@ def test_a_job_across_namespaces_heals_over_the_bridge_after_a_kill_and_a_partit
         assert lighthouse.address.startswith(f"https://{addresses[0]}:")  # its bind address, TLS on
         for g, advertise in ((0, addresses[1]), (1, None)):
             host = g + 1
-            groups.append(ReplicaGroup(g, 2, lighthouse.address, SCRIPT, args, world_size=2, use_torchrun=True,
+            groups.append(ReplicaGroup(g, 2, lighthouse.address, TRAIN_DDP, args, world_size=2, use_torchrun=True,
                                        env={**pki.env(), **hosts.env(host)}, log_dir=tmp_path,
                                        store_host=addresses[host], advertise=advertise,
                                        prefix=hosts.prefix(host)).start())
