@@ -15,10 +15,10 @@ import pytest
 import torch
 from torch import nn
 
-from tests.integration.test_fault_tolerant_ddp import WAIT, assert_identical_per_step, cluster, read_reports, \
-    steps_of, wait_for
+from tests.integration.helpers import (JOB_WAIT as WAIT, assert_identical_per_step, cluster, read_reports, steps_of,
+                                       wait_for)
+from tests.unit.helpers import CountingManager
 from torchft_lite.ddp import DistributedDataParallel
-from torchft_lite.work import ManagedWork, completed_future
 
 pytestmark = [
     pytest.mark.gpu,
@@ -29,19 +29,12 @@ pytestmark = [
 ONE_GPU = {"CUDA_VISIBLE_DEVICES": "0"}
 
 
-class AloneManager:
-    """A Manager for one replica: every allreduce is already done (what DDP's hook gets with no peer)."""
-
-    def allreduce(self, tensor: torch.Tensor) -> ManagedWork:
-        return ManagedWork(completed_future(tensor))
-
-
 def test_ddp_constructs_on_a_cuda_module_and_its_gradients_come_back():
     # The first GPU run failed here: "No backend type associated with device type cuda".
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8)).cuda()
     reference = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8)).cuda()
     reference.load_state_dict(model.state_dict())
-    ddp = DistributedDataParallel(AloneManager(), model)
+    ddp = DistributedDataParallel(CountingManager(), model)
     inputs = torch.randn(32, 64, device="cuda")
     ddp(inputs).square().mean().backward()
     reference(inputs).square().mean().backward()

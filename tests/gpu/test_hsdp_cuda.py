@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.integration.test_fault_tolerant_ddp import WAIT, assert_identical_per_step, read_reports, steps_of, wait_for
-from tests.integration.test_hsdp import EXAMPLE, cluster, logs
+from tests.integration.helpers import (JOB_WAIT as WAIT, TRAIN_HSDP, assert_identical_per_step, read_logs, read_reports,
+                                       replica_groups, steps_of, wait_for)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -34,9 +34,10 @@ DEVICES = {0: "0,1", 1: "2,3"}
 def test_two_cuda_groups_hold_identical_shards_at_every_step(tmp_path: Path, bf16: bool):
     report = tmp_path / "report.jsonl"
     extra = ["--bf16"] if bf16 else []
-    with cluster(tmp_path, min_replicas=2, join_timeout=30.0) as add:
-        groups = [add(g, EXAMPLE, ["--device", "cuda", "--steps", "6", "--report", str(report), "--timeout", "30",
-                                   "--min-replicas", "2", *extra], {"CUDA_VISIBLE_DEVICES": DEVICES[g]})
+    with replica_groups(tmp_path, min_replicas=2, join_timeout=30.0) as (_, start):
+        groups = [start(g, 2, TRAIN_HSDP, ["--device", "cuda", "--steps", "6", "--report", str(report), "--timeout",
+                                        "30", "--min-replicas", "2", *extra], world_size=2,
+                        env={"CUDA_VISIBLE_DEVICES": DEVICES[g]})
                   for g in (0, 1)]
         for group in groups:
             assert group.wait(WAIT) == [0, 0], f"group {group.group_id} failed; logs in {tmp_path}"
@@ -53,9 +54,9 @@ def test_a_killed_cuda_rank_takes_its_group_out_and_the_restarted_group_heals_it
     # NCCL does not notice a dead peer by itself: the partner leaves when its in-group collective times out.
     args = ["--device", "cuda", "--steps", "100000", "--report", str(report), "--timeout", "30",
             "--group-timeout", "60", "--step-sleep", "0.05"]
-    with cluster(tmp_path, min_replicas=1, join_timeout=1.0, heartbeat_timeout=1.0) as add:
-        survivor = add(0, EXAMPLE, args, {"CUDA_VISIBLE_DEVICES": DEVICES[0]})
-        victim = add(1, EXAMPLE, args, {"CUDA_VISIBLE_DEVICES": DEVICES[1]})
+    with replica_groups(tmp_path, min_replicas=1, join_timeout=1.0, heartbeat_timeout=1.0) as (_, start):
+        survivor = start(0, 2, TRAIN_HSDP, args, world_size=2, env={"CUDA_VISIBLE_DEVICES": DEVICES[0]})
+        victim = start(1, 2, TRAIN_HSDP, args, world_size=2, env={"CUDA_VISIBLE_DEVICES": DEVICES[1]})
         wait_for(lambda: min(len(steps_of(read_reports(report), g, r)) for g in (0, 1) for r in (0, 1)) >= 3,
                  "every rank's 3rd step", groups=[survivor, victim])
         os.kill(victim.procs[1].pid, signal.SIGKILL)
@@ -68,4 +69,4 @@ def test_a_killed_cuda_rank_takes_its_group_out_and_the_restarted_group_heals_it
         victim.kill(signal.SIGKILL)
     assert assert_identical_per_step(read_reports(report)) > 0
     for r in (0, 1):
-        assert "healed:" in logs(tmp_path, f"group1.2.{r}.log"), f"restarted rank {r} never healed"
+        assert "healed:" in read_logs(tmp_path, f"group1.2.{r}.log"), f"restarted rank {r} never healed"

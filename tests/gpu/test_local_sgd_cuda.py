@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
+from tests.unit.helpers import SoloManager
 from torchft_lite.local_sgd import DiLoCo
-from torchft_lite.work import DoneWork
 
 pytestmark = [
     pytest.mark.gpu,
@@ -16,35 +16,19 @@ pytestmark = [
 ]
 
 
-class DoublingManager:
+class DoublingManager(SoloManager):
     """One group; its "allreduce" doubles the tensor on the current stream (the fragment's side stream)."""
 
-    _use_async_quorum = False
-
     def __init__(self) -> None:
-        self.step = 0
+        super().__init__()
         self.streams: list[torch.cuda.Stream] = []
 
-    def start_quorum(self) -> None:
-        pass
-
-    def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False) -> DoneWork:
+    def reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         self.streams.append(torch.cuda.current_stream())
         big = torch.randn(2048, 2048, device="cuda")
         for _ in range(10):  # keep this stream busy so a missing wait would read stale values
             big = big @ big / 2048
-        tensor.mul_(2)
-        return DoneWork(tensor)
-
-    def should_commit(self) -> bool:
-        self.step += 1
-        return True
-
-    def current_step(self) -> int:
-        return self.step
-
-    def register_state_dict_fn(self, key, load, save) -> None:
-        pass
+        return tensor.mul_(2)
 
 
 @pytest.mark.parametrize("bucketize", [False, True])

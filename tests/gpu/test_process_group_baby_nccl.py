@@ -8,14 +8,13 @@ owns), and that an abort is a kill.
 
 from __future__ import annotations
 
-import os
-import time
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from tests.conftest import alive, wait_until_sync
 from torchft_lite.errors import CollectiveError
 from torchft_lite.process_group import ProcessGroupBabyNCCL
 
@@ -24,22 +23,6 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
     pytest.mark.timeout(300),
 ]
-
-
-def _gone(pid: int, timeout: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        try:
-            if os.waitpid(pid, os.WNOHANG)[0] == pid:
-                return True
-        except ChildProcessError:
-            pass
-        time.sleep(0.05)
-    return False
 
 
 def test_baby_nccl_shares_cuda_tensors_both_ways_and_aborts_by_killing() -> None:
@@ -58,7 +41,7 @@ def test_baby_nccl_shares_cuda_tensors_both_ways_and_aborts_by_killing() -> None
         child = pg.child_pid()
         pg.abort()
         assert isinstance(pg.errored(), CollectiveError)
-        assert _gone(child), f"the aborted NCCL child {child} is still running"
+        wait_until_sync(lambda: not alive(child), f"the aborted NCCL child {child} to exit", 60.0)
 
         pg.configure(f"127.0.0.1:{store.port}/torchft/2/0", "replica-a", 0, 1)
         assert pg.errored() is None and pg.child_pid() != child

@@ -17,15 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import pytest
-
-from tests.integration.test_fault_tolerant_ddp import assert_identical_per_step, read_reports
+from tests.conftest import wait_until_sync
+from tests.integration.helpers import REPO, assert_identical_per_step, read_reports
 
 __all__ = ["Rejoin", "assert_identical_per_step", "job_env", "kill_and_rejoin", "pids_of", "read_reports", "rejoin_of",
            "wait_for_rows", "write_token"]
-
-REPO = Path(__file__).resolve().parents[2]
-
 
 def write_token(path: Path, mode: int = 0o600) -> Path:
     """A fresh job token in the file ``path`` with ``mode``."""
@@ -47,17 +43,14 @@ def wait_for_rows(report: Path, predicate: Callable[[list[dict]], bool], what: s
                   still_running: Callable[[], str | None] = lambda: None) -> list[dict]:
     """The report's rows once ``predicate(rows)`` holds; fails naming ``what`` after ``timeout`` s, or at once
     when ``still_running()`` names why the job can't get there any more (it ended)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        rows = read_reports(report)
-        if predicate(rows):
-            return rows
-        gone = still_running()
-        if gone is not None:
-            pytest.fail(f"{gone} while waiting for {what}")
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.2)
+    rows: list[dict] = []
+
+    def ready() -> bool:
+        rows[:] = read_reports(report)
+        return predicate(rows)
+
+    wait_until_sync(ready, what, timeout, interval=0.2, failed=still_running)
+    return rows
 
 
 def pids_of(rows: list[dict], group: int) -> set[int]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
+import traceback
 from typing import Any, Callable, Sequence
 
 import pytest
@@ -12,9 +13,9 @@ import pytest
 def run_spawned(target: Callable[..., None], arg_lists: Sequence[tuple], what: str, timeout: float) -> list[Any]:
     """``target(*args, results)`` in a spawned process per ``args``; the values they put as ``("ok", value)``.
 
-    ``target`` puts ``("error", text)`` when it fails: the test fails with that text. Each report is waited
-    for at most ``timeout`` seconds; after a failure the other processes (which may wait on their peers)
-    are killed at once, else each is joined for ``timeout``.
+    ``target`` puts ``("error", text)`` when it fails (``put_outcome`` puts either): the test fails with that
+    text. Each report is waited for at most ``timeout`` seconds; after a failure the other processes (which
+    may wait on their peers) are killed at once, else each is joined for ``timeout``.
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -39,3 +40,12 @@ def run_spawned(target: Callable[..., None], arg_lists: Sequence[tuple], what: s
                 process.kill()
                 process.join()
     return values
+
+
+def put_outcome(results: "mp.Queue", who: str, compute: Callable[[], Any]) -> None:
+    """In a spawned process: put ``("ok", compute())`` for ``run_spawned``, or ``("error", text)`` naming
+    ``who`` and the failure (with its traceback) if ``compute`` raised."""
+    try:
+        results.put(("ok", compute()))
+    except BaseException as exc:  # reported to the test, which fails naming it
+        results.put(("error", f"{who}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"))

@@ -12,37 +12,12 @@ import pytest
 
 from benchmarks._h2_client import H2CallError, H2CallTimeout, H2Channel
 from benchmarks._h2_wire import DEFAULT_WINDOW
-from torchft_lite.rpc.h2grpc import GrpcServer
 from torchft_lite.rpc.h2grpc.connection import H2Connection
 from torchft_lite.rpc.protocol import torchft_pb2 as pb
 from tests.conftest import WAIT, running_lighthouse
+from tests.integration.helpers import probe_server
 
 pytestmark = pytest.mark.integration
-
-
-class Handlers:
-    def __init__(self) -> None:
-        self.cancelled = 0
-
-    async def echo(self, request: bytes, context) -> bytes:
-        if request.startswith(b"big:"):
-            return bytes(range(256)) * (int(request[4:]) // 256)
-        if request == b"abort":
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not now: caf\u00e9 100%")
-        if request == b"wait":
-            try:
-                await asyncio.sleep(3600)
-            except asyncio.CancelledError:
-                self.cancelled += 1
-                raise
-        return request
-
-
-async def start_server() -> tuple[GrpcServer, Handlers, int]:
-    handlers = Handlers()
-    server = GrpcServer()
-    server.add_unary("/t.S/Echo", handlers.echo)
-    return server, handlers, await server.start("127.0.0.1", 0)
 
 
 @pytest.mark.parametrize("recv_window, max_frame_size", [(DEFAULT_WINDOW, 16_384), (4 * 1024 * 1024, 1 << 20)])
@@ -50,44 +25,42 @@ def test_large_and_concurrent_answers_within_the_advertised_windows(recv_window,
     """With the default 65535-byte windows a 1 MB answer needs many WINDOW_UPDATEs for the
     connection and the stream; concurrent calls interleave their DATA frames."""
     async def scenario():
-        server, _, port = await start_server()
-        channel = H2Channel("127.0.0.1", port, recv_window=recv_window, max_frame_size=max_frame_size)
-        try:
-            for size in (1_000_000, 300_000, 70_000, 16_384, 256):
-                assert len(await channel.unary("/t.S/Echo", b"big:%d" % size, WAIT)) == size // 256 * 256
-            sizes = [25_600 * (i % 4) + 256 for i in range(200)]
-            answers = await asyncio.gather(*(channel.unary("/t.S/Echo", b"big:%d" % s, WAIT) for s in sizes))
-            assert [len(a) for a in answers] == sizes
-            assert server.protocol_errors == 0
-        finally:
-            await channel.close()
-            await server.stop(1.0)
+        async with probe_server() as (server, _, port):
+            channel = H2Channel("127.0.0.1", port, recv_window=recv_window, max_frame_size=max_frame_size)
+            try:
+                for size in (1_000_000, 300_000, 70_000, 16_384, 256):
+                    assert len(await channel.unary("/t.S/Echo", b"big:%d" % size, WAIT)) == size // 256 * 256
+                sizes = [25_600 * (i % 4) + 256 for i in range(200)]
+                answers = await asyncio.gather(*(channel.unary("/t.S/Echo", b"big:%d" % s, WAIT) for s in sizes))
+                assert [len(a) for a in answers] == sizes
+                assert server.protocol_errors == 0
+            finally:
+                await channel.close()
 
     asyncio.run(scenario())
 
 
 def test_grpc_errors_timeouts_and_a_lost_connection_raise_clearly():
     async def scenario():
-        server, handlers, port = await start_server()
-        channel = H2Channel("127.0.0.1", port)
-        try:
-            with pytest.raises(H2CallError, match="grpc-status 9: not now: caf\u00e9 100%") as info:
-                await channel.unary("/t.S/Echo", b"abort", WAIT)
-            assert info.value.grpc_status == grpc.StatusCode.FAILED_PRECONDITION.value[0]
-            with pytest.raises(H2CallError, match="grpc-status 12"):
-                await channel.unary("/t.S/Missing", b"x", WAIT)
-            with pytest.raises(H2CallTimeout, match="no answer within 0.2s"):
-                await channel.unary("/t.S/Echo", b"wait", 0.2)
-            assert await channel.unary("/t.S/Echo", b"still usable", WAIT) == b"still usable"
-            assert handlers.cancelled == 1  # the timeout reached the server (RST_STREAM or grpc-timeout)
-            pending = asyncio.ensure_future(channel.unary("/t.S/Echo", b"wait", WAIT))
-            await asyncio.sleep(0.1)
-            await server.stop(0.1)
-            with pytest.raises(H2CallError):
-                await asyncio.wait_for(pending, WAIT)
-        finally:
-            await channel.close()
-            await server.stop(1.0)
+        async with probe_server() as (server, handlers, port):
+            channel = H2Channel("127.0.0.1", port)
+            try:
+                with pytest.raises(H2CallError, match="grpc-status 9: not now: caf\u00e9 100%") as info:
+                    await channel.unary("/t.S/Echo", b"abort", WAIT)
+                assert info.value.grpc_status == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+                with pytest.raises(H2CallError, match="grpc-status 12"):
+                    await channel.unary("/t.S/Missing", b"x", WAIT)
+                with pytest.raises(H2CallTimeout, match="no answer within 0.2s"):
+                    await channel.unary("/t.S/Echo", b"wait", 0.2)
+                assert await channel.unary("/t.S/Echo", b"still usable", WAIT) == b"still usable"
+                assert handlers.cancelled == 1  # the timeout reached the server (RST_STREAM or grpc-timeout)
+                pending = asyncio.ensure_future(channel.unary("/t.S/Echo", b"wait", WAIT))
+                await asyncio.sleep(0.1)
+                await server.stop(0.1)
+                with pytest.raises(H2CallError):
+                    await asyncio.wait_for(pending, WAIT)
+            finally:
+                await channel.close()
 
     asyncio.run(scenario())
 
@@ -100,23 +73,22 @@ def test_connections_that_fail_before_the_servers_settings_are_retried():
             transport.abort()
 
     async def scenario():
-        server, _, _ = await start_server()
-        accepted = 0
+        async with probe_server() as (server, _, _):
+            accepted = 0
 
-        def factory():
-            nonlocal accepted
-            accepted += 1
-            return Reset() if accepted <= 2 else H2Connection(server)
+            def factory():
+                nonlocal accepted
+                accepted += 1
+                return Reset() if accepted <= 2 else H2Connection(server)
 
-        listener = await asyncio.get_running_loop().create_server(factory, "127.0.0.1", 0)
-        channel = H2Channel("127.0.0.1", listener.sockets[0].getsockname()[1])
-        try:
-            assert await channel.unary("/t.S/Echo", b"third time", WAIT) == b"third time"
-            assert channel.connect_attempts == 3
-        finally:
-            await channel.close()
-            listener.close()
-            await server.stop(1.0)
+            listener = await asyncio.get_running_loop().create_server(factory, "127.0.0.1", 0)
+            channel = H2Channel("127.0.0.1", listener.sockets[0].getsockname()[1])
+            try:
+                assert await channel.unary("/t.S/Echo", b"third time", WAIT) == b"third time"
+                assert channel.connect_attempts == 3
+            finally:
+                await channel.close()
+                listener.close()
 
     asyncio.run(scenario())
 

@@ -3,51 +3,14 @@
 from __future__ import annotations
 
 import concurrent.futures
-import shutil
 
 import pytest
 
 from lighthouse.thread import BackgroundLighthouse
 from tests.conftest import FakeManager, lighthouse_config
+from tests.integration.helpers import form_quorum
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser]
-
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-
-
-@pytest.fixture
-def browser():
-    if CHROMIUM is None:
-        pytest.skip("chromium is not installed (make test installs Debian's package when run as root)")
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        pytest.skip("playwright is not installed (dev extras)")
-    with sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=CHROMIUM,
-            args=["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync"],
-        )
-        try:
-            yield browser
-        finally:
-            browser.close()
-
-
-def form_quorum(lighthouse: BackgroundLighthouse, members: dict[str, tuple[int, str]]) -> None:
-    import asyncio
-
-    from torchft_lite.rpc.lighthouse_client import LighthouseClient
-
-    async def join():
-        async with LighthouseClient(f"127.0.0.1:{lighthouse.grpc_port}") as client:
-            await asyncio.gather(*(client.quorum(rid, timeout=60, step=step, address=address, world_size=2)
-                                   for rid, (step, address) in members.items()))
-
-    # Playwright's sync API owns this thread's event loop; run the client on another thread.
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        pool.submit(lambda: asyncio.run(join())).result(120)
 
 
 class ManagerThread:

@@ -7,7 +7,7 @@ import pytest
 from torchft_lite.rpc.access import Access
 from lighthouse.thread import BackgroundLighthouse
 from tests.conftest import lighthouse_config
-from tests.integration.test_dashboard_browser import browser, form_quorum  # noqa: F401 (browser: a fixture)
+from tests.integration.helpers import form_quorum
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser]
 

@@ -16,12 +16,11 @@ import pytest
 
 from lighthouse.thread import BackgroundLighthouse
 from tests.conftest import lighthouse_config, wait_until_sync
-from tests.integration.test_dashboard_browser import browser  # noqa: F401  (the fixture)
+from tests.integration.helpers import TRAIN_DDP
 from torchft_lite.cluster.local import ReplicaGroup, job_access
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser, pytest.mark.slow]
 
-SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_ddp.py"
 SCREENSHOT_ENV = "TORCHFT_LITE_DASHBOARD_SCREENSHOT"
 START = 240_000  # ms: two torch processes start on two busy cores
 CHANGE = 120_000  # ms: a state change or a marker after what caused it
@@ -40,8 +39,8 @@ RECORD_STATES = """() => {
 
 def group(group_id: int, address: str, tmp_path: Path) -> ReplicaGroup:
     # min_replicas 2 on both sides: the survivor cannot go on alone, so the kill is a stall the page must show.
-    return ReplicaGroup(group_id, 2, address, SCRIPT, ["--steps", "1000000", "--step-sleep", "0.05", "--timeout", "15",
-                                                        "--min-replicas", "2"], log_dir=tmp_path)
+    return ReplicaGroup(group_id, 2, address, TRAIN_DDP, ["--steps", "1000000", "--step-sleep", "0.05",
+                                                          "--timeout", "15", "--min-replicas", "2"], log_dir=tmp_path)
 
 
 def wait_state(page, state: str, timeout: int = CHANGE) -> None:

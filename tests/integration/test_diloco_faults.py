@@ -21,26 +21,19 @@ checksums of the global parameters and of the outer optimizers' state):
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
-from torchft_lite.cluster.local import LighthouseProcess, ReplicaGroup
+from tests.integration.helpers import JOB_WAIT as WAIT
+from tests.integration.helpers import read_logs, read_reports, replica_groups, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_diloco.py"
-WAIT = 240.0  # generous: three torch processes share two loaded cores
 VICTIM = 2
-
-
-def read_reports(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def syncs(rows: list[dict], group: int, pid: int | None = None) -> list[dict]:
@@ -51,40 +44,19 @@ def steps(rows: list[dict], group: int) -> list[int]:
     return [r["step"] for r in syncs(rows, group)]
 
 
-def wait_for(predicate, what: str, groups: list[ReplicaGroup]) -> None:
-    deadline = time.monotonic() + WAIT
-    while not predicate():
-        for group in groups:
-            codes = group.wait(0)
-            if any(code not in (0, None) for code in codes):
-                pytest.fail(f"group {group.group_id} exited with {codes} while waiting for {what}")
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {WAIT:.0f}s waiting for {what}")
-        time.sleep(0.2)
-
-
 @contextlib.contextmanager
 def three_groups(tmp_path: Path, inject: list[str]):
     """Lighthouse and three groups (needing two to commit); group ``VICTIM`` gets ``inject``."""
-    lighthouse = LighthouseProcess(min_replicas=2, join_timeout=10.0, heartbeat_timeout=1.0, startup_grace=0.0,
-                                   log_path=tmp_path / "lighthouse.log").start()
     report = tmp_path / "report.jsonl"
     args = ["--steps", "100000", "--sync-every", "10", "--fragments", "2", "--hidden", "32", "--min-replicas", "2",
             "--timeout", "15", "--report", str(report), "--log-level", "INFO"]
-    groups = [ReplicaGroup(g, 3, lighthouse.address, SCRIPT, args + (inject if g == VICTIM else []),
-                           log_dir=tmp_path) for g in range(3)]
-    try:
+    with replica_groups(tmp_path, min_replicas=2, join_timeout=10.0, heartbeat_timeout=1.0) as (_, start):
         # The victim starts once both others sync together, so that it dies in a job of three.
-        for group in groups[:VICTIM]:
-            group.start()
+        groups = [start(g, 3, SCRIPT, args) for g in range(VICTIM)]
         wait_for(lambda: all(any(r["participants"] == 2 for r in syncs(read_reports(report), g)) for g in range(2)),
-                 "groups 0 and 1 to sync together", groups[:VICTIM])
-        groups[VICTIM].start()
+                 "groups 0 and 1 to sync together", groups=groups)
+        groups.append(start(VICTIM, 3, SCRIPT, args + inject))
         yield groups, report, args
-    finally:
-        for group in groups:
-            group.stop()
-        lighthouse.stop()
 
 
 def check_agreement(rows: list[dict]) -> int:
@@ -122,18 +94,18 @@ def test_a_group_killed_then_restarted_leaves_every_group_agreeing(tmp_path, whe
         died_at = max(steps(rows, VICTIM), default=0)
         top = max(max(steps(rows, g), default=0) for g in range(VICTIM))
         wait_for(lambda: all(max(steps(read_reports(report), g), default=0) >= top + 4 for g in range(VICTIM)),
-                 "both survivors to commit 4 syncs after the kill", survivors)
+                 "both survivors to commit 4 syncs after the kill", groups=survivors)
 
         victim.script_args = list(args)  # the restarted incarnation does not kill itself again
         victim.start()
         restarted = victim.procs[0].pid
         wait_for(lambda: len(syncs(read_reports(report), VICTIM, restarted)) >= 3,
-                 "the restarted group's 3rd committed sync", groups)
+                 "the restarted group's 3rd committed sync", groups=groups)
         for group in groups:
             group.stop()
 
     rows = read_reports(report)
-    log = "".join(p.read_text(errors="replace") for p in tmp_path.glob(f"group{VICTIM}.1.*.log"))
+    log = read_logs(tmp_path, f"group{VICTIM}.1.*.log")
     assert "injected SIGKILL" in log, f"the victim's log does not show the injected kill {where}"
     shared = check_agreement(rows)
     assert shared >= 5, f"only {shared} job steps were committed by more than one group"
@@ -159,5 +131,5 @@ def test_a_group_killed_then_restarted_leaves_every_group_agreeing(tmp_path, whe
     others = {(r["step"], r["checksum"], r["outer_checksum"]) for g in range(VICTIM) for r in syncs(rows, g)}
     matched = [r["step"] for r in after if (r["step"], r["checksum"], r["outer_checksum"]) in others]
     assert matched, f"no step of the restarted group was also committed by a survivor: {after}"
-    restarted_log = "".join(p.read_text(errors="replace") for p in tmp_path.glob(f"group{VICTIM}.2.*.log"))
+    restarted_log = read_logs(tmp_path, f"group{VICTIM}.2.*.log")
     assert "healed:" in restarted_log

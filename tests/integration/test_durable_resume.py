@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_fault_tolerant_ddp import SCRIPT, WAIT, read_reports, wait_for
+from tests.integration.helpers import JOB_WAIT as WAIT, TRAIN_DDP as SCRIPT, read_reports, wait_for
 from torchft_lite.durable._layout import Layout
 from torchft_lite.cluster.local import LighthouseProcess, ReplicaGroup
 

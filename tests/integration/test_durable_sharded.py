@@ -13,9 +13,7 @@ the whole job went down, fresh processes resume:
 
 from __future__ import annotations
 
-import hashlib
 import multiprocessing as mp
-import traceback
 from datetime import timedelta
 from pathlib import Path
 
@@ -23,9 +21,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lighthouse.thread import BackgroundLighthouse
-from tests.conftest import WAIT, lighthouse_config
-from tests.integration.spawned import run_spawned
+from tests.conftest import WAIT
+from tests.integration.helpers import shard_digests
+from tests.integration.spawned import put_outcome, run_spawned
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -34,21 +32,9 @@ IN, HIDDEN, OUT = 16, 45, 7  # 45 and 7 rows over 2 ranks: uneven shards
 EVERY, SAVED, STEPS = 2, 4, 5
 
 
-def digests(state: dict) -> dict[str, str]:
-    """This rank's local tensors (a DTensor's shard) by path, hashed."""
-    from torchft_lite.serialization.encode import flatten
-    from torchft_lite.serialization.spec import byte_view, format_path
-
-    flat = flatten(state)
-    return {format_path(path): hashlib.sha256(byte_view(t.detach().contiguous())).hexdigest()[:16]
-            for path, t in zip(flat.paths, flat.tensors)}
-
-
 def worker(phase: str, rank: int, port: int, lighthouse: str, directory: str, results: "mp.Queue") -> None:
-    try:
-        results.put(("ok", (rank, run(phase, rank, port, lighthouse, Path(directory)))))
-    except BaseException as exc:  # reported to the test, which fails naming it
-        results.put(("error", f"{phase} rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    put_outcome(results, f"{phase} rank {rank}",
+                lambda: (rank, run(phase, rank, port, lighthouse, Path(directory))))
 
 
 def run(phase: str, rank: int, port: int, lighthouse: str, directory: Path) -> dict:
@@ -87,11 +73,12 @@ def run(phase: str, rank: int, port: int, lighthouse: str, directory: Path) -> d
     report: dict = {}
     try:
         if phase != "train":
-            before = digests(state())
+            before = shard_digests(state())
             try:
                 report["resumed"] = checkpointer.resume()
             except CheckpointMismatchError as exc:
-                return {"refused": str(exc), "untouched": digests(state()) == before, "step": manager.current_step()}
+                return {"refused": str(exc), "untouched": shard_digests(state()) == before,
+                        "step": manager.current_step()}
         while manager.current_step() < STEPS:
             manager.start_quorum()
             generator = torch.Generator().manual_seed(10 * manager.current_step() + rank)  # data by position
@@ -99,7 +86,7 @@ def run(phase: str, rank: int, port: int, lighthouse: str, directory: Path) -> d
             if manager.should_commit():
                 optimizer.step()
             optimizer.zero_grad()
-            report[manager.current_step()] = digests(state())
+            report[manager.current_step()] = shard_digests(state())
         checkpointer.close()
         report["saves"] = checkpointer.statistics().saves_completed
         return report
@@ -116,29 +103,23 @@ def run_group(phase: str, lighthouse: str, directory: Path) -> dict[int, dict]:
     return dict(run_spawned(worker, arg_lists, f"the {phase} run's two processes", 4 * WAIT))
 
 
-@pytest.fixture
-def lighthouse():
-    with BackgroundLighthouse(lighthouse_config(min_replicas=1, join_timeout=1.0)) as lh:
-        yield lh.server.address()
-
-
 def test_a_sharded_model_resumes_each_ranks_shards_and_another_layout_is_refused(tmp_path, lighthouse):
     from torchft_lite.durable._layout import Layout
 
-    trained = run_group("train", lighthouse, tmp_path)
+    trained = run_group("train", lighthouse.server.address(), tmp_path)
     assert trained[0]["saves"] >= 2  # steps 2 and 4, completed by group rank 0 (it writes the manifest)
     newest = Layout(tmp_path).complete()[0]
     assert newest.step == SAVED and sorted(newest.files) == ["state-r0.tft", "state-r1.tft"]
     assert trained[0][SAVED] != trained[1][SAVED]  # the ranks hold different shards
 
-    resumed = run_group("resume", lighthouse, tmp_path)
+    resumed = run_group("resume", lighthouse.server.address(), tmp_path)
     for rank in (0, 1):
         assert resumed[rank]["resumed"] == SAVED
         # The next step from the checkpoint equals the first run's: every shard and moment came back to its rank.
         assert resumed[rank][STEPS] == trained[rank][STEPS]
         assert resumed[rank][STEPS] != trained[rank][SAVED]
 
-    refused = run_group("other-layout", lighthouse, tmp_path)
+    refused = run_group("other-layout", lighthouse.server.address(), tmp_path)
     for rank in (0, 1):
         message = refused[rank]["refused"]
         saved_as, now = message.split("this process has it as")

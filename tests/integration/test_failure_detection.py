@@ -12,9 +12,8 @@ import signal
 
 import pytest
 
-from tests.integration.test_fault_tolerant_ddp import (
-    assert_identical_per_step, cluster, read_reports, steps_of, wait_for,
-)
+from tests.integration.helpers import (assert_identical_per_step, cluster, read_logs, read_reports, steps_of,
+                                       wait_for)
 from torchft_lite.health.watchdog import EXIT_CODE_PREEMPTED
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -57,7 +56,7 @@ def test_sigterm_leaves_gracefully_with_the_documented_exit_code(tmp_path):
                  timeout=WITHIN, groups=[survivor])
         rows = read_reports(report)
         assert assert_identical_per_step(rows) > 0
-        log = "".join(p.read_text(errors="replace") for p in tmp_path.glob("group1.*.log"))
+        log = read_logs(tmp_path, "group1.*.log")
         assert "leaving on SIGTERM" in log
 
 
@@ -99,7 +98,7 @@ def test_watchdog_exits_a_group_stuck_in_quorum_for_rescheduling(tmp_path):
     from torchft_lite.cluster.local import LighthouseProcess, ReplicaGroup
     from torchft_lite.health.watchdog import EXIT_CODE_RESCHEDULE
 
-    from tests.integration.test_fault_tolerant_ddp import SCRIPT, WAIT
+    from tests.integration.helpers import JOB_WAIT as WAIT, TRAIN_DDP as SCRIPT
 
     # min_replicas=2 with a single group: its quorum can never form.
     lighthouse = LighthouseProcess(min_replicas=2, log_path=tmp_path / "lighthouse.log").start()

@@ -8,90 +8,16 @@ parameters across groups at every common step is the core invariant.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import re
 import signal
 import time
-from collections import defaultdict
-from pathlib import Path
 
 import pytest
 
-from torchft_lite.cluster.local import LighthouseProcess, ReplicaGroup
+from tests.integration.helpers import (JOB_WAIT as WAIT, assert_identical_per_step, cluster, read_logs, read_reports,
+                                       steps_of, wait_for)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_ddp.py"
-WAIT = 240.0  # generous: several torch processes share two cores
-
-
-def read_reports(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        if line.strip():
-            rows.append(json.loads(line))
-    return rows
-
-
-def steps_of(rows: list[dict], group: int, rank: int = 0) -> list[int]:
-    return [r["step"] for r in rows if r["group"] == group and r["rank"] == rank]
-
-
-def assert_identical_per_step(rows: list[dict]) -> int:
-    """Group rank r of every replica group holds the same parameters at every step it committed.
-
-    (Group rank r of all replica groups forms one data-parallel ring, as in
-    torchft; ranks of one group see different data, so they are compared per
-    rank.) Returns how many (step, rank) pairs were seen by more than one group.
-    """
-    by_step: dict[tuple[int, int], dict[int, str]] = defaultdict(dict)
-    for row in rows:
-        by_step[(row["step"], row["rank"])][row["group"]] = row["checksum"]
-    shared = 0
-    for (step, rank), sums in sorted(by_step.items()):
-        assert len(set(sums.values())) == 1, f"parameters diverged at step {step} rank {rank}: {sums}"
-        shared += len(sums) > 1
-    return shared
-
-
-def wait_for(predicate, what: str, timeout: float = WAIT, groups: list[ReplicaGroup] = ()) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        for group in groups:
-            if not group.alive() and any(code not in (0, None) for code in group.wait(0)):
-                pytest.fail(f"group {group.group_id} exited with {group.wait(0)} while waiting for {what}")
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.2)
-
-
-@contextlib.contextmanager
-def cluster(tmp_path: Path, **lighthouse_kw):
-    # No startup grace: these tests start every group themselves (the chaos run keeps the default).
-    lighthouse_kw.setdefault("startup_grace", 0.0)
-    lighthouse = LighthouseProcess(log_path=tmp_path / "lighthouse.log", **lighthouse_kw).start()
-    groups: list[ReplicaGroup] = []
-
-    def add(group_id: int, num_groups: int, steps: int, world_size: int = 1, sleep: float = 0.0,
-            env: dict[str, str] | None = None, pg: str = "gloo", min_replicas: int = 1,
-            extra: tuple[str, ...] = ()) -> ReplicaGroup:
-        group = ReplicaGroup(group_id, num_groups, lighthouse.address, SCRIPT,
-                             ["--steps", str(steps), "--report", str(tmp_path / "report.jsonl"),
-                              "--step-sleep", str(sleep), "--timeout", "15", "--pg", pg,
-                              "--min-replicas", str(min_replicas), *extra],
-                             world_size=world_size, log_dir=tmp_path, env=env)
-        groups.append(group)
-        return group.start()
-
-    try:
-        yield lighthouse, add, tmp_path / "report.jsonl"
-    finally:
-        for group in groups:
-            group.stop()
-        lighthouse.stop()
 
 
 def test_three_groups_train_to_identical_parameters(tmp_path):
@@ -142,7 +68,7 @@ def test_killed_group_leaves_survivors_committing_and_is_healed_on_restart(tmp_p
         assert assert_identical_per_step(rows) > 0
         survivor.kill(signal.SIGKILL)
         victim.kill(signal.SIGKILL)
-        logs = "".join(p.read_text(errors="replace") for p in tmp_path.glob("group1.2.*.log"))
+        logs = read_logs(tmp_path, "group1.2.*.log")
         assert "healed:" in logs
 
 
@@ -167,7 +93,7 @@ def test_restarted_group_rejoins_when_min_replica_size_counts_every_group(tmp_pa
         rows = read_reports(report)
         assert {r["participants"] for r in rows} == {2}, "a step committed with fewer than min_replica_size"
         assert assert_identical_per_step(rows) > 0
-        logs = "".join(p.read_text(errors="replace") for p in tmp_path.glob("group1.2.*.log"))
+        logs = read_logs(tmp_path, "group1.2.*.log")
         assert "healed:" in logs
 
 
@@ -182,7 +108,7 @@ def test_late_joiner_heals_at_step_above_zero(tmp_path):
         rows = read_reports(report)
         assert steps_of(rows, 1)[0] > 10, "the late group did not start from the healed step"
         assert assert_identical_per_step(rows) >= 5  # the steps both groups committed
-        logs = "".join(p.read_text(errors="replace") for p in tmp_path.glob("group1.1.*.log"))
+        logs = read_logs(tmp_path, "group1.1.*.log")
         assert "healed:" in logs
 
 
@@ -215,7 +141,7 @@ def test_late_group_heals_from_two_up_to_date_groups_at_once(tmp_path):
         assert assert_identical_per_step(rows) >= 5
 
         def log(group: int) -> str:
-            return "".join(p.read_text(errors="replace") for p in tmp_path.glob(f"group{group}.1.*.log"))
+            return read_logs(tmp_path, f"group{group}.1.*.log")
 
         assert re.search(r"healed: .* from replica\(s\) 0, 1\n", log(2)), "the late group did not stripe"
         for group in (0, 1):  # each source served part of it (replica 2 is the late group)
@@ -235,7 +161,7 @@ def test_a_group_with_nan_gradients_is_left_out_and_every_group_stays_identical_
         for group in groups:
             assert group.wait(WAIT) == [0], f"group {group.group_id} failed; logs in {tmp_path}"
     rows = read_reports(report)
-    logs = "".join(p.read_text(errors="replace") for p in tmp_path.glob("group0.*.log"))
+    logs = read_logs(tmp_path, "group0.*.log")
     assert logs.count("injected NaN into the loss") == 2 and logs.count("left out of the average") == 2
     for g in (0, 1, 2):
         assert steps_of(rows, g) == list(range(1, 9))  # every step committed, with all three groups
@@ -256,7 +182,7 @@ def test_nan_gradients_k_steps_in_a_row_end_the_group_with_exit_code_65_and_the_
         assert bad.wait(WAIT) == [65], f"logs in {tmp_path}"
         for group in good:
             assert group.wait(WAIT) == [0], f"group {group.group_id} failed; logs in {tmp_path}"
-    logs = "".join(p.read_text(errors="replace") for p in tmp_path.glob("group0.*.log"))
+    logs = read_logs(tmp_path, "group0.*.log")
     assert logs.count("injected NaN into the loss") == 3 and "3 steps in a row" in logs
     rows = read_reports(report)
     last_bad = max(steps_of(rows, 0), default=0)

@@ -9,16 +9,12 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.test_fault_tolerant_ddp import WAIT, cluster, read_reports, steps_of
+from tests.integration.helpers import JOB_WAIT as WAIT, cluster, read_logs, read_reports, steps_of
 from torchft_lite.cluster.exit_codes import EXIT_CODE_DIVERGED
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 EVERY_4 = {"TORCHFT_LITE_FINGERPRINT_EVERY": "4"}
-
-
-def logs_of(tmp_path, group: int) -> str:
-    return "".join(p.read_text(errors="replace") for p in tmp_path.glob(f"group{group}.*.log"))
 
 
 def checksums_at(rows: list[dict], step: int) -> dict[int, str]:
@@ -32,11 +28,12 @@ def test_a_bit_flipped_in_one_of_three_groups_is_found_and_healed_from_the_major
         for group in groups:
             assert group.wait(WAIT) == [0], f"group {group.group_id} failed; logs in {tmp_path}"
     rows = read_reports(report)
-    corrupt = logs_of(tmp_path, 2)
+    corrupt = read_logs(tmp_path, f"group{2}.*.log")
     assert corrupt.count("injected a bit flip at step 6") == 1
     # Found at the next fingerprint (step 8), by every group, naming the group and the tensor.
     for g in range(3):
-        found = [line for line in logs_of(tmp_path, g).splitlines() if "silent data corruption" in line]
+        found = [line for line in read_logs(tmp_path, f"group{g}.*.log").splitlines()
+                 if "silent data corruption" in line]
         assert found and all("step 8" in line for line in found), (g, found)
         assert any("first tensor that differs" in line and "model." in line for line in found), found
     assert "healed:" in corrupt.split("silent data corruption", 1)[1]
@@ -58,7 +55,7 @@ def test_two_groups_that_differ_stop_with_the_diverged_code_and_commit_nothing_a
     rows = read_reports(report)
     for g in range(2):
         assert max(steps_of(rows, g)) == 4, steps_of(rows, g)  # the fingerprint of step 4 stopped both
-        log = logs_of(tmp_path, g)
+        log = read_logs(tmp_path, f"group{g}.*.log")
         assert "disagree with no majority" in log and "exit code 70" in log
 
 
@@ -71,7 +68,7 @@ def test_a_bit_flipped_on_group_rank_1_is_found_named_and_healed(tmp_path):
         for group in groups:
             assert group.wait(WAIT) == [0, 0], f"group {group.group_id} failed; logs in {tmp_path}"
     rows = read_reports(report)
-    found = [line for line in logs_of(tmp_path, 1).splitlines() if "silent data corruption" in line]
+    found = [line for line in read_logs(tmp_path, f"group{1}.*.log").splitlines() if "silent data corruption" in line]
     assert found and all("step 4" in line and "group rank(s) 1 differ" in line for line in found), found
     for step in range(5, 9):
         for rank in (0, 1):

@@ -50,8 +50,9 @@ from torchft_lite.rpc.protocol import torchft_pb2 as pb
 from lighthouse.server import MAX_REPLICA_ID_LEN, LighthouseServer
 from lighthouse.validation import STEP_LIMIT, member_problem, replica_id_problem
 from torchft_lite.rpc.loop import new_event_loop
-from tests.conftest import WAIT, FakeManager, lighthouse_config
-from torchft_lite.group_server.server import ManagerServer, ManagerServerConfig
+from tests.conftest import WAIT, FakeManager, running_lighthouse
+from tests.integration.helpers import fetch, manager_server
+from torchft_lite.group_server.server import ManagerServer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -80,6 +81,15 @@ class ServerLoop:
     def run(self, coro, timeout: float = WAIT):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
+    @contextlib.contextmanager
+    def entered(self, manager: contextlib.AbstractAsyncContextManager) -> Iterator:
+        """The async context manager ``manager`` (a server's), entered and exited on this loop."""
+        value = self.run(manager.__aenter__())
+        try:
+            yield value
+        finally:
+            self.run(manager.__aexit__(None, None, None))
+
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(WAIT)
@@ -96,36 +106,18 @@ def server_loop() -> Iterator[ServerLoop]:
         loop.close()
 
 
-@contextlib.contextmanager
-def lighthouse_on(loop: ServerLoop, **overrides) -> Iterator[LighthouseServer]:
+def lighthouse_on(loop: ServerLoop, **overrides) -> contextlib.AbstractContextManager[LighthouseServer]:
     # holder_timeout: the fuzz pushes the highest step anywhere up to int64 max and its holders never come back;
     # a new epoch mid-run would then refuse later requests above the epoch's step (FAILED_PRECONDITION) and the
     # final check's call at int64 max, which the expectations here do not model (tests/unit/lighthouse covers it).
     settings_ = dict(heartbeat_timeout=1.0, join_timeout=0.5, kill_timeout=1.0, holder_timeout=3600.0)
     settings_.update(overrides)
-    server = LighthouseServer(lighthouse_config(**settings_))
-    loop.run(server.start())
-    try:
-        yield server
-    finally:
-        loop.run(server.stop())
+    return loop.entered(running_lighthouse(**settings_))
 
 
-@contextlib.contextmanager
-def manager_on(loop: ServerLoop, lighthouse: LighthouseServer, world_size: int = 2) -> Iterator[ManagerServer]:
-    kills: list[str] = []
-    manager = ManagerServer(
-        ManagerServerConfig(replica_id="fuzz-manager", lighthouse_addr=lighthouse.address(), hostname="127.0.0.1",
-                            store_address="store:1", world_size=world_size, bind="127.0.0.1:0",
-                            heartbeat_interval=0.1, quorum_timeout=WAIT),
-        on_kill=kills.append,
-    )
-    manager.kills = kills  # type: ignore[attr-defined]
-    loop.run(manager.start())
-    try:
-        yield manager
-    finally:
-        loop.run(manager.stop())
+def manager_on(loop: ServerLoop, lighthouse: LighthouseServer) -> contextlib.AbstractContextManager[ManagerServer]:
+    return loop.entered(manager_server(lighthouse.address(), replica_id="fuzz-manager", store_address="store:1",
+                                       world_size=2))
 
 
 def port_of(address: str) -> int:
@@ -738,18 +730,6 @@ def raw_request(method: bytes, target: bytes, version: bytes, headers: list[tupl
     return b"\r\n".join(lines) + b"\r\n\r\n" + body
 
 
-def http_get(port: int, path: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
-    import http.client
-
-    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=WAIT)
-    try:
-        connection.request("GET", path, headers=headers or {})
-        response = connection.getresponse()
-        return response.status, response.read()
-    finally:
-        connection.close()
-
-
 methods = st.one_of(st.sampled_from([b"GET", b"POST", b"GET", b"POST", b"HEAD", b"PUT", b"DELETE", b"OPTIONS"]),
                     st.sampled_from([b"PATCH", b"TRACE", b"CONNECT", b"BREW", b"get", b"G\x00T", b""]))
 versions = st.one_of(st.just(b"HTTP/1.1"), st.sampled_from([b"HTTP/1.0", b"HTTP/2.0", b"HTTP/9.9", b"", b"HTTP/1.1 x"]))
@@ -853,10 +833,10 @@ def test_lighthouse_http_answers_random_requests_without_5xx():
             fuzz()
             print(sorted(statuses.items(), key=str))
             assert rss_bytes() - before < MEMORY_BOUND
-            assert http_get(lighthouse.http_port, "/healthz") == (200, b"ok")
-            status, body = http_get(lighthouse.http_port, "/api/status")
+            assert fetch(f"http://127.0.0.1:{lighthouse.http_port}/healthz")[:2] == (200, b"ok")
+            status, body, _ = fetch(f"http://127.0.0.1:{lighthouse.http_port}/api/status")
             assert status == 200 and "known" in {r["replica_id"] for r in json.loads(body)["replicas"]}
-            assert http_get(lighthouse.http_port, "/metrics")[0] == 200
+            assert fetch(f"http://127.0.0.1:{lighthouse.http_port}/metrics")[0] == 200
             kills = len(fake.kills)
             status = http_exchange(lighthouse.http_port, raw_request(
                 b"POST", b"/api/replicas/known/kill", b"HTTP/1.1",

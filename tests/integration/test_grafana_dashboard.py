@@ -5,20 +5,19 @@ from __future__ import annotations
 
 import json
 import re
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from lighthouse.thread import BackgroundLighthouse
-from tests.conftest import WAIT, lighthouse_config, wait_until_sync
+from tests.conftest import lighthouse_config, wait_until_sync
+from tests.integration.helpers import TRAIN_DDP, fetch, metrics_urls
 from torchft_lite.cluster.local import ReplicaGroup, job_access
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 GRAFANA = ROOT / "examples" / "grafana"
-SCRIPT = ROOT / "examples" / "train_ddp.py"
 START = 240.0  # seconds: a torch process starts on two busy cores
 METRIC = re.compile(r"\b((?:lighthouse|torchft_lite)_[a-z0-9_]+)\b")
 SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "summary": ("_sum", "_count")}
@@ -55,9 +54,8 @@ def exposed_names(text: str) -> set[str]:
 
 
 def scrape(url: str) -> str:
-    request = urllib.request.Request(url, headers=job_access().headers())
-    with urllib.request.urlopen(request, timeout=WAIT) as answer:
-        return answer.read().decode()
+    """The metrics ``url`` serves to a caller with the job's token."""
+    return fetch(url, headers=job_access().headers(), text=True, expect=200)[1]
 
 
 def test_the_dashboard_is_well_formed():
@@ -88,7 +86,7 @@ def test_every_metric_the_dashboard_queries_is_served_by_a_live_lighthouse_and_t
     assert any(n.startswith("lighthouse_") for n in wanted) and any(n.startswith("torchft_lite_") for n in wanted)
     config = lighthouse_config(min_replicas=1, access=job_access())
     with BackgroundLighthouse(config) as lighthouse:
-        trainer = ReplicaGroup(0, 1, lighthouse.address(), SCRIPT, ["--steps", "1000000", "--step-sleep", "0.05"],
+        trainer = ReplicaGroup(0, 1, lighthouse.address(), TRAIN_DDP, ["--steps", "1000000", "--step-sleep", "0.05"],
                                log_dir=tmp_path, env={"TORCHFT_LITE_METRICS_PORT": "0"})
         try:
             trainer.start()
@@ -96,8 +94,7 @@ def test_every_metric_the_dashboard_queries_is_served_by_a_live_lighthouse_and_t
 
             def logged_url() -> bool:
                 assert trainer.alive(), f"the trainer exited; its log is in {tmp_path}"
-                logs = "".join(p.read_text(errors="replace") for p in tmp_path.glob("group0.*.log"))
-                urls[:] = re.findall(r"serving Prometheus metrics on (http://127\.0\.0\.1:\d+/metrics)", logs)
+                urls[:] = metrics_urls(tmp_path)
                 return bool(urls)
 
             wait_until_sync(logged_url, "the trainer to log its metrics address", timeout=START)

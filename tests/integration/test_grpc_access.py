@@ -9,7 +9,6 @@ token) it is any caller that is not loopback.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -25,6 +24,7 @@ from torchft_lite.rpc.lighthouse_client import LighthouseClient
 from torchft_lite.rpc.protocol import torchft_pb2 as pb
 from torchft_lite.rpc.access import TOKEN_ENV, Access
 from tests.conftest import WAIT, non_loopback_address, running_lighthouse, wait_until
+from tests.integration.helpers import manager_server
 from torchft_lite.group_server.client import ManagerClient
 from torchft_lite.errors import ManagerError, QuorumError
 from torchft_lite.group_server.server import EXIT_CODE_KILLED, ManagerServer, ManagerServerConfig
@@ -60,22 +60,6 @@ async def raw_call(port: int, path: str, request: bytes, metadata, *, host: str 
         except grpc.aio.AioRpcError as exc:
             return exc.code(), exc.details() or ""
     return grpc.StatusCode.OK, ""
-
-
-@contextlib.asynccontextmanager
-async def manager_server(lighthouse_addr: str, access: Access, **overrides):
-    settings = dict(replica_id="victim", lighthouse_addr=lighthouse_addr, hostname="127.0.0.1",
-                    store_address="store:1234", world_size=1, bind="127.0.0.1:0", heartbeat_interval=0.1,
-                    quorum_timeout=WAIT)
-    settings.update(overrides)
-    kills: list[str] = []
-    server = ManagerServer(ManagerServerConfig(**settings), on_kill=kills.append, access=access)
-    server.kills = kills
-    await server.start()
-    try:
-        yield server
-    finally:
-        await server.stop()
 
 
 @pytest.fixture
@@ -359,8 +343,7 @@ def test_a_bad_token_variable_is_a_clear_error_at_construction(monkeypatch):
 @pytest.mark.slow
 def test_training_with_a_job_token_commits_steps_and_heals(tmp_path, monkeypatch):
     """Real groups (examples/train_ddp.py) and a real lighthouse, all given the token by the environment."""
-    from tests.integration.test_fault_tolerant_ddp import (assert_identical_per_step, cluster, read_reports,
-                                                           steps_of, wait_for)
+    from tests.integration.helpers import assert_identical_per_step, cluster, read_reports, steps_of, wait_for
 
     monkeypatch.setenv(TOKEN_ENV, TOKEN)  # cluster.local passes it on as it is, instead of making one
     with cluster(tmp_path, min_replicas=1, join_timeout=1.0, heartbeat_timeout=1.0) as (_, add, report):

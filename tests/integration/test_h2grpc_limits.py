@@ -8,48 +8,19 @@ runs the same attacks at full size against a real lighthouse on both engines.)
 from __future__ import annotations
 
 import asyncio
-import contextlib
 
 import grpc
 import pytest
 
-from torchft_lite.rpc.h2grpc import GrpcServer, wire
+from torchft_lite.rpc.h2grpc import wire
 from torchft_lite.rpc.limits import ServerLimits
 from tests.conftest import WAIT, wait_until
 from tests.integration.h2_raw import RawH2, call_frames, request_headers
+from tests.integration.helpers import probe_server
 
 pytestmark = pytest.mark.integration
 
 PATH = b"/t.S/Echo"
-
-
-class Handlers:
-    def __init__(self) -> None:
-        self.release = asyncio.Event()
-
-    async def echo(self, request: bytes, context) -> bytes:
-        if request == b"hold":
-            await self.release.wait()
-        return request
-
-    async def watch(self, request: bytes, context):
-        """A long-lived server stream, as a lease is."""
-        yield b"open"
-        await self.release.wait()
-
-
-@contextlib.asynccontextmanager
-async def serve(**limits):
-    handlers = Handlers()
-    server = GrpcServer(limits=ServerLimits(**limits))
-    server.add_unary(PATH.decode(), handlers.echo)
-    server.add_server_stream("/t.S/Watch", handlers.watch)
-    port = await server.start("127.0.0.1", 0)
-    try:
-        yield server, handlers, port
-    finally:
-        handlers.release.set()
-        await server.stop(1.0)
 
 
 async def still_serves(port: int) -> None:
@@ -67,7 +38,7 @@ def run(scenario) -> None:
 
 def test_streams_beyond_max_concurrent_streams_are_refused_and_counted():
     async def scenario():
-        async with serve(max_concurrent_streams=2) as (server, handlers, port):
+        async with probe_server(limits=ServerLimits(max_concurrent_streams=2)) as (server, handlers, port):
             raw = await RawH2.open(port)
             raw.send(b"".join(call_frames(i, b"hold", PATH) for i in (1, 3, 5)))
             frame = await raw.wait_for(lambda f: f.kind == wire.RST_STREAM, "RST_STREAM of the third stream")
@@ -83,7 +54,7 @@ def test_streams_beyond_max_concurrent_streams_are_refused_and_counted():
 
 def test_rapid_reset_gets_goaway_enhance_your_calm():
     async def scenario():
-        async with serve(max_resets=50) as (server, handlers, port):
+        async with probe_server(limits=ServerLimits(max_resets=50)) as (server, handlers, port):
             raw = await RawH2.open(port)
             attack = b"".join(call_frames(i, b"hold", PATH) + wire.rst_stream(i, wire.CANCEL)
                               for i in range(1, 2 * 500, 2))
@@ -102,7 +73,7 @@ def test_rapid_reset_gets_goaway_enhance_your_calm():
 ])
 def test_ping_and_settings_floods_get_goaway_enhance_your_calm(flood, limit):
     async def scenario():
-        async with serve(max_pings=20, max_settings=20) as (server, handlers, port):
+        async with probe_server(limits=ServerLimits(max_pings=20, max_settings=20)) as (server, handlers, port):
             raw = await RawH2.open(port)
             raw.send(flood * 100)
             assert await raw.closed()
@@ -117,7 +88,7 @@ def test_ping_and_settings_floods_get_goaway_enhance_your_calm(flood, limit):
 def test_pings_while_the_server_answers_calls_are_not_a_flood():
     """A client may probe a connection that is busy answering it (gRPC's BDP pings do)."""
     async def scenario():
-        async with serve(max_pings=20) as (server, handlers, port):
+        async with probe_server(limits=ServerLimits(max_pings=20)) as (server, handlers, port):
             raw = await RawH2.open(port)
             for round_ in range(6):
                 stream_id = 2 * round_ + 1
@@ -132,7 +103,8 @@ def test_pings_while_the_server_answers_calls_are_not_a_flood():
 
 def test_connections_beyond_the_caps_are_closed_at_once_with_a_reason():
     async def scenario():
-        async with serve(max_connections=3, max_connections_per_host=2) as (server, handlers, port):
+        limits = ServerLimits(max_connections=3, max_connections_per_host=2)
+        async with probe_server(limits=limits) as (server, handlers, port):
             held = [await RawH2.open(port) for _ in range(2)]
             for connection in held:  # admitted: the server's SETTINGS arrive
                 await connection.wait_for(lambda f: f.kind == wire.SETTINGS, "the server's SETTINGS")
@@ -156,7 +128,7 @@ def test_connections_beyond_the_caps_are_closed_at_once_with_a_reason():
 
 def test_idle_connections_get_goaway_but_one_holding_a_stream_is_never_idle():
     async def scenario():
-        async with serve(idle_timeout=0.5) as (server, handlers, port):
+        async with probe_server(limits=ServerLimits(idle_timeout=0.5)) as (server, handlers, port):
             streaming = await RawH2.open(port)
             streaming.send(call_frames(1, b"", b"/t.S/Watch"))
             await streaming.wait_for(lambda f: f.kind == wire.DATA, "the stream's first message")
@@ -177,7 +149,7 @@ def test_idle_connections_get_goaway_but_one_holding_a_stream_is_never_idle():
 
 def test_an_oversized_header_list_gets_goaway_and_is_counted():
     async def scenario():
-        async with serve(max_header_list_bytes=4096) as (server, handlers, port):
+        async with probe_server(limits=ServerLimits(max_header_list_bytes=4096)) as (server, handlers, port):
             raw = await RawH2.open(port)
             block = request_headers(PATH, [(b"x-pad", b"p" * 5000)])
             raw.send(wire.frame(wire.HEADERS, wire.END_HEADERS | wire.END_STREAM, 1, block))
@@ -191,7 +163,7 @@ def test_an_oversized_header_list_gets_goaway_and_is_counted():
 
 def test_an_oversized_message_is_refused_and_counted():
     async def scenario():
-        async with serve(max_request_bytes=1000) as (server, handlers, port):
+        async with probe_server(limits=ServerLimits(max_request_bytes=1000)) as (server, handlers, port):
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                 with pytest.raises(grpc.aio.AioRpcError) as info:
                     await channel.unary_unary(PATH.decode())(b"x" * 2000, timeout=WAIT)
@@ -204,7 +176,7 @@ def test_an_oversized_message_is_refused_and_counted():
 
 def test_slowloris_requests_and_header_blocks_are_cut_after_request_timeout():
     async def scenario():
-        async with serve(request_timeout=0.5) as (server, handlers, port):
+        async with probe_server(limits=ServerLimits(request_timeout=0.5)) as (server, handlers, port):
             body = await RawH2.open(port)
             message = wire.grpc_message(b"x" * 100)
             body.send(wire.frame(wire.HEADERS, wire.END_HEADERS, 1, request_headers(PATH))

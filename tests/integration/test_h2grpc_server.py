@@ -1,7 +1,6 @@
 """The lighthouse's own gRPC server against real grpc C-core clients and raw sockets."""
 
 import asyncio
-import contextlib
 import struct
 
 import grpc
@@ -9,52 +8,13 @@ import pytest
 
 from torchft_lite.rpc.h2grpc import GrpcServer, wire
 from tests.conftest import WAIT, wait_until
+from tests.integration.helpers import probe_server
 
 pytestmark = pytest.mark.integration
 
 SMALL_WINDOWS = [("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024),
                  ("grpc.http2.max_frame_size", 16384)]
-
-
-class Probe:
-    """Handlers whose behaviour the tests pick through the request bytes."""
-
-    def __init__(self) -> None:
-        self.cancelled = 0
-        self.started = asyncio.Event()
-
-    async def echo(self, request: bytes, context) -> bytes:
-        if request.startswith(b"big:"):
-            return bytes(range(256)) * (int(request[4:]) // 256)
-        if request == b"abort":
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "not now: caf\u00e9 100%")
-        if request == b"raise":
-            raise RuntimeError("boom")
-        if request == b"wait":
-            self.started.set()
-            try:
-                await asyncio.sleep(3600)
-            except asyncio.CancelledError:
-                self.cancelled += 1
-                raise
-        return request + b"|" + context.peer().encode()
-
-    async def count(self, request: bytes, context):
-        for i in range(int(request)):
-            yield str(i).encode()
-
-
-@contextlib.asynccontextmanager
-async def serve():
-    probe = Probe()
-    server = GrpcServer(max_request_bytes=64 * 1024)
-    server.add_unary("/t.S/Echo", probe.echo)
-    server.add_server_stream("/t.S/Count", probe.count)
-    port = await server.start("127.0.0.1", 0)
-    try:
-        yield server, probe, port
-    finally:
-        await server.stop(1.0)
+SERVER = dict(echo_peer=True, max_request_bytes=64 * 1024)  # probe_server's: echoes name their peer
 
 
 def echo_call(channel):
@@ -63,7 +23,8 @@ def echo_call(channel):
 
 def test_unary_streaming_and_peer():
     async def scenario():
-        async with serve() as (server, probe, port), grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        async with probe_server(**SERVER) as (server, probe, port), \
+                grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             answer = await echo_call(channel)(b"hi", timeout=WAIT)
             assert answer.startswith(b"hi|ipv4:127.0.0.1:")
             stream = channel.unary_stream("/t.S/Count")(b"5", timeout=WAIT)
@@ -74,7 +35,7 @@ def test_unary_streaming_and_peer():
 
 def test_large_responses_respect_small_flow_control_windows():
     async def scenario():
-        async with serve() as (server, probe, port):
+        async with probe_server(**SERVER) as (server, probe, port):
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=SMALL_WINDOWS) as channel:
                 call = echo_call(channel)
                 sizes = [300_000, 70_000, 16_384, 1]
@@ -87,7 +48,8 @@ def test_large_responses_respect_small_flow_control_windows():
 
 def test_errors_map_to_grpc_statuses():
     async def scenario():
-        async with serve() as (server, probe, port), grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        async with probe_server(**SERVER) as (server, probe, port), \
+                grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             call = echo_call(channel)
             cases = [
                 (b"abort", grpc.StatusCode.FAILED_PRECONDITION, "not now: caf\u00e9 100%"),
@@ -113,7 +75,8 @@ def test_errors_map_to_grpc_statuses():
 
 def test_client_deadline_cancels_the_handler():
     async def scenario():
-        async with serve() as (server, probe, port), grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        async with probe_server(**SERVER) as (server, probe, port), \
+                grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await echo_call(channel)(b"wait", timeout=0.5)
             assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -125,7 +88,8 @@ def test_client_deadline_cancels_the_handler():
 
 def test_many_concurrent_calls_on_one_connection():
     async def scenario():
-        async with serve() as (server, probe, port), grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        async with probe_server(**SERVER) as (server, probe, port), \
+                grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             call = echo_call(channel)
             answers = await asyncio.gather(*(call(str(i).encode(), timeout=WAIT) for i in range(600)))
             assert [a.split(b"|")[0] for a in answers] == [str(i).encode() for i in range(600)]
@@ -170,7 +134,7 @@ def goaway_code(received: bytes) -> int | None:
 ])
 def test_protocol_errors_get_goaway_and_the_server_survives(frames, code):
     async def scenario():
-        async with serve() as (server, probe, port):
+        async with probe_server(**SERVER) as (server, probe, port):
             received = await raw_exchange(port, wire.PREFACE + wire.settings_frame({}) + frames)
             assert goaway_code(received) == code
             assert server.protocol_errors == 1
@@ -195,7 +159,7 @@ def test_a_request_on_a_lower_stream_id_than_one_already_opened_gets_goaway():
     stalled with both processes idle and every socket queue empty.
     """
     async def scenario():
-        async with serve() as (server, probe, port):
+        async with probe_server(**SERVER) as (server, probe, port):
             received = await raw_exchange(
                 port, wire.PREFACE + wire.settings_frame({}) + request_frames(5, b"five") + request_frames(3, b"three"))
             assert goaway_code(received) == wire.PROTOCOL_ERROR
@@ -208,7 +172,7 @@ def test_a_request_on_a_lower_stream_id_than_one_already_opened_gets_goaway():
 def test_trailers_for_a_stream_the_server_closed_are_ignored():
     """Only a new request on a used id is an error: late trailers of a finished stream are not."""
     async def scenario():
-        async with serve() as (server, probe, port):
+        async with probe_server(**SERVER) as (server, probe, port):
             trailers = wire.frame(wire.HEADERS, wire.END_HEADERS | wire.END_STREAM, 1,
                                   wire.encode_headers([(b"x-late", b"1")]))
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -232,7 +196,7 @@ def test_trailers_for_a_stream_the_server_closed_are_ignored():
 
 def test_non_http2_clients_are_disconnected():
     async def scenario():
-        async with serve() as (server, probe, port):
+        async with probe_server(**SERVER) as (server, probe, port):
             received = await raw_exchange(port, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
             assert goaway_code(received) == wire.PROTOCOL_ERROR
             # A real HTTP/2 peer gets its PING answered on a connection that stays open.
@@ -269,7 +233,8 @@ def test_silent_connections_are_closed_after_the_handshake_timeout():
 
 def test_stop_lets_calls_in_flight_finish_within_grace():
     async def scenario():
-        async with serve() as (server, probe, port), grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        async with probe_server(**SERVER) as (server, probe, port), \
+                grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             pending = asyncio.ensure_future(echo_call(channel)(b"wait", timeout=WAIT))
             await asyncio.wait_for(probe.started.wait(), WAIT)
             await server.stop(0.2)

@@ -10,7 +10,6 @@ the gradient of the whole batch of 4 ranks.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import sys
@@ -19,37 +18,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.integration.test_fault_tolerant_ddp import WAIT, assert_identical_per_step, read_reports, steps_of, wait_for
-from torchft_lite.cluster.local import LighthouseProcess, ReplicaGroup
+from tests.integration.helpers import (JOB_WAIT as WAIT, TRAIN_HSDP, assert_identical_per_step, read_logs, read_reports,
+                                       replica_groups, steps_of, wait_for)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "examples" / "train_hsdp.py"
 WORKER = Path(__file__).resolve().parent / "hsdp_grad_worker.py"
-
-
-@contextlib.contextmanager
-def cluster(tmp_path: Path, **lighthouse_kw):
-    """A lighthouse; ``add(group_id, script, args)`` starts a 2-rank group. Everything is stopped at the end."""
-    lighthouse = LighthouseProcess(log_path=tmp_path / "lighthouse.log", startup_grace=0.0, **lighthouse_kw).start()
-    groups: list[ReplicaGroup] = []
-
-    def add(group_id: int, script: Path, args: list[str], env: dict[str, str] | None = None) -> ReplicaGroup:
-        group = ReplicaGroup(group_id, 2, lighthouse.address, script, args, world_size=2, log_dir=tmp_path, env=env)
-        groups.append(group)
-        return group.start()
-
-    try:
-        yield add
-    finally:
-        for group in groups:
-            group.stop()
-        lighthouse.stop()
-
-
-def logs(tmp_path: Path, pattern: str) -> str:
-    return "".join(p.read_text(errors="replace") for p in sorted(tmp_path.glob(pattern)))
 
 
 @pytest.mark.parametrize("hook, heal_in_place", [("helper", "1"), ("torchft", "0")])
@@ -57,9 +32,10 @@ def test_two_groups_of_two_ranks_hold_identical_shards_at_every_step(tmp_path, h
     """Also: a heal into fresh tensors (TORCHFT_LITE_HEAL_IN_PLACE=0) rebuilds the DTensors on a stand-in mesh,
     which ShardedState puts back on the parameters' own before the optimizer sees them."""
     report = tmp_path / "report.jsonl"
-    with cluster(tmp_path, min_replicas=2, join_timeout=30.0) as add:
-        groups = [add(g, EXAMPLE, ["--steps", "5", "--report", str(report), "--timeout", "15", "--hook", hook,
-                                   "--min-replicas", "2"], env={"TORCHFT_LITE_HEAL_IN_PLACE": heal_in_place})
+    with replica_groups(tmp_path, min_replicas=2, join_timeout=30.0) as (_, start):
+        groups = [start(g, 2, TRAIN_HSDP, ["--steps", "5", "--report", str(report), "--timeout", "15", "--hook", hook,
+                                        "--min-replicas", "2"], world_size=2,
+                        env={"TORCHFT_LITE_HEAL_IN_PLACE": heal_in_place})
                   for g in (0, 1)]
         for group in groups:
             assert group.wait(WAIT) == [0, 0], f"group {group.group_id} failed; logs in {tmp_path}"
@@ -74,7 +50,7 @@ def test_two_groups_of_two_ranks_hold_identical_shards_at_every_step(tmp_path, h
     for step in (1, 5):  # the two shards differ: each rank checksums its own shard, not the whole model
         assert len({r["checksum"] for r in rows if r["step"] == step}) == 2
     # The groups start from different seeds: step 0 healed each shard ring from one group to the other.
-    assert "healed:" in logs(tmp_path, "group*.1.*.log")
+    assert "healed:" in read_logs(tmp_path, "group*.1.*.log")
 
 
 def reference_gradients(dump: dict, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -102,9 +78,9 @@ def test_the_hook_averages_each_shard_over_every_rank_of_both_groups(tmp_path, h
 
     out = tmp_path / "dumps"
     out.mkdir()
-    with cluster(tmp_path, min_replicas=2, join_timeout=30.0) as add:
-        groups = [add(g, WORKER, ["--out", str(out), "--steps", "4", "--dump-at", "2", "--hook", hook,
-                                  "--reduce-dtype", reduce_dtype]) for g in (0, 1)]
+    with replica_groups(tmp_path, min_replicas=2, join_timeout=30.0) as (_, start):
+        groups = [start(g, 2, WORKER, ["--out", str(out), "--steps", "4", "--dump-at", "2", "--hook", hook,
+                                       "--reduce-dtype", reduce_dtype], world_size=2) for g in (0, 1)]
         for group in groups:
             assert group.wait(WAIT) == [0, 0], f"group {group.group_id} failed; logs in {tmp_path}"
     dumps = {(g, r): torch.load(out / f"g{g}r{r}.pt", weights_only=True) for g in (0, 1) for r in (0, 1)}
@@ -134,9 +110,10 @@ def test_one_killed_rank_takes_its_group_out_and_the_restarted_group_heals_shard
     arrives on a stand-in mesh and must be put back on the parameters' own, or the next step fails."""
     report = tmp_path / "report.jsonl"
     args = ["--steps", "100000", "--report", str(report), "--timeout", "15", "--step-sleep", "0.05"]
-    with cluster(tmp_path, min_replicas=1, join_timeout=1.0, heartbeat_timeout=1.0) as add:
+    with replica_groups(tmp_path, min_replicas=1, join_timeout=1.0, heartbeat_timeout=1.0) as (_, start):
         env = {"TORCHFT_LITE_HEAL_IN_PLACE": heal_in_place}
-        survivor, victim = add(0, EXAMPLE, args, env), add(1, EXAMPLE, args, env)
+        survivor = start(0, 2, TRAIN_HSDP, args, world_size=2, env=env)
+        victim = start(1, 2, TRAIN_HSDP, args, world_size=2, env=env)
         both = [survivor, victim]
         wait_for(lambda: min(len(steps_of(read_reports(report), g, r)) for g in (0, 1) for r in (0, 1)) >= 3,
                  "every rank's 3rd step", groups=both)
@@ -164,4 +141,4 @@ def test_one_killed_rank_takes_its_group_out_and_the_restarted_group_heals_shard
         assert len(shared_after) >= 3, f"rank {r}: too few steps both groups committed after the heal"
     assert assert_identical_per_step(rows) > 0
     for r in (0, 1):  # each rank of the restarted group healed (its own shard, from group 0's rank r)
-        assert "healed:" in logs(tmp_path, f"group1.2.{r}.log"), f"restarted rank {r} never healed"
+        assert "healed:" in read_logs(tmp_path, f"group1.2.{r}.log"), f"restarted rank {r} never healed"

@@ -7,9 +7,7 @@ serve no ranges (no header route, everything for any request, or no
 advertisement) still heal.
 """
 
-import socket
 import time
-import urllib.parse
 from datetime import timedelta
 
 import pytest
@@ -18,6 +16,7 @@ import torch
 from torchft_lite.checkpointing import _streams
 from torchft_lite.serialization import encode, prefault
 from tests.conftest import WAIT
+from tests.integration.helpers import response
 
 pytestmark = pytest.mark.integration
 
@@ -147,62 +146,6 @@ def test_fresh_tensors_are_populated_before_the_socket_writes_and_in_place_ones_
     # by the populating threads or the writes, whichever got there first
     assert blocks_populated == 8 and len(set(populated)) == 8
     assert len(populated) == blocks_populated  # the in-place receive wrote into memory it had
-
-
-class ScriptedSource:
-    """A checkpoint source on 127.0.0.1 that answers each GET with ``answer(path, query)`` (a whole response)."""
-
-    def __init__(self, threads, answer) -> None:
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.listener.settimeout(0.1)
-        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}/checkpoint"
-        self.paths: list[str] = []
-        self.stopped = False
-        self.task = threads.submit(self._serve, answer)
-
-    def _serve(self, answer) -> None:
-        while not self.stopped:
-            try:
-                conn, _ = self.listener.accept()
-            except TimeoutError:
-                continue
-            with conn:
-                conn.settimeout(WAIT)
-                request = b""
-                while b"\r\n\r\n" not in request:
-                    chunk = conn.recv(4096)
-                    if not chunk:
-                        break
-                    request += chunk
-                method, target = request.split(b" ")[:2]
-                parsed = urllib.parse.urlsplit(target.decode())
-                self.paths.append(f"{method.decode()} {parsed.path}")
-                try:
-                    conn.sendall(answer(parsed.path, dict(urllib.parse.parse_qsl(parsed.query))))
-                except OSError:
-                    pass  # the receiver hung up (it refused the answer): the test says what it expected
-
-    def close(self) -> None:
-        self.stopped = True
-        self.task.result(WAIT)
-        self.listener.close()
-
-
-def response(status: int, body: bytes, extra: str = "") -> bytes:
-    return (f"HTTP/1.1 {status} X\r\nContent-Length: {len(body)}\r\n{extra}\r\n").encode() + body
-
-
-@pytest.fixture
-def scripted(threads):
-    sources: list[ScriptedSource] = []
-
-    def start(answer) -> ScriptedSource:
-        sources.append(ScriptedSource(threads, answer))
-        return sources[-1]
-
-    yield start
-    for source in sources:
-        source.close()
 
 
 def test_a_source_that_serves_no_header_alone_is_read_whole(make_transport, scripted):

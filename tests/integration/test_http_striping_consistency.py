@@ -9,20 +9,18 @@ or never answers leaves its ranges to the primary.
 """
 
 import copy
-import hashlib
 import itertools
 import logging
 import re
 import socket
-import urllib.error
-import urllib.request
 from collections import OrderedDict
 from datetime import timedelta
 
 import pytest
 import torch
 
-from tests.conftest import WAIT
+from tests.conftest import WAIT, read_header
+from tests.integration.helpers import bearer, digest, fetch
 from torchft_lite.checkpointing import HTTPTransport, _http_receive
 from torchft_lite.serialization import checksum
 from torchft_lite.checkpointing import _http_receive
@@ -74,11 +72,6 @@ def state_dict() -> dict:
             "torchft": {"step": 5, "batches_committed": 10}}
 
 
-def digest(step: int, state) -> str:
-    """Of the whole encoding: every tensor's bytes, dtype and shape, and every non-tensor leaf."""
-    return hashlib.sha256(encode.encode_to_bytes(step, state)).hexdigest()
-
-
 def sources(*servers: HTTPTransport) -> list[tuple[int, str]]:
     return [(rank, server.metadata()) for rank, server in enumerate(servers)]
 
@@ -99,10 +92,8 @@ def release_all(threads, *servers: HTTPTransport) -> None:
 
 def layout(state) -> tuple[int, spec.Blocks]:
     """``(bytes of the prefix and header, the checksum blocks)`` of ``state``'s encoding."""
-    blob = encode.encode_to_bytes(5, state)
-    length, crc = spec.unpack_prefix(blob[:spec.PREFIX_SIZE])
-    header_end = spec.PREFIX_SIZE + length
-    return header_end, spec.parse_header(blob[spec.PREFIX_SIZE:header_end], crc).blocks
+    header, header_end = read_header(encode.encode_to_bytes(5, state))
+    return header_end, header.blocks
 
 
 def answer_bytes(blocks: spec.Blocks, ranges) -> int:
@@ -440,22 +431,12 @@ def test_a_secondary_with_another_layout_leaves_its_ranges_to_the_primary(make_t
 # ---------------------------------------------------------------- the /checksums route
 
 
-def request(url: str, token: str | None = None, method: str = "GET") -> tuple[int, bytes]:
-    headers = {} if token is None else {"Authorization": f"Bearer {token}"}
-    try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers, method=method),
-                                    timeout=WAIT) as response:
-            return response.status, response.read()
-    except urllib.error.HTTPError as error:
-        return error.code, error.read()
-
-
 def test_checksums_are_every_blocks_sum_and_leave_the_session_open(make_transport, threads):
     server = make_transport(token="s3cret")
     sent = state_dict()
     server.send_checkpoint([1], 5, sent, HOUR)
     base = f"{server.metadata()}/5"
-    status, body = request(f"{base}/checksums?session=s1", token="s3cret")
+    status, body, _ = fetch(f"{base}/checksums?session=s1", headers=bearer("s3cret"))
     assert status == 200
     blob = encode.encode_to_bytes(5, sent)
     header_length, _ = spec.unpack_prefix(blob[:spec.PREFIX_SIZE])
@@ -464,7 +445,7 @@ def test_checksums_are_every_blocks_sum_and_leave_the_session_open(make_transpor
     assert body == blob[data_end:]  # the trailer a whole-stream receiver gets
     assert len(checksum.unpack(body)) == 6 + len(encode.flatten(sent).tensors) - 1  # big spans six blocks
     assert server.statistics().receivers_finished == 0  # asking for sums finishes nothing
-    assert request(f"{base}/done?session=s1&ok=1", token="s3cret", method="POST")[0] == 200
+    assert fetch(f"{base}/done?session=s1&ok=1", "POST", bearer("s3cret"))[0] == 200
     assert server.statistics().receivers_finished == 1
     threads.submit(server.disallow_checkpoint).result(WAIT)  # the report released it: no hour-long wait
 
@@ -482,10 +463,11 @@ def test_checksums_are_every_blocks_sum_and_leave_the_session_open(make_transpor
 def test_checksum_requests_with_bad_arguments_are_answered_clearly(make_transport, threads, path, token, status):
     server = make_transport(token="s3cret")
     server.send_checkpoint([1], 5, state_dict(), HOUR)
-    answer, body = request(server.metadata() + path, token=token)
+    answer, body, _ = fetch(server.metadata() + path, headers=bearer(token))
     assert answer == status, body
-    request(server.metadata() + "/5/header?session=s1", token="s3cret")  # a done counts only from a session that asked
-    request(server.metadata() + "/5/done?session=s1&ok=0", token="s3cret", method="POST")
+    # a done counts only from a session that asked
+    fetch(server.metadata() + "/5/header?session=s1", headers=bearer("s3cret"))
+    fetch(server.metadata() + "/5/done?session=s1&ok=0", "POST", bearer("s3cret"))
     threads.submit(server.disallow_checkpoint).result(WAIT)
 
 
@@ -493,9 +475,9 @@ def test_checksums_of_a_released_step_are_refused(make_transport):
     server = make_transport()
     server.send_checkpoint([], 5, state_dict(), LONG)
     server.disallow_checkpoint()
-    status, body = request(f"{server.metadata()}/4/checksums?session=s1")
+    status, body, _ = fetch(f"{server.metadata()}/4/checksums?session=s1")
     assert status == 400 and b"released" in body
-    status, body = request(f"{server.metadata()}/5/checksums?session=s1&timeout=0.2")  # may be retried: held
+    status, body, _ = fetch(f"{server.metadata()}/5/checksums?session=s1&timeout=0.2")  # may be retried: held
     assert status == 504 and b"not published within" in body
 
 
@@ -503,9 +485,7 @@ def test_checksums_of_a_released_step_are_refused(make_transport):
 
 
 def header_of(step: int, state: dict) -> spec.Header:
-    blob = encode.encode_to_bytes(step, state)
-    length, crc = spec.unpack_prefix(blob[:spec.PREFIX_SIZE])
-    return spec.parse_header(blob[spec.PREFIX_SIZE:spec.PREFIX_SIZE + length], crc)
+    return read_header(encode.encode_to_bytes(step, state))[0]
 
 
 @pytest.mark.parametrize("other, expected", [

@@ -1,6 +1,5 @@
 """HTTPTransport over real sockets: held requests, steps, chunks, tokens, release and failures."""
 
-import hashlib
 import logging
 import os
 import socket
@@ -22,6 +21,7 @@ from torchft_lite.serialization import decode, encode, spec
 from torchft_lite.checkpointing import _http_server
 from torchft_lite.errors import CheckpointError, CheckpointHTTPError, CheckpointTimeout, CheckpointTransferError
 from tests.conftest import WAIT, wait_until_sync
+from tests.integration.helpers import digest
 
 pytestmark = pytest.mark.integration
 
@@ -37,10 +37,6 @@ def state_dict(big_elements: int = 1000) -> dict:
     return {"user": {"model": model.state_dict(), "optim": optim.state_dict(),
                      "big": torch.randn(big_elements), "half": torch.randn(7, 3).to(torch.bfloat16)},
             "torchft": {"step": 5, "batches_committed": 10, "note": ("x", None, b"\x01")}}
-
-
-def digest(step: int, state) -> str:
-    return hashlib.sha256(encode.encode_to_bytes(step, state)).hexdigest()
 
 
 def test_a_request_before_publish_is_held_then_served(make_transport, threads, caplog):
@@ -370,7 +366,7 @@ def test_mutating_right_after_disallow_leaves_what_was_served_intact(make_transp
     sock.close()
     body = bytes(received).split(b"\r\n\r\n", 1)[1]
     step, state = decode.decode_bytes(body)  # checks every block's checksum too
-    assert hashlib.sha256(encode.encode_to_bytes(step, state)).hexdigest() == expected
+    assert digest(step, state) == expected
 
 
 @pytest.mark.parametrize("num_chunks", [0, 4])
@@ -386,39 +382,10 @@ def test_a_receiver_gets_the_values_from_before_a_mutation_after_disallow(make_t
     assert digest(5, receiving.result(WAIT)) == expected
 
 
-class FakeServer:
-    """Answers every GET with ``head`` then ``body`` and closes: for streams our server never sends."""
-
-    def __init__(self, threads, head: bytes, body: bytes) -> None:
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.stopped = False
-        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}/checkpoint"
-        self.task = threads.submit(self.serve, head, body)
-
-    def serve(self, head: bytes, body: bytes) -> None:
-        self.listener.settimeout(0.1)
-        try:
-            while not self.stopped:
-                try:
-                    conn, _ = self.listener.accept()
-                except TimeoutError:
-                    continue
-                with conn:
-                    conn.settimeout(WAIT)
-                    request = b""
-                    while b"\r\n\r\n" not in request:
-                        request += conn.recv(4096)
-                    if b"/done" in request:
-                        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-                    else:
-                        conn.sendall(head + body)
-        except OSError:
-            return  # closed by the test
-
-    def close(self) -> None:
-        self.stopped = True
-        self.task.result(WAIT)
-        self.listener.close()
+def head_then_body(head: bytes, body: bytes):
+    """A ``scripted`` source's answer: ``head`` then ``body`` to every request but a receiver's done (200): for
+    streams our server never sends."""
+    return lambda path, query: b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok" if "/done" in path else head + body
 
 
 def ok_head(length: int) -> bytes:
@@ -426,35 +393,26 @@ def ok_head(length: int) -> bytes:
 
 
 @pytest.mark.parametrize("cut", [10, 200, -1000, -1])
-def test_a_truncated_stream_is_detected(make_transport, threads, cut):
+def test_a_truncated_stream_is_detected(make_transport, scripted, cut):
     blob = encode.encode_to_bytes(5, state_dict(big_elements=10_000))
-    fake = FakeServer(threads, ok_head(len(blob)), blob[:cut])  # declares all, sends less, closes
-    try:
-        with pytest.raises(CheckpointTransferError, match="truncated"):
-            make_transport().recv_checkpoint(0, fake.url, 5, LONG)
-    finally:
-        fake.close()
+    fake = scripted(head_then_body(ok_head(len(blob)), blob[:cut]))  # declares all, sends less, closes
+    with pytest.raises(CheckpointTransferError, match="truncated"):
+        make_transport().recv_checkpoint(0, fake.url, 5, LONG)
 
 
 @pytest.mark.parametrize("where", ["data", "header"])
-def test_a_corrupted_stream_is_detected(make_transport, threads, where):
+def test_a_corrupted_stream_is_detected(make_transport, scripted, where):
     blob = bytearray(encode.encode_to_bytes(5, state_dict(big_elements=10_000)))
     blob[-100 if where == "data" else spec.PREFIX_SIZE + 5] ^= 0x40
-    fake = FakeServer(threads, ok_head(len(blob)), bytes(blob))
-    try:
-        with pytest.raises(CheckpointTransferError, match="checksum mismatch"):
-            make_transport().recv_checkpoint(0, fake.url, 5, LONG)
-    finally:
-        fake.close()
+    fake = scripted(head_then_body(ok_head(len(blob)), bytes(blob)))
+    with pytest.raises(CheckpointTransferError, match="checksum mismatch"):
+        make_transport().recv_checkpoint(0, fake.url, 5, LONG)
 
 
-def test_an_answer_without_content_length_is_refused(make_transport, threads):
-    fake = FakeServer(threads, b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n", b"0\r\n\r\n")
-    try:
-        with pytest.raises(CheckpointTransferError, match="Content-Length"):
-            make_transport().recv_checkpoint(0, fake.url, 5, LONG)
-    finally:
-        fake.close()
+def test_an_answer_without_content_length_is_refused(make_transport, scripted):
+    fake = scripted(head_then_body(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n", b"0\r\n\r\n"))
+    with pytest.raises(CheckpointTransferError, match="Content-Length"):
+        make_transport().recv_checkpoint(0, fake.url, 5, LONG)
 
 
 @pytest.mark.parametrize("num_chunks", [0, 4])

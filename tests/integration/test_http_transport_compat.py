@@ -6,34 +6,31 @@ from datetime import timedelta
 import pytest
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 
 from torchft_lite.serialization import encode
 from torchft_lite.checkpointing import http_transport_bench
-from tests.conftest import WAIT
+from tests.conftest import WAIT, cpu_mesh, dtensor
 
 pytestmark = pytest.mark.integration
 
 LONG = timedelta(seconds=WAIT)
 
 
-def sharded(local: torch.Tensor, mesh: DeviceMesh, placement, shape) -> DTensor:
-    return DTensor.from_local(local, mesh, [placement], run_check=False, shape=torch.Size(shape),
-                              stride=torch.empty(shape).stride())
-
-
 def fsdp_state(mesh: DeviceMesh, seed: int) -> dict:
     """Rank 0's shards of an FSDP-style model: parameters and optimizer moments as DTensors."""
     torch.manual_seed(seed)
-    return {"model": {"w": sharded(torch.randn(300_000, 2), mesh, Shard(0), (1_200_000, 2)),
-                      "b": sharded(torch.randn(2), mesh, Replicate(), (2,))},
-            "optim": {"state": {0: {"exp_avg": sharded(torch.randn(300_000, 2), mesh, Shard(0), (1_200_000, 2)),
+    return {"model": {"w": dtensor(torch.randn(300_000, 2), mesh, [Shard(0)], (1_200_000, 2)),
+                      "b": dtensor(torch.randn(2), mesh, [Replicate()], (2,))},
+            "optim": {"state": {0: {"exp_avg": dtensor(torch.randn(300_000, 2), mesh, [Shard(0)],
+                                                       (1_200_000, 2)),
                                     "step": torch.tensor(3.0)}}},
             "step": seed}
 
 
 def own_mesh() -> DeviceMesh:
-    return DeviceMesh("cpu", torch.arange(4), mesh_dim_names=("fsdp",), _init_backend=False, _rank=0)
+    """A mesh of four ranks (as rank 0), one of its own for each state dict."""
+    return cpu_mesh([0, 1, 2, 3], ("fsdp",))
 
 
 @pytest.mark.parametrize("num_chunks", [0, 3])

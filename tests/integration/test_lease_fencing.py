@@ -18,9 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_fault_tolerant_ddp import (
-    SCRIPT, assert_identical_per_step, cluster, read_reports, steps_of, wait_for,
-)
+from tests.integration.helpers import (TRAIN_DDP as SCRIPT, assert_identical_per_step, cluster, read_logs, read_reports,
+                                       steps_of, wait_for)
 from torchft_lite.cluster.local import LighthouseProcess, ReplicaGroup
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -59,7 +58,7 @@ def assert_fenced(rows: list[dict], log_dir: Path, group: int, step: int, ranks:
     for rank in range(ranks):
         assert step + 1 not in steps_of(rows, group, rank), (
             f"group {group} rank {rank} committed step {step} although its lease lapsed during it")
-    logs = "".join(p.read_text(errors="replace") for p in log_dir.glob(f"group{group}.*.log"))
+    logs = read_logs(log_dir, f"group{group}.*.log")
     assert f"step {step} not committed: the lease" in logs
     assert assert_identical_per_step(rows) > 0
 
@@ -148,6 +147,6 @@ def test_a_group_cut_off_after_its_exchange_does_not_commit_that_step_and_heals(
         rows = read_reports(report)
         for rank in range(1):
             assert step + 1 not in steps_of(rows, 1, rank), "group 1 committed the step it was cut off in"
-        logs = "".join(p.read_text(errors="replace") for p in tmp_path.glob("group1.*.log"))
+        logs = read_logs(tmp_path, "group1.*.log")
         assert f"step {step} not committed" in logs
         assert assert_identical_per_step(rows) > 0

@@ -10,23 +10,15 @@ import logging
 import grpc
 import pytest
 
-from torchft_lite.rpc.lighthouse_client import LighthouseClient, LighthouseError
+from torchft_lite.rpc.lighthouse_client import LighthouseError
 from lighthouse.fencing import QuorumIdStore
 from lighthouse.server import LighthouseServer
-from tests.conftest import WAIT, lighthouse_config, wait_until
-from tests.integration.test_lighthouse_http import http
+from tests.conftest import WAIT, FrozenClock, lighthouse_config, wait_until
+from tests.integration.helpers import client_for, http
 
 pytestmark = pytest.mark.integration
 
 ADMIN = {"Authorization": "Bearer s3cret"}
-
-
-class FrozenClock:
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def earlier_job_reached(state_dir, step: int, quorum_id: int = 17) -> None:
@@ -34,10 +26,6 @@ def earlier_job_reached(state_dir, step: int, quorum_id: int = 17) -> None:
     store = QuorumIdStore(state_dir)
     store.save(quorum_id)
     store.save_max_step(step)
-
-
-def client_for(server: LighthouseServer) -> LighthouseClient:
-    return LighthouseClient(f"127.0.0.1:{server.grpc_port}", connect_timeout=WAIT)
 
 
 def test_a_new_job_at_step_0_starts_an_epoch_after_the_holder_timeout_and_the_state_dir_keeps_it(tmp_path):

@@ -11,12 +11,9 @@ from lighthouse.config import LighthouseConfig
 from torchft_lite.rpc.protocol import torchft_pb2 as pb
 from lighthouse.server import LighthouseServer
 from tests.conftest import WAIT, running_lighthouse, wait_until
+from tests.integration.helpers import client_for
 
 pytestmark = pytest.mark.integration
-
-
-def client_for(server: LighthouseServer) -> LighthouseClient:
-    return LighthouseClient(f"127.0.0.1:{server.grpc_port}", connect_timeout=WAIT)
 
 
 @pytest.mark.parametrize("engine", ["native", "grpcio"])

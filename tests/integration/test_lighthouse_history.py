@@ -2,40 +2,21 @@
 the timeline's metrics, as a group goes, comes back under a new id and heals."""
 
 import asyncio
-import json
 
-import aiohttp
 import pytest
 
 from torchft_lite.rpc.lighthouse_client import LighthouseClient
 from lighthouse.server import LighthouseServer
-from tests.conftest import WAIT, lighthouse_config, wait_until
+from tests.conftest import WAIT, FrozenClock, lighthouse_config, wait_until
+from tests.integration.helpers import http
 
 pytestmark = pytest.mark.integration
 
 WALL = 1_800_000_000.0  # the wall clock runs this far ahead of the monotonic one
 
 
-class FakeClock:
-    def __init__(self, now: float) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
-async def get(server: LighthouseServer, path: str) -> tuple[int, dict | str]:
-    async with aiohttp.ClientSession() as session:
-        async with session.get(f"http://127.0.0.1:{server.http_port}{path}") as response:
-            text = await response.text()
-            try:
-                return response.status, json.loads(text)
-            except ValueError:
-                return response.status, text
-
-
 def test_a_group_gone_back_and_healed_is_in_the_history_the_status_line_and_the_metrics():
-    clock = FakeClock(1000.0)
+    clock = FrozenClock(1000.0)
 
     async def scenario():
         server = LighthouseServer(lighthouse_config(min_replicas=1, heartbeat_timeout=5.0), clock=clock,
@@ -54,13 +35,13 @@ def test_a_group_gone_back_and_healed_is_in_the_history_the_status_line_and_the_
                 late = asyncio.create_task(c.quorum("b:2", timeout=WAIT, step=0))
                 await wait_until(lambda: server.statistics().participants == 1, "b:2 waiting in its Quorum call")
                 await asyncio.gather(c.quorum("a:1", timeout=WAIT, step=7), late)
-                status, body = await get(server, "/api/status")
+                status, body, _ = await http(server, "GET", "/api/status")
                 assert body["job"]["state"] == "healing"
                 assert body["job"]["headline"].startswith("healing b from a (7 steps behind")
                 clock.now += 1.0
                 await asyncio.gather(*(c.quorum(rid, timeout=WAIT, step=8) for rid in ("a:1", "b:2")))
 
-            status, history = await get(server, "/api/history")
+            status, history, _ = await http(server, "GET", "/api/history")
             assert status == 200
             markers = history["markers"]
             assert [m["kind"] for m in markers] == ["gone", "back", "heal"]
@@ -75,17 +56,18 @@ def test_a_group_gone_back_and_healed_is_in_the_history_the_status_line_and_the_
             assert samples["step"][-1] in (7, 8)  # the last sample came before or after the last quorum
             assert history["capacity"] == 6 * 3600 and history["interval_s"] == 1.0
 
-            newer = (await get(server, f"/api/history?samples_after={history['samples_after']}"
-                                       f"&markers_after={history['markers_after']}"))[1]
+            newer = (await http(server, "GET", f"/api/history?samples_after={history['samples_after']}"
+                                               f"&markers_after={history['markers_after']}"))[1]
             assert newer["markers"] == [] and newer["markers_after"] == history["markers_after"]
-            assert (await get(server, "/api/history?seconds=0.5"))[1]["markers"] == [heal]  # it ended 0 s ago
+            # it ended 0 s ago
+            assert (await http(server, "GET", "/api/history?seconds=0.5"))[1]["markers"] == [heal]
 
-            status, body = await get(server, "/api/status")
+            status, body, _ = await http(server, "GET", "/api/status")
             assert body["job"]["state"] == "training" and body["job"]["trouble"] is False
             assert body["job"]["headline"].startswith("training: 2 groups at step 8")
             assert body["job"]["detail"] == body["status"]["reason"]
 
-            _, metrics = await get(server, "/metrics")
+            _, metrics, _ = await http(server, "GET", "/metrics")
             for line in ("lighthouse_heals_total 1.0", "lighthouse_heal_seconds_total 1.0",
                          "lighthouse_groups_gone_total 1.0", "lighthouse_groups_back_total 1.0",
                          'lighthouse_job_state{state="training"} 1.0', 'lighthouse_job_state{state="stalled"} 0.0',
@@ -94,7 +76,7 @@ def test_a_group_gone_back_and_healed_is_in_the_history_the_status_line_and_the_
 
             for query in ("samples_after=x", "markers_after=-2", "seconds=nan", "seconds=0", "seconds=-1",
                           "seconds=inf"):
-                status, body = await get(server, f"/api/history?{query}")
+                status, body, _ = await http(server, "GET", f"/api/history?{query}")
                 assert status == 400 and "samples_after" in body["error"], query
         finally:
             await server.stop()
@@ -107,7 +89,7 @@ def test_a_restarted_lighthouse_marks_its_restart_and_a_first_start_marks_nothin
         server = LighthouseServer(lighthouse_config(state_dir=state_dir))
         await server.start()
         try:
-            return (await get(server, "/api/history"))[1]["markers"]
+            return (await http(server, "GET", "/api/history"))[1]["markers"]
         finally:
             await server.stop()
 

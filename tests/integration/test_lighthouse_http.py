@@ -1,26 +1,14 @@
 """The lighthouse's HTTP side: dashboard, /api/status, /metrics and the authenticated kill."""
 
 import asyncio
-import json
 
-import aiohttp
 import pytest
 
 from torchft_lite.rpc.lighthouse_client import LighthouseClient
 from tests.conftest import WAIT, FakeManager, running_lighthouse
+from tests.integration.helpers import http
 
 pytestmark = pytest.mark.integration
-
-
-async def http(server, method: str, path: str, **kwargs) -> tuple[int, dict | str, dict]:
-    async with aiohttp.ClientSession() as session:
-        async with session.request(method, f"http://127.0.0.1:{server.http_port}{path}", **kwargs) as response:
-            text = await response.text()
-            try:
-                body = json.loads(text)
-            except ValueError:
-                body = text
-            return response.status, body, dict(response.headers)
 
 
 def test_status_metrics_and_dashboard():

@@ -11,22 +11,12 @@ import pytest
 from torchft_lite.rpc.lighthouse_client import LighthouseClient
 from torchft_lite.rpc.protocol import torchft_pb2 as pb
 from lighthouse.server import LighthouseServer
-from tests.conftest import lighthouse_config, running_lighthouse, wait_until
+from tests.conftest import FrozenClock, lighthouse_config, running_lighthouse, wait_until
 
 pytestmark = pytest.mark.integration
 
 # Long enough that passing can't be explained by heartbeat expiry or the join timeout.
 SLOW = dict(heartbeat_timeout=120.0, join_timeout=120.0)
-
-
-class FrozenClock:
-    """A monotonic clock that moves only when the test moves it."""
-
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Connection:

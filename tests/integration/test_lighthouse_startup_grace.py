@@ -9,21 +9,13 @@ import asyncio
 
 import pytest
 
-from torchft_lite.rpc.lighthouse_client import LighthouseClient
 from lighthouse.server import LighthouseServer
-from tests.conftest import WAIT, lighthouse_config, wait_until
+from tests.conftest import WAIT, FrozenClock, lighthouse_config, wait_until
+from tests.integration.helpers import client_for
 
 pytestmark = pytest.mark.integration
 
 GRACE = 30.0
-
-
-class FrozenClock:
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 async def started(clock: FrozenClock, **overrides) -> LighthouseServer:
@@ -32,10 +24,6 @@ async def started(clock: FrozenClock, **overrides) -> LighthouseServer:
     server = LighthouseServer(lighthouse_config(**settings), clock=clock)
     await server.start()
     return server
-
-
-def client_for(server: LighthouseServer) -> LighthouseClient:
-    return LighthouseClient(f"127.0.0.1:{server.grpc_port}", connect_timeout=WAIT)
 
 
 @pytest.mark.parametrize("with_state_dir", [False, True], ids=["no-state-dir", "empty-state-dir"])

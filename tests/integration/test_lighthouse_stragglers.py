@@ -7,12 +7,12 @@ import json
 import logging
 import re
 
-import aiohttp
 import pytest
 
 from torchft_lite.rpc.lighthouse_client import LighthouseClient
 from torchft_lite.rpc.protocol import torchft_pb2 as pb
 from tests.conftest import WAIT, running_lighthouse
+from tests.integration.helpers import http
 
 pytestmark = pytest.mark.integration
 
@@ -20,10 +20,12 @@ FAST, SLOW = 100.0, 500.0
 
 
 async def get(server, path: str) -> dict | str:
-    async with aiohttp.ClientSession() as session:
-        async with session.get(f"http://127.0.0.1:{server.http_port}{path}") as response:
-            assert response.status == 200, path
-            return await response.json() if path.startswith("/api/") else await response.text()
+    """The body of ``path``, which must be served (200), as JSON under /api/."""
+    status, body, headers = await http(server, "GET", path)
+    assert status == 200, path
+    if path.startswith("/api/"):
+        assert headers["Content-Type"].startswith("application/json") and isinstance(body, dict), path
+    return body
 
 
 def metric(text: str, name: str, replica_id: str | None = None) -> float | None:

@@ -9,7 +9,6 @@ lighthouse. Lease ownership is tested in ``test_lighthouse_leases.py``.
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 
 import grpc
@@ -17,21 +16,16 @@ import pytest
 from prometheus_client import generate_latest
 
 from lighthouse import fencing
-from torchft_lite.rpc.lighthouse_client import LighthouseClient
 from lighthouse.fencing import QuorumIdStore
 from lighthouse.metrics import build_registry
 from torchft_lite.rpc.protocol import torchft_pb2 as pb
-from lighthouse.server import LighthouseServer
 from lighthouse.validation import MAX_DATA_BYTES, STEP_LIMIT
-from tests.conftest import WAIT, running_lighthouse
+from tests.conftest import WAIT, disk_full, running_lighthouse
+from tests.integration.helpers import client_for
 
 pytestmark = pytest.mark.integration
 
 HUGE = STEP_LIMIT - 1  # the largest step a member may claim
-
-
-def client_for(server: LighthouseServer) -> LighthouseClient:
-    return LighthouseClient(f"127.0.0.1:{server.grpc_port}", connect_timeout=WAIT)
 
 
 def member(**fields) -> pb.QuorumMember:
@@ -118,10 +112,7 @@ def test_one_forged_member_with_a_huge_step_does_not_move_what_the_state_dir_kee
 
 
 def test_a_state_dir_whose_writes_fail_is_logged_counted_and_survived(tmp_path, monkeypatch, caplog):
-    def full_disk(path, value):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(fencing, "_write_atomically", full_disk)
+    monkeypatch.setattr(fencing, "_write_atomically", disk_full)
 
     async def scenario():
         async with running_lighthouse(state_dir=tmp_path, join_timeout=0.3) as server, client_for(server) as c:

@@ -8,22 +8,18 @@ parameters back.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from types import SimpleNamespace
 
 import pytest
 import torch
-from torch import nn
-from torch.distributed import TCPStore
 
-from lighthouse.thread import BackgroundLighthouse
-from tests.conftest import WAIT, lighthouse_config
+from tests.conftest import two_layers
+from tests.integration.helpers import PAIR, make_manager, run_two
 from torchft_lite.local_sgd import DiLoCo, LocalSGD
-from torchft_lite.manager import Manager
 from torchft_lite.process_group import ProcessGroupGloo
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.lighthouse(min_replicas=2, join_timeout=2.0)]
 
 
 class FailingGloo:
@@ -44,29 +40,6 @@ class FailingGloo:
         return getattr(self.inner, name)
 
 
-def make_model(seed: int = 0) -> nn.Module:
-    # Its own generator: the global one is shared by the groups' threads.
-    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=generator))
-    return model
-
-
-def make_manager(lighthouse, pg, replica_id: str, state: dict) -> Manager:
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    manager = Manager(
-        pg=pg, load_state_dict=lambda sd: state["load"](sd), state_dict=lambda: state["save"](),
-        min_replica_size=2, use_async_quorum=False, rank=0, world_size=1, store_addr="127.0.0.1",
-        store_port=store.port, lighthouse_addr=lighthouse.server.address(), replica_id=replica_id,
-        hostname="127.0.0.1", timeout=timedelta(seconds=20), quorum_timeout=timedelta(seconds=30),
-        connect_timeout=timedelta(seconds=20), preemption_signals=(),
-    )
-    manager._test_store = store  # keep the store alive as long as the manager
-    return manager
-
-
 def snapshot(tensors) -> list[torch.Tensor]:
     return [t.detach().clone() for t in tensors]
 
@@ -74,13 +47,13 @@ def snapshot(tensors) -> list[torch.Tensor]:
 def diloco_group(lighthouse, index: int, inner_steps: int, fail_sync_at_step: int, alpha: float = 0.0,
                  delay: int = 1, seed: int = 0, replica_id: str | None = None) -> dict:
     """Train one group; returns its global copy per manager step and what a failed sync left."""
-    model = make_model(seed)
+    model = two_layers(seed)
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
     outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
-    state = {"load": lambda sd: (model.load_state_dict(sd["model"]), inner.load_state_dict(sd["inner"])),
-             "save": lambda: {"model": model.state_dict(), "inner": inner.state_dict()}}
+    state = {"load_state_dict": lambda sd: (model.load_state_dict(sd["model"]), inner.load_state_dict(sd["inner"])),
+             "state_dict": lambda: {"model": model.state_dict(), "inner": inner.state_dict()}}
     pg = FailingGloo()
-    manager = make_manager(lighthouse, pg, replica_id or f"diloco_{index}", state)
+    manager = make_manager(lighthouse, pg, None, replica_id or f"diloco_{index}", **state, **PAIR)
     out: dict = {"globals": {}, "failed": None}
     try:
         with DiLoCo(manager, [model[0], model[1]], inner, outer, sync_every=4, fragment_sync_delay=delay,
@@ -117,18 +90,6 @@ def diloco_group(lighthouse, index: int, inner_steps: int, fail_sync_at_step: in
     return out
 
 
-def run_two(fn):
-    with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(fn, index) for index in range(2)]
-        return [f.result(timeout=3 * WAIT) for f in futures]
-
-
-@pytest.fixture
-def lighthouse():
-    with BackgroundLighthouse(lighthouse_config(min_replicas=2, join_timeout=2.0)) as lh:
-        yield lh
-
-
 @pytest.mark.parametrize("alpha", [0.0, 0.5])
 def test_streaming_diloco_groups_agree_on_the_global_parameters_and_a_failed_sync_restores_them(lighthouse, alpha):
     # sync_every=4 with 2 fragments: a fragment syncs every 2 inner steps; 12 inner steps
@@ -136,7 +97,7 @@ def test_streaming_diloco_groups_agree_on_the_global_parameters_and_a_failed_syn
     r0, r1 = run_two(lambda index: diloco_group(lighthouse, index, inner_steps=12, fail_sync_at_step=2,
                                                 alpha=alpha))
     assert r0["step"] == r1["step"] == 5
-    fragment0 = len(list(make_model()[0].parameters()))
+    fragment0 = len(list(two_layers()[0].parameters()))
     assert sorted(r0["globals"]) == sorted(r1["globals"]) == list(range(6))
     for step in r0["globals"]:
         for a, b in zip(r0["globals"][step], r1["globals"][step]):
@@ -163,10 +124,12 @@ def test_streaming_diloco_groups_agree_on_the_global_parameters_and_a_failed_syn
 
 def test_local_sgd_groups_end_with_identical_parameters(lighthouse):
     def group(index: int):
-        model = make_model()
+        model = two_layers()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        state = {"load": lambda sd: model.load_state_dict(sd["model"]), "save": lambda: {"model": model.state_dict()}}
-        manager = make_manager(lighthouse, ProcessGroupGloo(timeout=timedelta(seconds=20)), f"sgd_{index}", state)
+        state = {"load_state_dict": lambda sd: model.load_state_dict(sd["model"]),
+                 "state_dict": lambda: {"model": model.state_dict()}}
+        manager = make_manager(lighthouse, ProcessGroupGloo(timeout=timedelta(seconds=20)), None, f"sgd_{index}",
+                               **state, **PAIR)
         try:
             with LocalSGD(manager, model, optimizer, sync_every=2):
                 for i in range(6):

@@ -19,7 +19,8 @@ from torch.distributed import TCPStore
 
 from torchft_lite.rpc.protocol import torchft_pb2 as pb
 from lighthouse.thread import BackgroundLighthouse
-from tests.conftest import lighthouse_config, wait_until_sync
+from tests.conftest import all_in_threads, lighthouse_config, wait_until_sync
+from tests.integration.helpers import make_manager
 from torchft_lite.checkpointing import CheckpointTransport
 from torchft_lite.errors import CheckpointTransferError, ManagerTimeout
 from torchft_lite.manager import MEMBER_GONE_GRACE, Manager
@@ -86,27 +87,6 @@ class InMemoryTransport(CheckpointTransport):
 
     def shutdown(self, wait: bool = True) -> None:
         pass
-
-
-@pytest.fixture
-def lighthouse():
-    with BackgroundLighthouse(lighthouse_config(min_replicas=1, join_timeout=1.0)) as lh:
-        yield lh
-
-
-def make_manager(lighthouse, pg, transport, replica_id, state=None, timeout=20.0, min_replica_size=1,
-                 preemption_signals=(), **kw) -> Manager:
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    weights = state if state is not None else {"w": torch.zeros(3)}
-    manager = Manager(
-        pg=pg, load_state_dict=lambda sd: weights.update(w=sd["w"].clone()), state_dict=lambda: {"w": weights["w"]},
-        min_replica_size=min_replica_size, rank=0, world_size=1, store_addr="127.0.0.1", store_port=store.port,
-        lighthouse_addr=lighthouse.server.address(), replica_id=replica_id, hostname="127.0.0.1",
-        checkpoint_transport=transport, timeout=timedelta(seconds=timeout), quorum_timeout=timedelta(seconds=30),
-        preemption_signals=preemption_signals, **kw,
-    )
-    manager._test_store = store  # keep the store alive as long as the manager
-    return manager
 
 
 def test_steps_commit_and_an_injected_allreduce_error_retries_the_step(lighthouse):
@@ -234,31 +214,18 @@ class StripingTransport(InMemoryTransport):
 
 def run_steps(managers: dict[str, Manager], steps: int, before_step=None) -> dict[str, list]:
     """Each manager trains ``steps`` steps on its own thread; returns its should_commit results."""
-    results: dict[str, list] = {name: [] for name in managers}
-    errors: dict[str, BaseException] = {}
+    def train(name: str) -> list:
+        committed = []
+        for step in range(steps):
+            if before_step is not None:
+                before_step(name, step)
+            manager = managers[name]
+            manager.start_quorum()
+            manager.allreduce(torch.ones(3)).wait()
+            committed.append(manager.should_commit())
+        return committed
 
-    def train(name: str) -> None:
-        try:
-            for step in range(steps):
-                if before_step is not None:
-                    before_step(name, step)
-                manager = managers[name]
-                manager.start_quorum()
-                manager.allreduce(torch.ones(3)).wait()
-                results[name].append(manager.should_commit())
-        except BaseException as exc:  # surfaced below, with the manager's name
-            errors[name] = exc
-
-    threads = [threading.Thread(target=train, args=(name,)) for name in managers]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
-    assert not any(thread.is_alive() for thread in threads), "a training thread hung"
-    if errors:
-        name, exc = next(iter(errors.items()))
-        raise AssertionError(f"{name} raised {exc!r}") from exc
-    return results
+    return all_in_threads(managers, train, 120, "a training thread hung")
 
 
 @pytest.mark.parametrize("b_heal_sources", [2, 1])

@@ -7,18 +7,18 @@ from __future__ import annotations
 import http.client
 import logging
 import re
-import ssl
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
 
-from benchmarks._throwaway_pki import make_pki, openssl_missing
+from benchmarks._throwaway_pki import openssl_missing
 from torchft_lite.rpc.access import Access
 from torchft_lite.rpc.tls import TlsSettings
 from tests.conftest import WAIT, non_loopback_address, wait_until_sync
-from tests.unit.torchft_lite.test_manager import Replica, replicas  # noqa: F401  (the fixture)
+from tests.integration.helpers import bearer, fetch
+from tests.unit.helpers import Replica, replicas  # noqa: F401  (the fixture)
 from torchft_lite.metrics.registry import ManagerMetrics, metrics_from_env
 from torchft_lite.testing import InMemoryLighthouse
 
@@ -26,17 +26,6 @@ pytestmark = pytest.mark.integration
 
 TOKEN = "metrics-test-token-4f9a"
 COMMITTED = 'torchft_lite_steps_committed_total{group_rank="0",replica_id="solo"}'
-
-
-def scrape(url: str, headers: dict[str, str] | None = None, context: ssl.SSLContext | None = None
-           ) -> tuple[int, str, dict[str, str]]:
-    request = urllib.request.Request(url, headers=headers or {})
-    try:
-        with urllib.request.urlopen(request, timeout=WAIT, context=context) as answer:
-            return answer.status, answer.read().decode(), dict(answer.headers)
-    except urllib.error.HTTPError as refused:
-        with refused:
-            return refused.code, refused.read().decode(), dict(refused.headers)
 
 
 def scrape_from(address: str, port: int) -> tuple[int, str]:
@@ -80,11 +69,11 @@ def test_the_variable_makes_the_manager_serve_its_metrics_until_it_shuts_down(re
     server = group.manager.metrics.server
     assert server.port > 0 and any(server.url in r.getMessage() for r in caplog.records)  # the port is logged
     assert group.step()[0] and group.step()[0]
-    status, body, headers = scrape(server.url)
+    status, body, headers = fetch(server.url, text=True)
     assert status == 200 and headers["Content-Type"].startswith("text/plain")
     assert f"{COMMITTED} 2.0" in body.splitlines()
     assert 'torchft_lite_step_phase_seconds_count{group_rank="0",phase="compute",replica_id="solo"} 2.0' in body
-    assert scrape(server.url.replace("/metrics", "/other"))[0] == 404
+    assert fetch(server.url.replace("/metrics", "/other"), text=True)[0] == 404
     group.manager.shutdown()
     wait_until_sync(lambda: refuses_connections(server.url), "the metrics port to close after shutdown")
     assert not server.serving
@@ -95,13 +84,13 @@ def test_with_a_job_token_a_scrape_must_carry_it_and_the_token_is_never_logged(s
         metrics = metrics_from_env(solo.manager, {"TORCHFT_LITE_METRICS_PORT": "0", "TORCHFT_LITE_TOKEN": TOKEN})
         url = metrics.server.url
         assert solo.step()[0]
-        status, body, headers = scrape(url)
+        status, body, headers = fetch(url, text=True)
         assert status == 401 and headers.get("WWW-Authenticate") == "Bearer" and "TORCHFT_LITE_TOKEN" in body
-        status, body, _ = scrape(url, {"Authorization": "Bearer not-the-token"})
+        status, body, _ = fetch(url, headers=bearer("not-the-token"), text=True)
         assert status == 401 and "wrong job token" in body
-        status, body, _ = scrape(url, {"Authorization": f"Bearer {TOKEN}"})
+        status, body, _ = fetch(url, headers=bearer(TOKEN), text=True)
         assert status == 200 and f"{COMMITTED} 1.0" in body.splitlines()
-        status, _, _ = scrape(url + f"?token={TOKEN}")  # only the header counts
+        status, _, _ = fetch(url + f"?token={TOKEN}", text=True)  # only the header counts
         assert status == 401
     assert metrics.server.refusals == {"unauthenticated": 3}
     assert caplog.records and not any(TOKEN in record.getMessage() for record in caplog.records)
@@ -128,25 +117,24 @@ def test_with_no_token_only_loopback_peers_are_served_unless_insecure(solo):
 
 
 @pytest.mark.skipif(openssl_missing() is not None, reason=str(openssl_missing()))
-def test_with_the_jobs_certificate_it_serves_https_only(solo, tmp_path):
-    pki = make_pki(tmp_path)
+def test_with_the_jobs_certificate_it_serves_https_only(solo, pki):
     metrics = ManagerMetrics(solo.manager)
     try:
         metrics.serve("127.0.0.1", 0, access=Access(TOKEN),
                       tls=TlsSettings(pki.cert, pki.key).server_context())
         assert metrics.server.url.startswith("https://127.0.0.1:")
         client = TlsSettings(ca=pki.ca).client_context()
-        status, body, _ = scrape(metrics.server.url, {"Authorization": f"Bearer {TOKEN}"}, context=client)
+        status, body, _ = fetch(metrics.server.url, headers=bearer(TOKEN), context=client, text=True)
         assert status == 200 and 'torchft_lite_steps_committed_total{group_rank="0",replica_id="solo"}' in body
         with pytest.raises((OSError, http.client.HTTPException)):  # plain text gets no answer
-            scrape(metrics.server.url.replace("https://", "http://"))
+            fetch(metrics.server.url.replace("https://", "http://"), text=True)
     finally:
         metrics.close()
 
 
 @pytest.mark.slow
 def test_a_real_trainer_serves_its_steps_while_it_trains(tmp_path: Path):
-    from tests.integration.test_fault_tolerant_ddp import cluster, wait_for
+    from tests.integration.helpers import cluster, metrics_urls, wait_for
     from torchft_lite.cluster.local import job_access
 
     with cluster(tmp_path, min_replicas=1) as (_, add, _report):
@@ -154,22 +142,21 @@ def test_a_real_trainer_serves_its_steps_while_it_trains(tmp_path: Path):
         found: list[str] = []
 
         def logged_url() -> bool:
-            logs = "".join(p.read_text(errors="replace") for p in tmp_path.glob("group0.*.log"))
-            found[:] = re.findall(r"serving Prometheus metrics on (http://127\.0\.0\.1:\d+/metrics)", logs)
+            found[:] = metrics_urls(tmp_path)
             return bool(found)
 
         wait_for(logged_url, "the trainer to log its metrics address", groups=[group])
         url, headers = found[0], job_access().headers()
-        assert scrape(url)[0] == 401  # the cluster runs with a job token
+        assert fetch(url, text=True)[0] == 401  # the cluster runs with a job token
 
         def committed_steps() -> float:
-            status, body, _ = scrape(url, headers)
+            status, body, _ = fetch(url, headers=headers, text=True)
             assert status == 200, body
             match = re.search(r'^torchft_lite_steps_committed_total\{group_rank="0",replica_id="train_ddp_0"\} '
                               r'(\S+)$', body, re.M)
             return float(match.group(1)) if match else 0.0
 
         wait_for(lambda: committed_steps() >= 3, "three committed steps in the trainer's metrics", groups=[group])
-        _, body, _ = scrape(url, headers)
+        _, body, _ = fetch(url, headers=headers, text=True)
         assert 'torchft_lite_watchdog_timeout_seconds{group_rank="0",replica_id="train_ddp_0",section="step"}' in body
         assert 'torchft_lite_step_phase_seconds_bucket{group_rank="0",le="600.0",phase="allreduce"' in body

@@ -9,29 +9,24 @@ import pytest
 
 from torchft_lite.rpc.lighthouse_client import LighthouseClient, LighthouseTimeout
 from tests.conftest import running_lighthouse, wait_until
+from tests.integration.helpers import manager_server
 from torchft_lite.group_server.client import ManagerClient
 from torchft_lite.errors import ManagerError, QuorumError
-from torchft_lite.group_server.server import ManagerServer, ManagerServerConfig
 
 pytestmark = pytest.mark.integration
 
 
 @contextlib.asynccontextmanager
-async def manager_server(lighthouse_addr: str, replica_id: str, world_size: int = 1, lighthouse=None, **overrides):
-    settings = dict(replica_id=replica_id, lighthouse_addr=lighthouse_addr, hostname="127.0.0.1",
-                    store_address=f"store-{replica_id}:1234", world_size=world_size, bind="127.0.0.1:0",
-                    heartbeat_interval=0.1, quorum_timeout=30.0)
-    settings.update(overrides)
-    kills: list[str] = []
-    server = ManagerServer(ManagerServerConfig(**settings), on_kill=kills.append, lighthouse=lighthouse)
-    server.kills = kills
-    await server.start()
-    client = ManagerClient(server.address())
-    try:
-        yield server, client
-    finally:
-        await client.close()
-        await server.stop()
+async def server_and_client(lighthouse_addr: str, replica_id: str, world_size: int = 1, lighthouse=None, **settings):
+    """``manager_server`` as ``replica_id`` (store "store-<replica_id>:1234", a 30 s quorum timeout), and a
+    ManagerClient of it."""
+    async with manager_server(lighthouse_addr, replica_id=replica_id, store_address=f"store-{replica_id}:1234",
+                              world_size=world_size, quorum_timeout=30.0, lighthouse=lighthouse, **settings) as server:
+        client = ManagerClient(server.address())
+        try:
+            yield server, client
+        finally:
+            await client.close()
 
 
 async def quorum(client: ManagerClient, rank: int, step: int, timeout: float = 30.0, **kw):
@@ -43,8 +38,8 @@ async def quorum(client: ManagerClient, rank: int, step: int, timeout: float = 3
 def test_group_of_two_ranks_gets_one_quorum_and_per_rank_results():
     async def scenario():
         async with running_lighthouse(min_replicas=2) as lh:
-            async with manager_server(lh.address(), "a", world_size=2) as (a, ca), \
-                       manager_server(lh.address(), "b", world_size=2) as (b, cb):
+            async with server_and_client(lh.address(), "a", world_size=2) as (a, ca), \
+                       server_and_client(lh.address(), "b", world_size=2) as (b, cb):
                 results = await asyncio.gather(
                     quorum(ca, 0, step=4), quorum(ca, 1, step=4), quorum(cb, 0, step=2), quorum(cb, 1, step=2)
                 )
@@ -66,7 +61,7 @@ def test_group_of_two_ranks_gets_one_quorum_and_per_rank_results():
 
 def test_ranks_reporting_different_steps_get_an_error_naming_them():
     async def scenario():
-        async with running_lighthouse() as lh, manager_server(lh.address(), "a", world_size=2) as (_, client):
+        async with running_lighthouse() as lh, server_and_client(lh.address(), "a", world_size=2) as (_, client):
             results = await asyncio.gather(quorum(client, 0, 3), quorum(client, 1, 5), return_exceptions=True)
             for result in results:
                 assert isinstance(result, QuorumError)
@@ -77,7 +72,7 @@ def test_ranks_reporting_different_steps_get_an_error_naming_them():
 
 def test_should_commit_is_the_and_of_the_group_votes():
     async def scenario():
-        async with running_lighthouse() as lh, manager_server(lh.address(), "a", world_size=2) as (_, client):
+        async with running_lighthouse() as lh, server_and_client(lh.address(), "a", world_size=2) as (_, client):
             await asyncio.gather(quorum(client, 0, 1), quorum(client, 1, 1))
             votes = await asyncio.gather(client.should_commit(group_rank=0, step=1, should_commit=True, timeout=10),
                                          client.should_commit(group_rank=1, step=1, should_commit=True, timeout=10))
@@ -91,7 +86,7 @@ def test_should_commit_is_the_and_of_the_group_votes():
 
 def test_votes_for_different_steps_fail_both_ranks():
     async def scenario():
-        async with running_lighthouse() as lh, manager_server(lh.address(), "a", world_size=2) as (_, client):
+        async with running_lighthouse() as lh, server_and_client(lh.address(), "a", world_size=2) as (_, client):
             first = asyncio.ensure_future(client.should_commit(group_rank=0, step=1, should_commit=True, timeout=10))
             await asyncio.sleep(0.2)
             with pytest.raises(ManagerError, match="voted for step 2 while rank 0 voted for step 1"):
@@ -104,7 +99,7 @@ def test_votes_for_different_steps_fail_both_ranks():
 
 def test_bad_input_is_rejected_with_a_clear_status():
     async def scenario():
-        async with running_lighthouse() as lh, manager_server(lh.address(), "a", world_size=2) as (_, client):
+        async with running_lighthouse() as lh, server_and_client(lh.address(), "a", world_size=2) as (_, client):
             with pytest.raises(QuorumError, match="INVALID_ARGUMENT.*group_rank=5 is outside"):
                 await quorum(client, 5, 0, timeout=5)
             with pytest.raises(ManagerError, match="NOT_FOUND: rank not found"):
@@ -116,7 +111,7 @@ def test_bad_input_is_rejected_with_a_clear_status():
 def test_unreachable_lighthouse_fails_every_waiting_rank_after_retries():
     async def scenario():
         # Nothing listens on this lighthouse address (port 1 on loopback is never ours).
-        async with manager_server("http://127.0.0.1:1", "a", world_size=2, quorum_retries=2) as (server, client):
+        async with server_and_client("http://127.0.0.1:1", "a", world_size=2, quorum_retries=2) as (server, client):
             results = await asyncio.gather(quorum(client, 0, 0, timeout=3), quorum(client, 1, 0, timeout=3),
                                            return_exceptions=True)
             for result in results:
@@ -132,7 +127,7 @@ def test_lighthouse_restart_is_survived_with_quorum_retries():
             port = lh.grpc_port
             address = lh.address()
         # The lighthouse is gone now; the quorum call waits for it (retries) until one comes back.
-        async with manager_server(address, "a", world_size=1, quorum_retries=3) as (_, client):
+        async with server_and_client(address, "a", world_size=1, quorum_retries=3) as (_, client):
             pending = asyncio.ensure_future(quorum(client, 0, 7, timeout=30))
             await asyncio.sleep(0.5)
             async with running_lighthouse(bind=f"127.0.0.1:{port}"):
@@ -144,7 +139,7 @@ def test_lighthouse_restart_is_survived_with_quorum_retries():
 
 def test_heartbeats_reach_the_lighthouse_and_kill_calls_the_hook():
     async def scenario():
-        async with running_lighthouse() as lh, manager_server(lh.address(), "a") as (server, client):
+        async with running_lighthouse() as lh, server_and_client(lh.address(), "a") as (server, client):
             await wait_until(lambda: any(r["replica_id"] == "a" for r in lh.snapshot()["replicas"]), "the heartbeat")
             await client.kill("operator asked", timeout=5)
             await wait_until(lambda: server.kills == ["operator asked"], "the kill hook")
@@ -187,7 +182,7 @@ def test_a_group_cut_off_from_the_lighthouse_past_its_lease_votes_the_step_down_
     async def scenario():
         async with running_lighthouse(heartbeat_timeout=3.0) as lh:
             link = UnreliableLighthouseClient(lh.address(), connect_timeout=10)
-            async with manager_server(lh.address(), "a", world_size=2, lighthouse=link) as (server, client):
+            async with server_and_client(lh.address(), "a", world_size=2, lighthouse=link) as (server, client):
                 def deaf_for(seconds: float):
                     async def cut_off() -> None:
                         failures = server.statistics().heartbeat_failures
@@ -213,7 +208,7 @@ def test_a_group_silent_past_the_heartbeat_timeout_votes_the_step_down_though_no
     async def scenario():
         async with running_lighthouse(heartbeat_timeout=1.0) as lh:
             link = UnreliableLighthouseClient(lh.address(), connect_timeout=10)
-            async with manager_server(lh.address(), "a", world_size=2, lighthouse=link) as (server, client):
+            async with server_and_client(lh.address(), "a", world_size=2, lighthouse=link) as (server, client):
                 async def silent() -> None:
                     link.stall = 2.5
                     await wait_until(lambda: lh.statistics().expired_replicas > 0,
@@ -231,8 +226,8 @@ def test_a_group_silent_past_the_heartbeat_timeout_votes_the_step_down_though_no
 def test_groups_of_different_sizes_are_refused_clearly():
     async def scenario():
         async with running_lighthouse(min_replicas=2) as lh:
-            async with manager_server(lh.address(), "a", world_size=1) as (_, ca), \
-                       manager_server(lh.address(), "b", world_size=2) as (_, cb):
+            async with server_and_client(lh.address(), "a", world_size=1) as (_, ca), \
+                       server_and_client(lh.address(), "b", world_size=2) as (_, cb):
                 results = await asyncio.gather(quorum(ca, 0, 0), quorum(cb, 0, 0), quorum(cb, 1, 0),
                                                return_exceptions=True)
                 for result in results:
@@ -246,9 +241,9 @@ def test_groups_of_different_sizes_are_refused_clearly():
 def test_heal_sources_travel_in_member_data_and_stripe_only_when_all_advertise(late_heal_sources):
     async def scenario():
         async with running_lighthouse(min_replicas=3) as lh:
-            async with manager_server(lh.address(), "a", heal_sources=2) as (a, ca), \
-                       manager_server(lh.address(), "b", heal_sources=2) as (b, cb), \
-                       manager_server(lh.address(), "c", heal_sources=late_heal_sources) as (_, cc):
+            async with server_and_client(lh.address(), "a", heal_sources=2) as (a, ca), \
+                       server_and_client(lh.address(), "b", heal_sources=2) as (b, cb), \
+                       server_and_client(lh.address(), "c", heal_sources=late_heal_sources) as (_, cc):
                 ra, rb, rc = await asyncio.gather(quorum(ca, 0, step=5), quorum(cb, 0, step=5), quorum(cc, 0, step=1))
                 assert rc.heal and rc.recover_src_replica_rank == 0 and rc.recover_src_manager_address == a.address()
                 if late_heal_sources == 2:

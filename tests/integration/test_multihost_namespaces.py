@@ -18,20 +18,18 @@ import json
 import re
 import ssl
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from benchmarks._chaos_faults import BridgedHosts
 from benchmarks._throwaway_pki import make_pki, openssl_missing
-from tests.integration.cluster_jobs import (REPO, assert_identical_per_step, kill_and_rejoin, read_reports,
-                                            wait_for_rows)
+from tests.integration.cluster_jobs import assert_identical_per_step, kill_and_rejoin, read_reports, wait_for_rows
+from tests.integration.helpers import TRAIN_DDP, fetch
 from torchft_lite.cluster.local import LighthouseProcess, ReplicaGroup, job_access
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
-SCRIPT = REPO / "examples" / "train_ddp.py"
 WAIT = 240.0
 UNAVAILABLE = BridgedHosts.unavailable(hostnames=True) or openssl_missing()
 _RECEIVER = re.compile(r"receivers finished \((?:::ffff:)?([0-9a-f.:]+) sent")
@@ -50,10 +48,8 @@ def hosts():
 def status(lighthouse: LighthouseProcess, host: str, ca: Path) -> dict:
     """The lighthouse's /api/status, fetched over the bridge with the token and TLS, as a peer would."""
     context = ssl.create_default_context(cafile=str(ca))
-    request = urllib.request.Request(f"https://{host}:{lighthouse.http_port}/api/status",
-                                     headers=job_access().headers())
-    with urllib.request.urlopen(request, timeout=10, context=context) as answer:
-        return json.loads(answer.read())
+    return json.loads(fetch(f"https://{host}:{lighthouse.http_port}/api/status", headers=job_access().headers(),
+                            context=context, timeout=10, expect=200)[1])
 
 
 def heal_receivers(log_dir: Path, group: int) -> list[str]:
@@ -80,7 +76,7 @@ def test_a_job_across_namespaces_heals_over_the_bridge_after_a_kill_and_a_partit
         assert lighthouse.address.startswith(f"https://{addresses[0]}:")  # its bind address, TLS on
         for g, advertise in ((0, addresses[1]), (1, None)):
             host = g + 1
-            groups.append(ReplicaGroup(g, 2, lighthouse.address, SCRIPT, args, world_size=2, use_torchrun=True,
+            groups.append(ReplicaGroup(g, 2, lighthouse.address, TRAIN_DDP, args, world_size=2, use_torchrun=True,
                                        env={**pki.env(), **hosts.env(host)}, log_dir=tmp_path,
                                        store_host=addresses[host], advertise=advertise,
                                        prefix=hosts.prefix(host)).start())

@@ -5,7 +5,6 @@ on its own store prefix, so a test that leaves a receive pending (the timeout
 test) cannot disturb the next.
 """
 
-import hashlib
 import itertools
 import queue
 import time
@@ -17,10 +16,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from torchft_lite.serialization import encode
 from torchft_lite.checkpointing.pg_transport import PGTransport
 from torchft_lite.errors import CheckpointTimeout, CheckpointTransferError
-from tests.conftest import WAIT
+from tests.conftest import WAIT, cpu_mesh, dtensor
+from tests.integration.helpers import digest
 
 pytestmark = pytest.mark.integration
 
@@ -40,18 +39,11 @@ def state_dict(seed: int) -> dict:
 
 def sharded_state(seed: int) -> dict:
     """A DTensor (a rank's shard of an 8x3 weight over a 4-rank mesh) beside plain values."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import Shard
 
     torch.manual_seed(seed)
-    mesh = DeviceMesh("cpu", torch.arange(4), mesh_dim_names=("fsdp",), _init_backend=False, _rank=0)
-    weight = DTensor.from_local(torch.randn(2, 3), mesh, [Shard(0)], run_check=False, shape=torch.Size([8, 3]),
-                                stride=(3, 1))
+    weight = dtensor(torch.randn(2, 3), cpu_mesh([0, 1, 2, 3], ("fsdp",)), [Shard(0)], (8, 3))
     return {"weight": weight, "step": seed}
-
-
-def digest(step: int, state) -> str:
-    return hashlib.sha256(encode.encode_to_bytes(step, state)).hexdigest()
 
 
 def gloo_group(store: dist.Store, prefix: str, rank: int) -> dist.ProcessGroup:

@@ -87,11 +87,6 @@ class Worker:
 
 
 @pytest.fixture
-def store() -> dist.TCPStore:
-    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
-
-
-@pytest.fixture
 def spawn(kind):
     started: list[Worker] = []
 

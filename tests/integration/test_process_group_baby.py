@@ -12,8 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
-import time
 from datetime import timedelta
 from pathlib import Path
 
@@ -21,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests.conftest import alive, all_in_threads, wait_until_sync
 from torchft_lite.errors import CollectiveError, CollectiveTimeout
 from torchft_lite.process_group import ProcessGroupBabyGloo
 
@@ -28,28 +27,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 WAIT_S = 120.0  # generous: two shared cores, several interpreters importing torch at once
-
-
-def alive(pid: int) -> bool:
-    """Whether ``pid`` is a live process (not gone, not a zombie)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def wait_until(condition, what: str, timeout: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(0.05)
-
-
-@pytest.fixture
-def store() -> dist.TCPStore:
-    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
 
 
 @pytest.fixture
@@ -70,21 +47,8 @@ def groups():
 
 def configure(pgs: list[ProcessGroupBabyGloo], addr: str) -> None:
     """Configure ``pgs`` as ranks 0..n-1 of one group, concurrently (a rendezvous needs every rank)."""
-    errors: list[BaseException] = []
-
-    def run(rank: int) -> None:
-        try:
-            pgs[rank].configure(addr, f"replica-{rank}", rank, len(pgs))
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(len(pgs))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(WAIT_S)
-    assert not any(thread.is_alive() for thread in threads), "configure() did not return"
-    assert not errors, errors
+    all_in_threads(range(len(pgs)), lambda rank: pgs[rank].configure(addr, f"replica-{rank}", rank, len(pgs)),
+                   WAIT_S, "configure() did not return")
 
 
 def allreduce(pgs: list[ProcessGroupBabyGloo], tensors: list[torch.Tensor]) -> None:
@@ -122,7 +86,7 @@ def test_a_healthy_reconfigure_keeps_the_child_and_one_after_an_abort_takes_the_
     for pg in pgs:
         pg.abort()
     for pid in first:
-        wait_until(lambda: not alive(pid), f"the aborted child {pid} to exit")
+        wait_until_sync(lambda: not alive(pid), f"the aborted child {pid} to exit", WAIT_S)
     configure(pgs, f"127.0.0.1:{store.port}/torchft/3/0")
     assert [pg.child_pid() for pg in pgs] == spares
     assert all(pg.spare_pid() not in (None, *spares) for pg in pgs)  # a new spare is warming up
@@ -139,7 +103,7 @@ def test_a_reconfigure_with_an_operation_still_running_kills_that_child(store, g
     configure(pgs, f"127.0.0.1:{store.port}/torchft/2/0")  # a new quorum while it waits
     with pytest.raises(CollectiveError):
         work.wait()
-    wait_until(lambda: not alive(child), f"the busy child {child} to be killed")
+    wait_until_sync(lambda: not alive(child), f"the busy child {child} to be killed", WAIT_S)
     assert waiting.child_pid() != child and waiting.errored() is None
     tensors = [torch.ones(2), torch.full((2,), 2.0)]
     allreduce(pgs, tensors)
@@ -154,7 +118,7 @@ def test_an_overdue_collective_kills_the_child_and_errors_the_group(store, group
     with pytest.raises(CollectiveTimeout):
         work.get_future().wait()
     assert isinstance(waiting.errored(), CollectiveTimeout)
-    wait_until(lambda: not alive(child), f"the overdue child {child} to be killed")
+    wait_until_sync(lambda: not alive(child), f"the overdue child {child} to be killed", WAIT_S)
     with pytest.raises(CollectiveError, match="errored until the next configure"):
         waiting.allreduce([torch.ones(2)])
 
@@ -180,7 +144,7 @@ def test_abort_kills_the_child(store, groups) -> None:
     configure([pg], f"127.0.0.1:{store.port}/torchft/1/0")
     child = pg.child_pid()
     pg.abort()
-    wait_until(lambda: not alive(child), f"the aborted child {child} to exit")
+    wait_until_sync(lambda: not alive(child), f"the aborted child {child} to exit", WAIT_S)
     assert isinstance(pg.errored(), CollectiveError)
 
 
@@ -232,7 +196,7 @@ def test_children_exit_when_their_parent_is_killed(store, tmp_path) -> None:
         parent.kill()
         parent.wait(WAIT_S)
         for pid in children:
-            wait_until(lambda: not alive(pid), f"child {pid} to exit after its parent was killed")
+            wait_until_sync(lambda: not alive(pid), f"child {pid} to exit after its parent was killed", WAIT_S)
     finally:
         if parent.poll() is None:
             parent.kill()

@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
+from tests.conftest import block_amax
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -42,12 +44,6 @@ def inputs(rank: int, case: str) -> list[torch.Tensor]:
         values = torch.randn(numel, generator=generator) * scale.repeat_interleave(BLOCK)[:numel]
         tensors.append(values.view(shape).to(torch.bfloat16 if case == "bf16" else torch.float32))
     return tensors
-
-
-def block_amax(tensor: torch.Tensor) -> torch.Tensor:
-    flat = tensor.reshape(-1).double().abs()
-    padded = torch.nn.functional.pad(flat, (0, -flat.numel() % BLOCK))
-    return padded.view(-1, BLOCK).amax(1).repeat_interleave(BLOCK)[:flat.numel()].view(tensor.shape)
 
 
 def run_ranks(kind: str, world: int, tmp_path: Path) -> list[dict]:
@@ -77,7 +73,7 @@ def check_allreduce(results: list[dict], case: str, op: ReduceOp, world: int) ->
     per_rank = [inputs(r, case) for r in range(world)]
     for i in range(len(per_rank[0])):
         exact = sum(tensors[i].double() for tensors in per_rank)
-        bound = sum(block_amax(tensors[i]) for tensors in per_rank) / 127
+        bound = sum(block_amax(tensors[i], BLOCK, torch.float64) for tensors in per_rank) / 127
         if op == ReduceOp.AVG:
             exact, bound = exact / world, bound / world
         got = results[0][case][i]
@@ -113,7 +109,8 @@ def test_quantized_allreduce_and_reduce_scatter_across_processes(kind, world, tm
                 return padded.view(world, -1)[rank]
 
             exact = sum(share(tensors[i]) for tensors in per_rank) / world
-            bound = sum(block_amax(share(tensors[i])) for tensors in per_rank) / 127 / world  # a share's blocks
+            # a share's blocks
+            bound = sum(block_amax(share(tensors[i]), BLOCK, torch.float64) for tensors in per_rank) / 127 / world
             part = got[start:start + rows * width].double()
             assert bool(((part - exact).abs() <= bound * (1 + SLACK) + 1e-30).all()), (rank, i)
             start += rows * width

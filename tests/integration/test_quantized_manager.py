@@ -6,21 +6,18 @@ is the format's: ``(a_0 + a_1) / 127 / 2``, ``a_j`` the largest magnitude of its
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import pytest
 import torch
 from torch import nn
-from torch.distributed import TCPStore
 
-from lighthouse.thread import BackgroundLighthouse
-from tests.conftest import WAIT, lighthouse_config
+from tests.conftest import block_amax
+from tests.integration.helpers import PAIR, make_manager, run_two
 from torchft_lite.local_sgd import DiLoCo
-from torchft_lite.manager import Manager
 from torchft_lite.process_group import ProcessGroupGloo
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.lighthouse(min_replicas=2, join_timeout=2.0)]
 
 BLOCK = 1024
 SLACK = 1e-5
@@ -45,36 +42,6 @@ class CountingGloo:
         return counted
 
 
-@pytest.fixture
-def lighthouse():
-    with BackgroundLighthouse(lighthouse_config(min_replicas=2, join_timeout=2.0)) as lh:
-        yield lh
-
-
-def make_manager(lighthouse, pg, replica_id: str, load, save) -> Manager:
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    manager = Manager(
-        pg=pg, load_state_dict=load, state_dict=save, min_replica_size=2, use_async_quorum=False, rank=0,
-        world_size=1, store_addr="127.0.0.1", store_port=store.port, lighthouse_addr=lighthouse.server.address(),
-        replica_id=replica_id, hostname="127.0.0.1", timeout=timedelta(seconds=20),
-        quorum_timeout=timedelta(seconds=30), connect_timeout=timedelta(seconds=20), preemption_signals=(),
-    )
-    manager._test_store = store  # keep the store alive as long as the manager
-    return manager
-
-
-def run_two(fn):
-    with ThreadPoolExecutor(2) as pool:
-        futures = [pool.submit(fn, index) for index in range(2)]
-        return [f.result(timeout=3 * WAIT) for f in futures]
-
-
-def block_amax(tensor: torch.Tensor) -> torch.Tensor:
-    flat = tensor.reshape(-1).abs()
-    padded = torch.nn.functional.pad(flat, (0, -flat.numel() % BLOCK))
-    return padded.view(-1, BLOCK).amax(1).repeat_interleave(BLOCK)[:flat.numel()].view(tensor.shape)
-
-
 def gradient(index: int, step: int, shape=(5000,)) -> torch.Tensor:
     generator = torch.Generator().manual_seed(100 * index + step)
     return torch.randn(shape, generator=generator) * (index + 1)
@@ -84,8 +51,9 @@ def test_two_groups_average_quantized_gradients_within_the_bound(lighthouse):
     def group(index: int):
         weights = {"w": torch.zeros(5000)}
         pg = CountingGloo()
-        manager = make_manager(lighthouse, pg, f"q_{index}", lambda sd: weights.update(w=sd["w"].clone()),
-                               lambda: dict(weights))
+        manager = make_manager(lighthouse, pg, None, f"q_{index}", **PAIR,
+                               load_state_dict=lambda sd: weights.update(w=sd["w"].clone()),
+                               state_dict=lambda: dict(weights))
         averaged = []
         try:
             while len(averaged) < 3:
@@ -108,7 +76,7 @@ def test_two_groups_average_quantized_gradients_within_the_bound(lighthouse):
         assert step == step1 and torch.equal(got, got1)
         if participants == 2 and step > 0:  # at step 0 group 1 heals and sends zeros
             exact = (gradient(0, step) + gradient(1, step)) / 2
-            bound = (block_amax(gradient(0, step)) + block_amax(gradient(1, step))) / 127 / 2
+            bound = (block_amax(gradient(0, step), BLOCK) + block_amax(gradient(1, step), BLOCK)) / 127 / 2
             assert bool(((got - exact).abs() <= bound * (1 + SLACK)).all()), step
             assert not torch.equal(got, exact)
             checked += 1
@@ -126,8 +94,9 @@ def test_diloco_with_should_quantize_moves_both_groups_by_the_quantized_average(
         inner = torch.optim.SGD(model.parameters(), lr=0.1)
         outer = torch.optim.SGD(model.parameters(), lr=1.0)
         pg = CountingGloo()
-        manager = make_manager(lighthouse, pg, f"dq_{index}",
-                               lambda sd: model.load_state_dict(sd["model"]), lambda: {"model": model.state_dict()})
+        manager = make_manager(lighthouse, pg, None, f"dq_{index}", **PAIR,
+                               load_state_dict=lambda sd: model.load_state_dict(sd["model"]),
+                               state_dict=lambda: {"model": model.state_dict()})
         syncs = []
         try:
             with DiLoCo(manager, [model], inner, outer, sync_every=2, should_quantize=True) as diloco:
@@ -158,7 +127,7 @@ def test_diloco_with_should_quantize_moves_both_groups_by_the_quantized_average(
             pseudo = [0.1 * (gradient(g, 10 * (i - 1) + n, b.shape) + gradient(g, 10 * i + n, b.shape))
                       for g in range(2)]
             exact = (pseudo[0] + pseudo[1]) / 2
-            bound = (block_amax(pseudo[0]) + block_amax(pseudo[1])) / 127 / 2
+            bound = (block_amax(pseudo[0], BLOCK) + block_amax(pseudo[1], BLOCK)) / 127 / 2
             moved = b - a
             assert bool(((moved - exact).abs() <= bound * (1 + SLACK) + 1e-5).all()), (step, n)  # + float32 rounding
             assert participants == 2

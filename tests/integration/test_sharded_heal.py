@@ -17,9 +17,7 @@ those two ranks (PGTransport) or from that rank's checkpoint server
 
 from __future__ import annotations
 
-import hashlib
 import multiprocessing as mp
-import traceback
 from datetime import timedelta
 
 import pytest
@@ -27,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from tests.conftest import WAIT
-from tests.integration.spawned import run_spawned
-from torchft_lite.serialization.spec import byte_view
+from tests.integration.helpers import shard_digests, tensor_digest
+from tests.integration.spawned import put_outcome, run_spawned
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -36,10 +34,6 @@ LONG = timedelta(seconds=WAIT)
 STEP = 5
 IN, HIDDEN, OUT = 64, 301, 63  # 301 and 63 rows over 2 ranks: uneven shards (151/150, 32/31)
 HEADER_ALLOWANCE = 32 << 10  # prefix, JSON header, checksums and PGTransport's meta message
-
-
-def digest(tensor: torch.Tensor) -> str:
-    return hashlib.sha256(byte_view(tensor.detach().contiguous())).hexdigest()[:16]
 
 
 class CountingPairGroup:
@@ -80,19 +74,8 @@ def train_step(model, optimizer, seed: int) -> None:
     optimizer.zero_grad()
 
 
-def local_digests(state: dict) -> dict[str, str]:
-    from torchft_lite.serialization.encode import flatten
-    from torchft_lite.serialization.spec import format_path
-
-    flat = flatten(state)
-    return {format_path(path): digest(tensor) for path, tensor in zip(flat.paths, flat.tensors)}
-
-
 def worker(group: int, rank: int, port: int, kind: str, results: "mp.Queue") -> None:
-    try:
-        results.put(("ok", (group, rank, heal(group, rank, port, kind))))
-    except BaseException as exc:  # reported to the test, which fails naming it
-        results.put(("error", f"group {group} rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    put_outcome(results, f"group {group} rank {rank}", lambda: (group, rank, heal(group, rank, port, kind)))
 
 
 def heal(group: int, rank: int, port: int, kind: str) -> dict:
@@ -109,7 +92,7 @@ def heal(group: int, rank: int, port: int, kind: str) -> dict:
         mesh, model, optimizer = build(group)
         own = {"model": model.state_dict(), "optim": optimizer.state_dict()}
         flat = flatten(own)
-        report: dict = {"before": local_digests(own), "shard_bytes": sum(t.nbytes for t in flat.tensors),
+        report: dict = {"before": shard_digests(own), "shard_bytes": sum(t.nbytes for t in flat.tensors),
                         "full_bytes": sum(leaf.numel() * leaf.element_size() for leaf in flat.leaves)}
         pair = dist.ProcessGroupGloo(dist.PrefixStore(f"pair{rank}/", store), group, 2, LONG) \
             if kind == "pg" else None
@@ -144,11 +127,11 @@ def heal(group: int, rank: int, port: int, kind: str) -> dict:
             report["dtensors"] = sum(isinstance(leaf, DTensor) for leaf in got_flat.leaves)
             model.load_state_dict(got["model"])  # as a Manager's load_state_dict fn does
             optimizer.load_state_dict(got["optim"])
-        report["after"] = local_digests({"model": model.state_dict(), "optim": optimizer.state_dict()})
+        report["after"] = shard_digests({"model": model.state_dict(), "optim": optimizer.state_dict()})
         # The checks (not part of the heal): gather inside the group, then one identical step in both groups.
-        report["full"] = {name: digest(p.full_tensor()) for name, p in model.named_parameters()}
+        report["full"] = {name: tensor_digest(p.full_tensor()) for name, p in model.named_parameters()}
         train_step(model, optimizer, seed=999)
-        report["stepped"] = {name: digest(p.full_tensor()) for name, p in model.named_parameters()}
+        report["stepped"] = {name: tensor_digest(p.full_tensor()) for name, p in model.named_parameters()}
         return report
     finally:
         dist.destroy_process_group()

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from tests.integration.test_fault_tolerant_ddp import SCRIPT, WAIT, assert_identical_per_step, read_reports
+from tests.integration.helpers import JOB_WAIT as WAIT, TRAIN_DDP as SCRIPT, assert_identical_per_step, read_reports
 from torchft_lite.cluster.local import LighthouseProcess, ReplicaGroup
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -9,7 +9,6 @@ test here sets one too, as a job across hosts would.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import secrets
 import signal
@@ -22,16 +21,15 @@ import grpc
 import pytest
 import torch
 
-from benchmarks._throwaway_pki import make_pki, openssl_missing
+from benchmarks._throwaway_pki import openssl_missing
 from torchft_lite.rpc.lighthouse_client import LighthouseClient
 from torchft_lite.rpc.protocol import torchft_pb2 as pb
 from torchft_lite.rpc.access import TOKEN_ENV, Access
 from torchft_lite.rpc.tls import TlsSettings
 from tests.conftest import WAIT, running_lighthouse, wait_until
+from tests.integration.helpers import manager_server, same_encoding
 from torchft_lite.group_server.client import ManagerClient
-from torchft_lite.serialization import encode
 from torchft_lite.errors import CheckpointError, CheckpointURLError, ConfigError
-from torchft_lite.group_server.server import ManagerServer, ManagerServerConfig
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(openssl_missing() is not None, reason=str(openssl_missing()))]
@@ -41,34 +39,8 @@ ENGINES = pytest.mark.parametrize("grpc_engine", ["native", "grpcio"])
 LONG = timedelta(seconds=WAIT)
 
 
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory):
-    return make_pki(tmp_path_factory.mktemp("pki"))
-
-
-@pytest.fixture(scope="module")
-def other(tmp_path_factory):
-    return make_pki(tmp_path_factory.mktemp("other"), name="other")
-
-
 def job_tls(pki) -> TlsSettings:
     return TlsSettings(pki.cert, pki.key, pki.ca)
-
-
-@contextlib.asynccontextmanager
-async def manager_server(lighthouse_addr: str, access: Access, tls: TlsSettings):
-    """A ManagerServer 'victim' on 127.0.0.1 whose Kill is recorded in ``server.kills`` instead of exiting."""
-    kills: list[str] = []
-    config = ManagerServerConfig(replica_id="victim", lighthouse_addr=lighthouse_addr, hostname="127.0.0.1",
-                                 store_address="store:1234", world_size=1, bind="127.0.0.1:0",
-                                 heartbeat_interval=0.1, quorum_timeout=WAIT)
-    server = ManagerServer(config, on_kill=kills.append, access=access, tls=tls)
-    server.kills = kills
-    await server.start()
-    try:
-        yield server
-    finally:
-        await server.stop()
 
 
 async def raw_heartbeat(port: int, channel: grpc.aio.Channel) -> tuple[grpc.StatusCode, str]:
@@ -88,7 +60,7 @@ async def raw_heartbeat(port: int, channel: grpc.aio.Channel) -> tuple[grpc.Stat
 
 
 @ENGINES
-def test_a_tls_lighthouse_serves_a_client_that_trusts_its_ca_and_no_other(grpc_engine, pki, other):
+def test_a_tls_lighthouse_serves_a_client_that_trusts_its_ca_and_no_other(grpc_engine, pki, other_pki):
     async def scenario():
         async with running_lighthouse(access=Access(TOKEN), tls=job_tls(pki), grpc_engine=grpc_engine) as lighthouse:
             assert lighthouse.address().startswith("https://")
@@ -105,7 +77,7 @@ def test_a_tls_lighthouse_serves_a_client_that_trusts_its_ca_and_no_other(grpc_e
                 assert (await by_name.get_config(timeout=WAIT))["implementation"] == "torchft_lite"
             before = lighthouse.statistics().heartbeats
 
-            untrusting = grpc.aio.secure_channel(target, TlsSettings(ca=other.ca).grpc_channel_credentials())
+            untrusting = grpc.aio.secure_channel(target, TlsSettings(ca=other_pki.ca).grpc_channel_credentials())
             code, details = await raw_heartbeat(lighthouse.grpc_port, untrusting)
             assert code == grpc.StatusCode.UNAVAILABLE and "handshake" in details.lower(), details
             plain = grpc.aio.insecure_channel(target)
@@ -135,7 +107,7 @@ def test_a_plain_lighthouse_is_unchanged_and_a_tls_client_fails_on_it(pki):
 # ------------------------------------------------------------------ the lighthouse's HTTP side
 
 
-def test_the_dashboard_and_status_over_https(pki, other):
+def test_the_dashboard_and_status_over_https(pki, other_pki):
     async def scenario():
         async with running_lighthouse(access=Access(TOKEN), tls=job_tls(pki)) as lighthouse:
             base = f"https://127.0.0.1:{lighthouse.http_port}"
@@ -150,7 +122,7 @@ def test_the_dashboard_and_status_over_https(pki, other):
                 async with session.get(f"{base}/metrics", ssl=trusted) as answer:
                     assert answer.status == 200 and "lighthouse_" in await answer.text()
                 with pytest.raises(aiohttp.ClientConnectorCertificateError):
-                    async with session.get(f"{base}/healthz", ssl=TlsSettings(ca=other.ca).client_context()):
+                    async with session.get(f"{base}/healthz", ssl=TlsSettings(ca=other_pki.ca).client_context()):
                         pass
                 with pytest.raises(aiohttp.ClientError):
                     async with session.get(f"http://127.0.0.1:{lighthouse.http_port}/healthz"):
@@ -165,7 +137,7 @@ def test_the_dashboard_and_status_over_https(pki, other):
     asyncio.run(scenario())
 
 
-def test_the_dashboard_kill_reaches_a_tls_manager_and_checks_its_certificate(pki, other):
+def test_the_dashboard_kill_reaches_a_tls_manager_and_checks_its_certificate(pki, other_pki):
     async def kill(lighthouse, replica_id: str) -> tuple[int, str]:
         url = f"https://127.0.0.1:{lighthouse.http_port}/api/replicas/{replica_id}/kill"
         async with aiohttp.ClientSession(headers=Access(TOKEN).headers()) as session, \
@@ -192,13 +164,13 @@ def test_the_dashboard_kill_reaches_a_tls_manager_and_checks_its_certificate(pki
                 assert server.kills == [] and server.statistics().refused == {}
 
     asyncio.run(scenario(job_tls(pki), True))
-    asyncio.run(scenario(TlsSettings(pki.cert, pki.key, other.ca), False))
+    asyncio.run(scenario(TlsSettings(pki.cert, pki.key, other_pki.ca), False))
 
 
 # ------------------------------------------------------------------ the ManagerServer
 
 
-def test_a_tls_manager_server_refuses_plain_text_and_untrusted_clients(pki, other):
+def test_a_tls_manager_server_refuses_plain_text_and_untrusted_clients(pki, other_pki):
     async def scenario():
         async with running_lighthouse(access=Access(TOKEN), tls=job_tls(pki)) as lighthouse, \
                 manager_server(lighthouse.address(), Access(TOKEN), tls=job_tls(pki)) as server:
@@ -206,7 +178,7 @@ def test_a_tls_manager_server_refuses_plain_text_and_untrusted_clients(pki, othe
             await wait_until(lambda: server.lease_held, "the ManagerServer's lease over TLS")
             target = server.address().removeprefix("https://")
             for channel in (grpc.aio.insecure_channel(target),
-                            grpc.aio.secure_channel(target, TlsSettings(ca=other.ca).grpc_channel_credentials())):
+                            grpc.aio.secure_channel(target, TlsSettings(ca=other_pki.ca).grpc_channel_credentials())):
                 try:
                     with pytest.raises(grpc.aio.AioRpcError) as caught:
                         await channel.unary_unary("/torchft.ManagerService/Kill")(
@@ -236,10 +208,6 @@ def state_dict() -> dict:
             "h": torch.randn(17, 33, generator=generator).to(torch.bfloat16), "step": 9, "lr": 0.125}
 
 
-def same(received, sent, step: int) -> bool:
-    return encode.encode_to_bytes(step, received) == encode.encode_to_bytes(step, sent)
-
-
 def test_a_heal_over_tls_is_bit_identical(make_transport, pki):
     tls = job_tls(pki)
     sent = state_dict()
@@ -251,7 +219,7 @@ def test_a_heal_over_tls_is_bit_identical(make_transport, pki):
     in_place = make_transport(access=Access(TOKEN), tls=tls, state_dict=lambda: targets)
     source.send_checkpoint([1, 2, 3], 9, sent, LONG)
     for receiver in (whole, ranged, in_place):
-        assert same(receiver.recv_checkpoint(0, source.metadata(), 9, LONG), sent, 9)
+        assert same_encoding(receiver.recv_checkpoint(0, source.metadata(), 9, LONG), sent, 9)
     assert torch.equal(targets["w"], sent["w"]) and torch.equal(targets["h"], sent["h"])  # landed in place
     source.disallow_checkpoint()
     assert source.statistics().bytes_served > 3 * sent["w"].numel() * 4
@@ -265,17 +233,17 @@ def test_a_heal_striped_over_two_tls_sources(make_transport, pki):
     primary.send_checkpoint([1], 9, sent, LONG)
     secondary.send_checkpoint([1], 9, sent, LONG)
     received = receiver.recv_checkpoint_striped([(0, primary.metadata()), (1, secondary.metadata())], 9, LONG)
-    assert same(received, sent, 9)
+    assert same_encoding(received, sent, 9)
     primary.disallow_checkpoint()
     secondary.disallow_checkpoint()
     assert primary.statistics().bytes_served > 0 and secondary.statistics().bytes_served > 0
 
 
-def test_a_receiver_that_does_not_trust_the_ca_or_speaks_plain_text_gets_nothing(make_transport, pki, other):
+def test_a_receiver_that_does_not_trust_the_ca_or_speaks_plain_text_gets_nothing(make_transport, pki, other_pki):
     source = make_transport(access=Access(TOKEN), tls=job_tls(pki))
     source.send_checkpoint([], 9, state_dict(), LONG)
     short = timedelta(seconds=10)
-    for trust in (TlsSettings(ca=other.ca), TlsSettings()):  # another CA; the system's CAs
+    for trust in (TlsSettings(ca=other_pki.ca), TlsSettings()):  # another CA; the system's CAs
         with pytest.raises(CheckpointURLError, match="TLS handshake failed.*TORCHFT_LITE_TLS_CA"):
             make_transport(access=Access(TOKEN), tls=trust).recv_checkpoint(0, source.metadata(), 9, short)
     plain_url = source.metadata().replace("https://", "http://")
@@ -288,7 +256,7 @@ def test_a_receiver_that_does_not_trust_the_ca_or_speaks_plain_text_gets_nothing
 # ------------------------------------------------------------------ bad settings
 
 
-def test_bad_settings_fail_at_start_with_the_setting_named(pki, other, monkeypatch, tmp_path):
+def test_bad_settings_fail_at_start_with_the_setting_named(pki, other_pki, monkeypatch, tmp_path):
     monkeypatch.setenv("TORCHFT_LITE_TLS_CERT", str(pki.cert))
     monkeypatch.delenv("TORCHFT_LITE_TLS_KEY", raising=False)
     with pytest.raises(ConfigError, match="TORCHFT_LITE_TLS_CERT is set but TORCHFT_LITE_TLS_KEY is not"):
@@ -297,7 +265,7 @@ def test_bad_settings_fail_at_start_with_the_setting_named(pki, other, monkeypat
         HTTPTransport(LONG, hostname="127.0.0.1", bind_host="127.0.0.1")
     with pytest.raises(ValueError, match="TORCHFT_LITE_TLS_KEY is not"):
         ManagerClient("127.0.0.1:1")
-    monkeypatch.setenv("TORCHFT_LITE_TLS_KEY", str(other.key))
+    monkeypatch.setenv("TORCHFT_LITE_TLS_KEY", str(other_pki.key))
     with pytest.raises(ValueError, match="cannot use .* with the key"):
         LighthouseClient("127.0.0.1:1")
 
@@ -313,8 +281,7 @@ def test_bad_settings_fail_at_start_with_the_setting_named(pki, other, monkeypat
 @pytest.mark.slow
 def test_training_with_tls_and_a_token_commits_steps_and_heals(tmp_path, monkeypatch, pki, caplog):
     """Real groups (examples/train_ddp.py) and a real lighthouse; TLS and the token both from the environment."""
-    from tests.integration.test_fault_tolerant_ddp import (assert_identical_per_step, cluster, read_reports,
-                                                           steps_of, wait_for)
+    from tests.integration.helpers import assert_identical_per_step, cluster, read_reports, steps_of, wait_for
 
     caplog.set_level(logging.DEBUG)
     monkeypatch.setenv(TOKEN_ENV, TOKEN)

@@ -7,17 +7,9 @@ from datetime import timedelta
 import torch
 from torch import nn
 
+from tests.unit.helpers import CountingManager
 from torchft_lite.ddp import PureDistributedDataParallel, _bucket_future, _single_rank_group
 from torchft_lite.work import ManagedWork, _DummyWork, completed_future
-
-
-class CountingManager:
-    def __init__(self) -> None:
-        self.allreduced: list[torch.Tensor] = []
-
-    def allreduce(self, tensor: torch.Tensor) -> ManagedWork:
-        self.allreduced.append(tensor)
-        return ManagedWork(completed_future(tensor))
 
 
 def test_pure_ddp_allreduces_each_gradient_once_per_backward() -> None:

@@ -3,53 +3,17 @@
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 from torch import nn
 
+from tests.conftest import all_in_threads, two_layers
+from tests.unit.helpers import SoloManager
 from torchft_lite.local_sgd import _buckets
 from torchft_lite.local_sgd import DiLoCo, LocalSGD, extract_local_tensor
-from torchft_lite.work import DoneWork
 
 WAIT = 30.0
-
-
-class SoloManager:
-    """One replica group alone: an allreduce averages over one (leaves the tensor as is)."""
-
-    _use_async_quorum = False
-
-    def __init__(self, commit: bool = True) -> None:
-        self.commit = commit
-        self.step = 0
-        self.events: list[str] = []
-        self.allreduced: list[torch.Tensor] = []
-        self.state_fns: dict[str, tuple] = {}
-
-    def start_quorum(self) -> None:
-        self.events.append("start_quorum")
-
-    def allreduce(self, tensor: torch.Tensor, should_quantize: bool = False) -> DoneWork:
-        self.allreduced.append(tensor)
-        return DoneWork(self.reduce(tensor))
-
-    def reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
-
-    def should_commit(self) -> bool:
-        self.events.append("should_commit")
-        if self.commit:
-            self.step += 1
-        return self.commit
-
-    def current_step(self) -> int:
-        return self.step
-
-    def register_state_dict_fn(self, key, load, save) -> None:
-        assert key not in self.state_fns
-        self.state_fns[key] = (load, save)
 
 
 class Fleet:
@@ -88,19 +52,8 @@ class FleetManager(SoloManager):
 
 
 def run_groups(*fns):
-    with ThreadPoolExecutor(len(fns)) as pool:
-        futures = [pool.submit(fn) for fn in fns]
-        return [f.result(timeout=WAIT) for f in futures]
-
-
-def two_layers() -> nn.Sequential:
-    """The same model every time; its own generator, since the global one is shared by the groups' threads."""
-    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=generator))
-    return model
+    """Each of ``fns`` at once, on a thread of its own (a replica group each); what they returned."""
+    return list(all_in_threads(range(len(fns)), lambda index: fns[index](), WAIT, "a group's thread hung").values())
 
 
 def inner_step(model: nn.Module, optimizer: torch.optim.Optimizer, grad: float) -> None:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from tests.unit.helpers import FailingWork
 from torchft_lite.errors import CollectiveError, ConfigError
 from torchft_lite.process_group import (
     CompletedWork,
@@ -22,22 +22,6 @@ from torchft_lite.process_group import (
 from torchft_lite.process_group.handles import make_handle
 from torchft_lite.process_group.wrappers import _ErrorSwallowingWork
 from torchft_lite.work import ManagedWork, completed_future
-
-
-class FailingWork(dist.Work):
-    """A collective that failed: wait() raises, the future carries the error."""
-
-    def __init__(self, error: Exception) -> None:
-        super().__init__()
-        self.error = error
-
-    def wait(self, timeout: timedelta | None = None) -> bool:
-        raise self.error
-
-    def get_future(self) -> torch.futures.Future:
-        future: torch.futures.Future = torch.futures.Future()
-        future.set_exception(self.error)
-        return future
 
 
 class FlakyGroup(ProcessGroupDummy):

@@ -3,25 +3,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
-from pathlib import Path
 
 import pytest
 
 from benchmarks._rejoin_breakdown import LIBRARY_PHASES, PHASES, breakdown, format_table, median_breakdown
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def load_timeline_module():
-    """examples/ is not a package: load the helper the training script imports from beside it."""
-    spec = importlib.util.spec_from_file_location("rejoin_timeline", ROOT / "examples" / "rejoin_timeline.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
+from tests.unit.helpers import load_example
 
 EVENTS = {"process_start": 100.01, "script_start": 100.05, "torch_imported": 101.55, "library_imported": 101.70,
           "manager_begin": 102.70, "manager_constructed": 102.80, "quorum_answered": 102.83, "configured": 102.84,
@@ -85,7 +73,7 @@ def test_the_first_step_report_is_kept_and_medians_skip_missing_phases():
 
 
 def test_the_timeline_notes_marks_log_events_and_writes_one_line(tmp_path):
-    timeline_module = load_timeline_module()
+    timeline_module = load_example("rejoin_timeline.py", "rejoin_timeline")
     path = tmp_path / "timeline.jsonl"
     timeline = timeline_module.Timeline(str(path), "torchft_lite", script_start=123.0)
     package = logging.getLogger("torchft_lite")  # the script's --log-level INFO, for the library's loggers
@@ -118,7 +106,7 @@ def test_the_timeline_notes_marks_log_events_and_writes_one_line(tmp_path):
 
 
 def test_the_timeline_knows_torchfts_log_lines():
-    timeline_module = load_timeline_module()
+    timeline_module = load_example("rejoin_timeline.py", "rejoin_timeline")
     events: dict[str, float] = {}
     handler = timeline_module._LogEvents("torchft", events)
     for message in ("[r/0 - step 0] reconfiguring for quorum_id=4", "[r/0 - step 0] resetting fr recording for "
@@ -129,7 +117,7 @@ def test_the_timeline_knows_torchfts_log_lines():
 
 
 def test_a_timeline_without_a_path_records_nothing(tmp_path):
-    timeline = load_timeline_module().Timeline(None, "torchft_lite", script_start=1.0)
+    timeline = load_example("rejoin_timeline.py", "rejoin_timeline").Timeline(None, "torchft_lite", script_start=1.0)
     timeline.mark("torch_imported")
     timeline.first_commit(group=0, rank=0, step=1)
     assert timeline.events == {}
@@ -139,7 +127,7 @@ def test_a_timeline_without_a_path_records_nothing(tmp_path):
 def test_the_process_start_is_before_now():
     import time
 
-    start = load_timeline_module().process_start_time()
+    start = load_example("rejoin_timeline.py", "rejoin_timeline").process_start_time()
     if start is None:
         pytest.skip("no /proc on this platform: the process start is not known")
     assert start <= time.time()

@@ -2,29 +2,23 @@
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.unit.helpers import EXAMPLES, load_example
 from torchft_lite.errors import ConfigError
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def train_ddp():
     """examples/ is not a package: load the script (and the helper it imports from beside it)."""
-    sys.path.insert(0, str(ROOT / "examples"))
+    sys.path.insert(0, str(EXAMPLES))
     try:
-        spec = importlib.util.spec_from_file_location("train_ddp_under_test", ROOT / "examples" / "train_ddp.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        yield module
+        yield load_example("train_ddp.py", "train_ddp_under_test")
     finally:
-        sys.path.remove(str(ROOT / "examples"))
+        sys.path.remove(str(EXAMPLES))
 
 
 def test_cpu_is_the_default_and_stays_on_the_cpu(train_ddp, monkeypatch):

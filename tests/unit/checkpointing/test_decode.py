@@ -3,32 +3,10 @@
 import pytest
 import torch
 
+from tests.unit.helpers import MIXED_STATE as STATE, SMALL_BLOCK as BLOCK, encoded, fill_in_place
 from torchft_lite.serialization import checksum
-from torchft_lite.serialization import decode, encode, spec
+from torchft_lite.serialization import decode
 from torchft_lite.errors import CheckpointTransferError
-
-BLOCK = 4096
-STATE = {"a": torch.arange(5000, dtype=torch.float32), "empty": torch.empty(0),
-         "b": torch.arange(7, dtype=torch.int64), "c": torch.arange(3, dtype=torch.bfloat16)}
-
-
-def encoded(state: dict = STATE) -> tuple[spec.Header, bytes, bytes]:
-    """``(header, data, trailer)`` of ``state`` with small blocks, so tensors span several."""
-    blob = encode.encode_to_bytes(3, state, block_bytes=BLOCK)
-    length, crc = spec.unpack_prefix(blob[:spec.PREFIX_SIZE])
-    header = spec.parse_header(blob[spec.PREFIX_SIZE:spec.PREFIX_SIZE + length], crc)
-    data_start = spec.PREFIX_SIZE + length
-    return header, blob[data_start:data_start + header.data_bytes], blob[data_start + header.data_bytes:]
-
-
-def fill_in_place(writer: decode.TensorWriter, data: bytes, start: int, end: int, piece: int) -> None:
-    """What the HTTP client does: ask for a view of the destination, let "the kernel" write, report."""
-    position = start
-    while position < end:
-        view = writer.buffer_at(position, end)[:piece]
-        view[:] = data[position:position + len(view)]
-        writer.filled(position, len(view))
-        position += len(view)
 
 
 def test_blocks_cut_every_tensor_and_the_trailer_has_one_sum_each():

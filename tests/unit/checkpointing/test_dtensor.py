@@ -11,27 +11,18 @@ import zlib
 
 import pytest
 import torch
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _MaskPartial, _StridedShard
 
+from tests.conftest import cpu_mesh, dtensor, read_header
 from torchft_lite.checkpointing import _http_receive
 from torchft_lite.serialization import decode, encode, spec
 from torchft_lite.errors import CheckpointError, CheckpointTransferError
 
 
-def mesh(ranks, names=None, device_type="cpu") -> DeviceMesh:
-    return DeviceMesh(device_type, torch.tensor(ranks), mesh_dim_names=names, _init_backend=False, _rank=0)
-
-
-def dtensor(local: torch.Tensor, device_mesh: DeviceMesh, placements, shape) -> DTensor:
-    return DTensor.from_local(local, device_mesh, placements, run_check=False, shape=torch.Size(shape),
-                              stride=torch.empty(shape).stride())
-
-
 def sharded_state() -> dict:
     torch.manual_seed(0)
-    flat, grid = mesh([0, 1, 2, 3], ("fsdp",)), mesh([[0, 1], [2, 3]], ("dp", "tp"))
+    flat, grid = cpu_mesh([0, 1, 2, 3], ("fsdp",)), cpu_mesh([[0, 1], [2, 3]], ("dp", "tp"))
     return {
         "w": dtensor(torch.randn(2, 5), flat, [Shard(0)], (8, 5)),
         "b": dtensor(torch.randn(5), flat, [Replicate()], (5,)),
@@ -79,7 +70,7 @@ def test_only_the_local_shards_travel():
 
 def test_a_dtensor_of_the_receivers_own_layout_is_received_in_place():
     sent = sharded_state()
-    own_mesh = mesh([0, 1, 2, 3], ("fsdp",))
+    own_mesh = cpu_mesh([0, 1, 2, 3], ("fsdp",))
     target = dtensor(torch.zeros(2, 5), own_mesh, [Shard(0)], (8, 5))
     with torch.no_grad():  # to_local() returns the local tensor itself only outside autograd
         local = target.to_local()
@@ -92,7 +83,7 @@ def test_a_dtensor_of_the_receivers_own_layout_is_received_in_place():
 
 def test_dtensors_land_on_a_mesh_the_receiver_already_has():
     sent = sharded_state()
-    own_mesh = mesh([0, 1, 2, 3], ("fsdp",))
+    own_mesh = cpu_mesh([0, 1, 2, 3], ("fsdp",))
     elsewhere = {"other": dtensor(torch.zeros(1), own_mesh, [Shard(0)], (4,))}
     got = round_trip(sent, decode.targets_of(elsewhere))
     assert got["w"].device_mesh is own_mesh and got["strided"].device_mesh is own_mesh
@@ -101,15 +92,15 @@ def test_dtensors_land_on_a_mesh_the_receiver_already_has():
 
 
 def test_a_target_of_another_layout_is_not_used_for_the_layout():
-    sent = {"w": dtensor(torch.randn(2, 5), mesh([0, 1, 2, 3]), [Shard(0)], (8, 5))}
-    replicated = dtensor(torch.zeros(2, 5), mesh([0, 1, 2, 3]), [Replicate()], (2, 5))
+    sent = {"w": dtensor(torch.randn(2, 5), cpu_mesh([0, 1, 2, 3]), [Shard(0)], (8, 5))}
+    replicated = dtensor(torch.zeros(2, 5), cpu_mesh([0, 1, 2, 3]), [Replicate()], (2, 5))
     got = round_trip(sent, decode.targets_of({"w": replicated}))
     assert got["w"] is not replicated and got["w"].placements == (Shard(0),)
     assert_same_dtensor(got["w"], sent["w"])
 
 
 def test_unsupported_placements_are_refused_naming_the_path():
-    masked = dtensor(torch.ones(2), mesh([0, 1]), [_MaskPartial()], (2,))
+    masked = dtensor(torch.ones(2), cpu_mesh([0, 1]), [_MaskPartial()], (2,))
     with pytest.raises(CheckpointError, match="at model.m: unsupported placement"):
         encode.flatten({"model": {"m": masked}})
 
@@ -182,10 +173,8 @@ def test_a_malformed_dtensor_node_is_rejected():
 
 def test_a_layout_difference_between_two_replicas_headers_is_described():
     def header(placement):
-        state = {"w": dtensor(torch.ones(2, 5), mesh([0, 1, 2, 3], ("fsdp",)), [placement], (8, 5))}
-        blob = encode.encode_to_bytes(3, state)
-        length, crc = spec.unpack_prefix(blob[:spec.PREFIX_SIZE])
-        return spec.parse_header(blob[spec.PREFIX_SIZE:spec.PREFIX_SIZE + length], crc)
+        state = {"w": dtensor(torch.ones(2, 5), cpu_mesh([0, 1, 2, 3], ("fsdp",)), [placement], (8, 5))}
+        return read_header(encode.encode_to_bytes(3, state))[0]
 
     difference = _http_receive.header_difference(header(Shard(0)), header(Replicate()))
     assert difference == ("value at w: '<DTensor [8, 5] (shard:0) on cpu mesh [4]>' vs "

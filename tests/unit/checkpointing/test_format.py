@@ -9,6 +9,7 @@ import zlib
 import pytest
 import torch
 
+from tests.conftest import read_header
 from torchft_lite.serialization import decode, encode, spec
 from torchft_lite.errors import CheckpointError, CheckpointTransferError
 
@@ -156,10 +157,9 @@ def test_truncated_input_is_a_transfer_error(cut):
 
 def test_a_writer_missing_data_reports_truncation():
     blob = sample_blob()
-    length, crc = spec.unpack_prefix(blob[:spec.PREFIX_SIZE])
-    header = spec.parse_header(blob[spec.PREFIX_SIZE:spec.PREFIX_SIZE + length], crc)
+    header, data_start = read_header(blob)
     writer = decode.TensorWriter(header)
-    writer.write(0, blob[spec.PREFIX_SIZE + length:-header.trailer_bytes - 8])
+    writer.write(0, blob[data_start:-header.trailer_bytes - 8])
     with pytest.raises(CheckpointTransferError, match="truncated"):
         writer.finish()
     with pytest.raises(CheckpointTransferError, match="outside"):

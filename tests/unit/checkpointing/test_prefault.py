@@ -1,21 +1,16 @@
 """Populating a fresh receive's pages: it never changes a byte, and only fresh tensors are populated."""
 
 import threading
-import time
 
 import pytest
 import torch
 
+from tests.conftest import wait_until_sync
 from torchft_lite.serialization import decode, encode, prefault
 
+POLL = dict(timeout=30.0, interval=0.005)  # how the tests below wait for the populating threads
+
 MiB = 1 << 20
-
-
-def wait_for(condition, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
 
 
 def state(seed: int) -> dict:
@@ -55,7 +50,8 @@ def test_each_block_of_a_fresh_tensor_is_populated_once(monkeypatch):
     if not prefault.supported():
         pytest.skip("this kernel (or OS) has no MADV_POPULATE_WRITE: nothing is populated")
     calls, _ = blocks_populated(monkeypatch, None)
-    wait_for(lambda: len(calls) >= 4)  # a populating thread may still be inside the call it claimed a block for
+    # a populating thread may still be inside the call it claimed a block for
+    wait_until_sync(lambda: len(calls) >= 4, "four populated blocks", **POLL)
     # "a" is two 512 KiB blocks, "b" one of 512 KiB and one of 256 KiB; "small" (80 bytes) is left to fault
     assert sorted(calls) == [256 << 10] + [512 << 10] * 3
 
@@ -87,10 +83,10 @@ def test_the_threads_and_the_writes_populate_every_block_exactly_once(monkeypatc
     blocks = [(i, 1) for i in range(40)]
     blocks[3] = None  # a block left to fault
     populator = prefault.Populator(list(blocks), keep=object())
-    wait_for(lambda: len(fake.calls) == prefault.POPULATE_THREADS)  # each thread holds one block
+    wait_until_sync(lambda: len(fake.calls) == prefault.POPULATE_THREADS, "a block held by each thread", **POLL)
     claimed = [populator.claim(i) for i in range(40)]
     fake.gate.set()
-    wait_for(lambda: populator._pending == 0)
+    wait_until_sync(lambda: populator._pending == 0, "every block to be populated", **POLL)
     by_threads = set(fake.calls)
     by_writes = {block[0] for block in claimed if block is not None}
     assert not by_threads & by_writes and by_threads | by_writes == set(range(40)) - {3}
@@ -101,11 +97,11 @@ def test_the_threads_go_on_after_the_latest_write(monkeypatch):
     fake = GatedPopulate()
     monkeypatch.setattr(prefault, "populate", fake)
     populator = prefault.Populator([(i, 1) for i in range(100)], keep=object())
-    wait_for(lambda: len(fake.calls) == prefault.POPULATE_THREADS)
+    wait_until_sync(lambda: len(fake.calls) == prefault.POPULATE_THREADS, "a block held by each thread", **POLL)
     assert sorted(fake.calls) == list(range(prefault.POPULATE_THREADS))  # from the start at first
     assert populator.claim(50) == (50, 1)  # a second stream writes at block 50: the threads move there
     fake.gate.set()
-    wait_for(lambda: len(fake.calls) >= 2 * prefault.POPULATE_THREADS)
+    wait_until_sync(lambda: len(fake.calls) >= 2 * prefault.POPULATE_THREADS, "the threads' second blocks", **POLL)
     threads = prefault.POPULATE_THREADS
     assert sorted(fake.calls[threads:2 * threads]) == list(range(51, 51 + threads))
     populator.stop()
@@ -115,8 +111,8 @@ def test_a_stopped_populator_takes_no_more_blocks(monkeypatch):
     fake = GatedPopulate()
     monkeypatch.setattr(prefault, "populate", fake)
     populator = prefault.Populator([(i, 1) for i in range(100)], keep=object())
-    wait_for(lambda: len(fake.calls) == prefault.POPULATE_THREADS)
+    wait_until_sync(lambda: len(fake.calls) == prefault.POPULATE_THREADS, "a block held by each thread", **POLL)
     populator.stop()
     fake.gate.set()
-    wait_for(lambda: populator._keep is None)  # the threads left, and let go of the tensors
+    wait_until_sync(lambda: populator._keep is None, "the threads to leave and let go of the tensors", **POLL)
     assert len(fake.calls) == prefault.POPULATE_THREADS

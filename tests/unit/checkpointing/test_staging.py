@@ -15,12 +15,9 @@ import concurrent.futures
 import pytest
 import torch
 
+from tests.unit.helpers import MIXED_STATE as STATE, encoded, fill_in_place
 from torchft_lite.serialization import decode, staging
 from torchft_lite.errors import CheckpointTransferError
-from tests.unit.checkpointing.test_decode import encoded, fill_in_place
-
-STATE = {"a": torch.arange(5000, dtype=torch.float32), "empty": torch.empty(0),
-         "b": torch.arange(7, dtype=torch.int64), "c": torch.arange(3, dtype=torch.bfloat16)}
 
 
 class RecordingCopier:

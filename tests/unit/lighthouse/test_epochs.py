@@ -5,24 +5,14 @@ import json
 import pytest
 
 from lighthouse.epochs import MAX_FENCED, StaleReplica, group_of, resumed_from_of
-from lighthouse.quorum import Member, QuorumConfig, QuorumState, Status
-
-
-def state(min_replicas=1, join_timeout=0.0, heartbeat_timeout=5.0, holder_timeout=30.0, **kw) -> QuorumState:
-    config = QuorumConfig(min_replicas, join_timeout, heartbeat_timeout, holder_timeout=holder_timeout)
-    return QuorumState(config, **kw)
+from lighthouse.quorum import Member, QuorumState, Status
+from tests.unit.helpers import issue, quorum_state
 
 
 def beat(s: QuorumState, now: float, *replica_ids: str) -> None:
     """The background heartbeats of waiting replicas (their managers send them every fraction of a second)."""
     for replica_id in replica_ids:
         s.heartbeat(replica_id, now)
-
-
-def issue(s: QuorumState, now: float):
-    decision, _ = s.decide(now)
-    assert decision.quorum is not None, decision.reason
-    return decision
 
 
 def blocked(s: QuorumState, now: float):
@@ -34,7 +24,7 @@ def blocked(s: QuorumState, now: float):
 
 def finished_job(**kw) -> QuorumState:
     """An earlier job reached step 300 with quorum 1 at t=0, then went away (no more heartbeats)."""
-    s = state(**kw)
+    s = quorum_state(join_timeout=0.0, **kw)
     s.join(Member("old-a", step=300), 0.0)
     s.join(Member("old-b", step=300), 0.0)
     assert issue(s, 0.0).quorum.quorum_id == 1
@@ -89,8 +79,8 @@ class TestHolderTimeout:
         assert decision.epoch is None and decision.quorum.replica_ids == ("new", "old-b") and s.max_step == 301
 
     def test_a_restart_that_restored_the_step_knows_no_holders_and_counts_from_its_start(self):
-        s = state(started_at=100.0, max_step=300, last_quorum_id=17,
-                  restart_evidence="its state dir holds quorum id 17")
+        s = quorum_state(join_timeout=0.0, started_at=100.0, max_step=300, last_quorum_id=17,
+                         restart_evidence="its state dir holds quorum id 17")
         assert s.epochs.holders == frozenset() and s.epochs.holders_seen_at == 100.0
         s.join(Member("fresh", step=0), 101.0)
         decision = blocked(s, 101.0)
@@ -114,7 +104,7 @@ class TestHolderTimeout:
         assert decision.status is Status.BELOW_MIN_REPLICAS and s.epoch is None and s.max_step == 300
 
     def test_the_epochs_first_quorum_gets_a_new_id_even_with_the_previous_members(self):
-        s = state()
+        s = quorum_state(join_timeout=0.0)
         s.join(Member("a", step=300), 0.0)
         s.join(Member("b", step=250), 0.0)
         assert issue(s, 0.0).quorum.quorum_id == 1
@@ -132,7 +122,7 @@ class TestHolderTimeout:
 def restarted_groups_job(**kw) -> QuorumState:
     """Replica groups g0 and g1 reached step 300 with quorum 1 at t=0 (ids as Managers name them,
     ``<group>:<process>``), then went away."""
-    s = state(**kw)
+    s = quorum_state(join_timeout=0.0, **kw)
     s.join(Member("g0:old", step=300), 0.0)
     s.join(Member("g1:old", step=300), 0.0)
     assert issue(s, 0.0).quorum.quorum_id == 1
@@ -182,7 +172,8 @@ class TestResumedFromACheckpoint:
         assert blocked(s, 5.0).wake_at == 30.0
 
     def test_a_lighthouse_that_knows_no_holders_needs_no_restarted_group(self):
-        s = state(max_step=300, started_at=0.0)  # restored from its state dir: the step, not who holds it
+        # restored from its state dir: the step, not who holds it
+        s = quorum_state(join_timeout=0.0, max_step=300, started_at=0.0)
         s.join(Member("a", step=120, resumed_from=120), 1.0)
         blocked(s, 4.9)
         assert issue(s, 5.0).epoch.to_step == 120
@@ -285,7 +276,7 @@ class TestFence:
             s.join(Member("new-b", step=2), 42.0)
 
     def test_a_waiting_replica_above_the_new_step_is_dropped_when_the_epoch_starts(self):
-        s = state()
+        s = quorum_state(join_timeout=0.0)
         s.join(Member("h1", step=300), 0.0)
         s.join(Member("h2", step=300), 0.0)
         issue(s, 0.0)
@@ -299,7 +290,7 @@ class TestFence:
         assert s.epochs.is_fenced("h1") and "h1" not in {m.replica_id for m, _ in s.participants()}
 
     def test_no_fence_without_an_epoch_in_this_process(self):
-        s = state(started_at=0.0, max_step=10)
+        s = quorum_state(join_timeout=0.0, started_at=0.0, max_step=10)
         s.join(Member("a", step=500), 1.0)
         assert issue(s, 1.0).quorum.replica_ids == ("a",)
 

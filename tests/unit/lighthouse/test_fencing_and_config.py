@@ -1,4 +1,3 @@
-import errno
 import logging
 
 import pytest
@@ -7,6 +6,7 @@ from lighthouse import fencing
 from lighthouse.config import LighthouseConfig
 from lighthouse.fencing import QuorumIdStore, agreed_step
 from torchft_lite.rpc.addresses import split_host_port
+from tests.conftest import disk_full
 
 
 class TestQuorumIdStore:
@@ -108,11 +108,7 @@ class TestQuorumIdStore:
         store = QuorumIdStore(tmp_path)
         store.initial()
         real_write = fencing._write_atomically
-
-        def full_disk(path, value):
-            raise OSError(errno.ENOSPC, "No space left on device")
-
-        monkeypatch.setattr(fencing, "_write_atomically", full_disk)
+        monkeypatch.setattr(fencing, "_write_atomically", disk_full)
         with caplog.at_level(logging.ERROR, logger="lighthouse.fencing"):
             store.save(41)  # no exception: the lighthouse serves on
             store.quorum_reached([8], now=1.0)
@@ -129,10 +125,7 @@ class TestQuorumIdStore:
         assert (restarted.initial(), restarted.initial_max_step()) == (43, 8)
 
     def test_a_failed_write_leaves_no_temporary_file(self, tmp_path, monkeypatch):
-        def fail_fsync(fd):
-            raise OSError(errno.ENOSPC, "No space left on device")
-
-        monkeypatch.setattr(fencing.os, "fsync", fail_fsync)
+        monkeypatch.setattr(fencing.os, "fsync", disk_full)
         store = QuorumIdStore(tmp_path)
         store.save(7)
         assert store.write_failures == 1 and not list(tmp_path.iterdir())

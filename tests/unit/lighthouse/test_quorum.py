@@ -3,10 +3,7 @@
 import pytest
 
 from lighthouse.quorum import Member, QuorumConfig, QuorumState, Status
-
-
-def state(min_replicas=1, join_timeout=10.0, heartbeat_timeout=5.0, last_id=0) -> QuorumState:
-    return QuorumState(QuorumConfig(min_replicas, join_timeout, heartbeat_timeout), last_quorum_id=last_id)
+from tests.unit.helpers import issue, quorum_state
 
 
 def join(s: QuorumState, now: float, *ids: str, **kw) -> None:
@@ -14,21 +11,15 @@ def join(s: QuorumState, now: float, *ids: str, **kw) -> None:
         s.join(Member(rid, **kw), now)
 
 
-def issue(s: QuorumState, now: float):
-    decision, _ = s.decide(now)
-    assert decision.quorum is not None, decision.reason
-    return decision.quorum
-
-
 class TestHealth:
     def test_healthy_while_younger_than_timeout(self):
-        s = state(heartbeat_timeout=5.0)
+        s = quorum_state(heartbeat_timeout=5.0)
         s.heartbeat("a", 100.0)
         assert s.is_healthy("a", 104.9)
         assert not s.is_healthy("a", 105.0)
 
     def test_expire_forgets_stale_heartbeats_and_reports_them(self):
-        s = state(heartbeat_timeout=5.0)
+        s = quorum_state(heartbeat_timeout=5.0)
         s.heartbeat("a", 0.0)
         s.heartbeat("b", 3.0)
         assert s.expire(4.0) == []
@@ -39,19 +30,19 @@ class TestHealth:
         assert s.expire(12.0) == ["b"]
 
     def test_joining_counts_as_heartbeat(self):
-        s = state()
+        s = quorum_state()
         join(s, 1.0, "a")
         assert s.is_healthy("a", 1.0)
 
     def test_time_going_backwards_is_clamped(self):
-        s = state(heartbeat_timeout=5.0)
+        s = quorum_state(heartbeat_timeout=5.0)
         s.heartbeat("a", 10.0)
         s.heartbeat("b", 2.0)  # treated as 10.0
         assert s.expire(14.9) == []
         assert sorted(s.expire(15.0)) == ["a", "b"]
 
     def test_memory_stays_bounded_as_replicas_come_and_go(self):
-        s = state(heartbeat_timeout=1.0)
+        s = quorum_state(heartbeat_timeout=1.0)
         for i in range(10_000):
             s.heartbeat(f"r{i}", i * 0.1)
             if i % 100 == 0:
@@ -62,17 +53,17 @@ class TestHealth:
 
 class TestMinReplicasAndSplitBrain:
     def test_waits_for_min_replicas(self):
-        s = state(min_replicas=2)
+        s = quorum_state(min_replicas=2)
         join(s, 0.0, "a")
         decision, _ = s.decide(0.0)
         assert decision.status is Status.BELOW_MIN_REPLICAS
         assert "need min_replicas=2" in decision.reason
         join(s, 0.5, "b")
-        q = issue(s, 0.5)
+        q = issue(s, 0.5).quorum
         assert q.replica_ids == ("a", "b")
 
     def test_split_brain_guard_needs_strictly_more_than_half(self):
-        s = state(min_replicas=1)
+        s = quorum_state(min_replicas=1)
         for rid in "abcd":
             s.heartbeat(rid, 0.0)
         join(s, 0.0, "a", "b")
@@ -84,20 +75,20 @@ class TestMinReplicasAndSplitBrain:
         assert decision.status is Status.WAITING_FOR_STRAGGLERS  # 3 of 4 passes the guard
 
     def test_unhealthy_participants_do_not_count(self):
-        s = state(min_replicas=2, heartbeat_timeout=5.0)
+        s = quorum_state(min_replicas=2, heartbeat_timeout=5.0)
         join(s, 0.0, "a")
         join(s, 6.0, "b")
         decision, expired = s.decide(6.0)
         assert expired == ["a"]
         assert decision.status is Status.BELOW_MIN_REPLICAS
         s.heartbeat("a", 6.5)  # alive again: counts again without rejoining
-        q = issue(s, 6.5)
+        q = issue(s, 6.5).quorum
         assert q.replica_ids == ("a", "b")
 
 
 class TestJoinTimeout:
     def test_waits_for_stragglers_until_join_timeout_from_first_join(self):
-        s = state(min_replicas=1, join_timeout=10.0, heartbeat_timeout=100.0)
+        s = quorum_state(min_replicas=1, join_timeout=10.0, heartbeat_timeout=100.0)
         s.heartbeat("c", 0.0)
         join(s, 1.0, "a")
         join(s, 5.0, "b")
@@ -106,20 +97,20 @@ class TestJoinTimeout:
         assert decision.status is Status.WAITING_FOR_STRAGGLERS
         assert decision.reason.startswith("waiting for 1 straggler, 0.4 s of join timeout left")
         assert decision.wake_at == 11.0
-        q = issue(s, 11.0)
+        q = issue(s, 11.0).quorum
         assert q.replica_ids == ("a", "b")
         assert s.quorums_issued == 1
 
     def test_all_healthy_joined_issues_without_waiting(self):
-        s = state(min_replicas=1, join_timeout=1000.0)
+        s = quorum_state(min_replicas=1, join_timeout=1000.0)
         s.heartbeat("c", 0.0)
         join(s, 0.0, "a", "b")
         assert s.decide(0.0)[0].status is Status.WAITING_FOR_STRAGGLERS
         join(s, 0.1, "c")
-        assert issue(s, 0.1).replica_ids == ("a", "b", "c")
+        assert issue(s, 0.1).quorum.replica_ids == ("a", "b", "c")
 
     def test_retry_keeps_original_join_time(self):
-        s = state(min_replicas=1, join_timeout=10.0, heartbeat_timeout=100.0)
+        s = quorum_state(min_replicas=1, join_timeout=10.0, heartbeat_timeout=100.0)
         s.heartbeat("z", 0.0)
         join(s, 0.0, "a", "b")
         join(s, 8.0, "a")  # same replica calling again must not extend the wait
@@ -129,9 +120,9 @@ class TestJoinTimeout:
 
 class TestFastQuorum:
     def test_fast_quorum_when_all_previous_members_rejoin(self):
-        s = state(min_replicas=2, join_timeout=100.0)
+        s = quorum_state(min_replicas=2, join_timeout=100.0)
         join(s, 0.0, "a", "b")
-        first = issue(s, 0.0)
+        first = issue(s, 0.0).quorum
         s.heartbeat("c", 1.0)  # healthy but not joining: a slow path would wait for it
         join(s, 2.0, "b", "a")
         decision, _ = s.decide(2.0)
@@ -140,86 +131,86 @@ class TestFastQuorum:
         assert decision.quorum.quorum_id == first.quorum_id  # same members: same id
 
     def test_fast_quorum_ignores_split_brain_and_min_replicas(self):
-        s = state(min_replicas=1, join_timeout=100.0)
+        s = quorum_state(min_replicas=1, join_timeout=100.0)
         join(s, 0.0, "a")
-        issue(s, 0.0)
+        issue(s, 0.0).quorum
         for rid in "bc":
             s.heartbeat(rid, 1.0)
         join(s, 1.0, "a")
         assert s.decide(1.0)[0].status is Status.FAST_QUORUM
 
     def test_fast_quorum_includes_new_participants(self):
-        s = state(min_replicas=1)
+        s = quorum_state(min_replicas=1)
         join(s, 0.0, "b", "a")
-        first = issue(s, 0.0)
+        first = issue(s, 0.0).quorum
         join(s, 1.0, "c", "b", "a")
-        q = issue(s, 1.0)
+        q = issue(s, 1.0).quorum
         assert q.replica_ids == ("a", "b", "c")
         assert q.quorum_id == first.quorum_id + 1
 
     def test_missing_member_means_no_fast_quorum(self):
-        s = state(min_replicas=1, join_timeout=5.0)
+        s = quorum_state(min_replicas=1, join_timeout=5.0)
         join(s, 0.0, "a", "b", "c")
-        issue(s, 0.0)
+        issue(s, 0.0).quorum
         join(s, 1.0, "a", "b")
         decision, _ = s.decide(1.0)
         assert decision.status is Status.WAITING_FOR_STRAGGLERS  # c still heartbeating
-        assert issue(s, 5.0).replica_ids == ("a", "b")
+        assert issue(s, 5.0).quorum.replica_ids == ("a", "b")
 
 
 class TestShrinkOnly:
     def test_shrink_only_admits_only_previous_members(self):
-        s = state(min_replicas=1)
+        s = quorum_state(min_replicas=1)
         join(s, 0.0, "a", "b")
-        first = issue(s, 0.0)
+        first = issue(s, 0.0).quorum
         join(s, 1.0, "c")
         s.join(Member("a", shrink_only=True), 1.0)
         join(s, 1.0, "b")
-        q = issue(s, 1.0)
+        q = issue(s, 1.0).quorum
         assert q.replica_ids == ("a", "b")
         assert q.quorum_id == first.quorum_id
         # c was left out and keeps waiting for the next quorum.
         assert [m.replica_id for m, _ in s.participants()] == ["c"]
 
     def test_without_previous_quorum_shrink_only_has_no_effect(self):
-        s = state(min_replicas=1)
+        s = quorum_state(min_replicas=1)
         s.join(Member("a", shrink_only=True), 0.0)
-        assert issue(s, 0.0).replica_ids == ("a",)
+        assert issue(s, 0.0).quorum.replica_ids == ("a",)
 
 
 class TestQuorumId:
     def test_first_quorum_id_follows_the_seed(self):
-        s = state(last_id=41)
+        s = quorum_state(last_quorum_id=41)
         join(s, 0.0, "a")
-        assert issue(s, 0.0).quorum_id == 42
+        assert issue(s, 0.0).quorum.quorum_id == 42
 
     def test_id_changes_on_membership_change_and_commit_failures(self):
-        s = state(min_replicas=1, heartbeat_timeout=5.0)
+        s = quorum_state(min_replicas=1, heartbeat_timeout=5.0)
         join(s, 0.0, "a", "b")
-        q1 = issue(s, 0.0)
+        q1 = issue(s, 0.0).quorum
         join(s, 1.0, "a", "b")
-        assert issue(s, 1.0).quorum_id == q1.quorum_id
+        assert issue(s, 1.0).quorum.quorum_id == q1.quorum_id
         s.join(Member("a", commit_failures=2), 2.0)
         join(s, 2.0, "b")
-        assert issue(s, 2.0).quorum_id == q1.quorum_id + 1
+        assert issue(s, 2.0).quorum.quorum_id == q1.quorum_id + 1
         # b dies: after heartbeat expiry a alone forms a new quorum with a new id.
         s.heartbeat("a", 6.0)
         join(s, 8.0, "a")
-        q = issue(s, 8.0)
+        q = issue(s, 8.0).quorum
         assert q.replica_ids == ("a",)
         assert q.quorum_id == q1.quorum_id + 2
 
     def test_members_are_sorted_and_cleared_after_issue(self):
-        s = state(min_replicas=3)
+        s = quorum_state(min_replicas=3)
         join(s, 0.0, "c", "a", "b")
-        assert issue(s, 0.0).replica_ids == ("a", "b", "c")
+        assert issue(s, 0.0).quorum.replica_ids == ("a", "b", "c")
         assert s.num_participants == 0
         assert s.first_joined is None
 
 
 class TestLeave:
     def test_leaving_participant_is_not_counted(self):
-        s = state(min_replicas=2)
+        s = quorum_state(min_replicas=2)
         join(s, 0.0, "a", "b")
         s.leave("b")
         assert s.decide(0.0)[0].status is Status.BELOW_MIN_REPLICAS
@@ -246,33 +237,33 @@ class TestConfig:
 
     def test_empty_replica_id_rejected(self):
         with pytest.raises(ValueError, match="replica_id"):
-            state().join(Member(""), 0.0)
+            quorum_state().join(Member(""), 0.0)
 
 
 class TestForget:
     """A broken lease: the replica is gone now, not after heartbeat_timeout."""
 
     def test_survivors_form_a_quorum_at_once_without_the_forgotten_member(self):
-        s = state(min_replicas=1, join_timeout=60.0, heartbeat_timeout=5.0)
+        s = quorum_state(min_replicas=1, join_timeout=60.0, heartbeat_timeout=5.0)
         join(s, 0.0, "a", "b", "c")
-        assert issue(s, 0.0).replica_ids == ("a", "b", "c")
+        assert issue(s, 0.0).quorum.replica_ids == ("a", "b", "c")
         join(s, 1.0, "a", "b")
         decision, _ = s.decide(1.0)
         assert decision.quorum is None  # c is still healthy: wait for it (join timeout)
         assert s.forget("c")
-        quorum = issue(s, 1.0)
+        quorum = issue(s, 1.0).quorum
         assert quorum.replica_ids == ("a", "b")
         assert not s.is_healthy("c", 1.0) and not s.forget("c")
 
     def test_a_forgotten_participant_leaves_the_next_quorum(self):
-        s = state(min_replicas=1)
+        s = quorum_state(min_replicas=1)
         join(s, 0.0, "a", "b")
         s.forget("b")
         assert s.num_participants == 1 and s.num_healthy_participants == 1
-        assert issue(s, 0.0).replica_ids == ("a",)
+        assert issue(s, 0.0).quorum.replica_ids == ("a",)
 
     def test_a_later_heartbeat_brings_it_back(self):
-        s = state()
+        s = quorum_state()
         s.heartbeat("a", 0.0)
         s.forget("a")
         s.heartbeat("a", 1.0)
@@ -288,7 +279,7 @@ class TestStartupGrace:
     def test_a_first_start_answers_a_lone_replica_at_once(self):
         s = QuorumState(QuorumConfig(1, join_timeout=1.0, heartbeat_timeout=5.0, startup_grace=5.0), started_at=100.0)
         join(s, 100.5, "only")
-        assert issue(s, 100.5).replica_ids == ("only",)
+        assert issue(s, 100.5).quorum.replica_ids == ("only",)
 
     def test_a_restart_holds_the_first_quorum_until_the_grace_passed(self):
         s = QuorumState(QuorumConfig(1, join_timeout=1.0, heartbeat_timeout=5.0, startup_grace=5.0), started_at=100.0,
@@ -300,29 +291,29 @@ class TestStartupGrace:
         assert decision.wake_at == 105.0
         s.heartbeat("veteran", 102.0)  # a replica that was training re-registers in time
         join(s, 103.0, "veteran")
-        assert issue(s, 105.0).replica_ids == ("fresh", "veteran")
+        assert issue(s, 105.0).quorum.replica_ids == ("fresh", "veteran")
 
     def test_a_restart_with_no_grace_configured_answers_at_once(self):
         s = QuorumState(QuorumConfig(1, startup_grace=0.0), started_at=0.0, restart_evidence=self.RESTARTED)
         join(s, 0.0, "a")
-        assert issue(s, 0.0).replica_ids == ("a",)
+        assert issue(s, 0.0).quorum.replica_ids == ("a",)
 
     def test_later_quorums_are_not_delayed(self):
         s = QuorumState(QuorumConfig(1, startup_grace=5.0), started_at=0.0, restart_evidence=self.RESTARTED)
         join(s, 4.0, "a")
-        assert issue(s, 5.0).replica_ids == ("a",)
+        assert issue(s, 5.0).quorum.replica_ids == ("a",)
         join(s, 5.1, "a")
-        assert issue(s, 5.1).replica_ids == ("a",)
+        assert issue(s, 5.1).quorum.replica_ids == ("a",)
 
 
 class TestStaleQuorumGuard:
     """Replicas that are all behind the highest step already reached must not form a quorum alone."""
 
     def test_fresh_replicas_wait_for_a_holder_of_the_latest_step(self):
-        s = state(min_replicas=2, join_timeout=1.0, heartbeat_timeout=5.0)
+        s = quorum_state(min_replicas=2, join_timeout=1.0, heartbeat_timeout=5.0)
         for rid in ("a", "b", "c"):
             s.join(Member(rid, step=40), 0.0)
-        assert issue(s, 0.0).replica_ids == ("a", "b", "c")
+        assert issue(s, 0.0).quorum.replica_ids == ("a", "b", "c")
         # a and b die; their replacements start over at step 0 while c is unreachable
         s.forget("a"), s.forget("b"), s.forget("c")
         s.join(Member("a2", step=0), 1.0)
@@ -331,31 +322,29 @@ class TestStaleQuorumGuard:
         assert decision.quorum is None and decision.status is Status.BEHIND_COMMITTED
         assert "step 40" in decision.reason
         s.join(Member("c", step=41), 2.0)  # the holder is back (it committed once more meanwhile)
-        quorum = issue(s, 2.0)
+        quorum = issue(s, 2.0).quorum
         assert quorum.replica_ids == ("a2", "b2", "c")
 
     def test_a_behind_replica_with_a_holder_present_is_fine(self):
-        s = state(min_replicas=1)
+        s = quorum_state(min_replicas=1)
         s.join(Member("a", step=10), 0.0)
-        issue(s, 0.0)
+        issue(s, 0.0).quorum
         s.join(Member("a", step=11), 0.5)
         s.join(Member("new", step=0), 0.5)
-        assert issue(s, 0.5).replica_ids == ("a", "new")
+        assert issue(s, 0.5).quorum.replica_ids == ("a", "new")
 
 
 # ---------------------------------------------------------------- lineage fence
 
 
 def _lineage_state() -> QuorumState:
-    return QuorumState(QuorumConfig(min_replicas=1, join_timeout=1.0, heartbeat_timeout=2.0))
+    return quorum_state(join_timeout=1.0, heartbeat_timeout=2.0)
 
 
 def _issue(state: QuorumState, now: float, *members: Member):
     for member in members:
         state.join(member, now)
-    decision, _ = state.decide(now)
-    assert decision.quorum is not None, decision.reason
-    return decision.quorum
+    return issue(state, now).quorum
 
 
 def test_a_member_that_committed_a_step_the_others_redid_without_it_is_given_that_step_to_heal():

@@ -12,22 +12,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from benchmarks._throwaway_pki import make_pki, openssl_missing
+from benchmarks._throwaway_pki import openssl_missing
 from lighthouse.config import LighthouseConfig
 from torchft_lite.rpc.tls import CA_ENV, CERT_ENV, KEY_ENV, TlsSettings
 
 pytestmark = pytest.mark.skipif(openssl_missing() is not None, reason=str(openssl_missing()))
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory):
-    return make_pki(tmp_path_factory.mktemp("pki"))
-
-
-@pytest.fixture(scope="module")
-def other(tmp_path_factory):
-    """A second CA and certificate, which the first CA never signed."""
-    return make_pki(tmp_path_factory.mktemp("other"), name="other")
 
 
 def test_nothing_set_is_plain_text_everywhere():
@@ -79,10 +68,10 @@ def test_the_key_never_shows(pki):
         assert "PRIVATE" not in text and key.splitlines()[1] not in text
 
 
-def test_flags_replace_the_variables(pki, other):
-    environ = {CERT_ENV: str(other.cert), KEY_ENV: str(other.key), CA_ENV: str(other.ca)}
+def test_flags_replace_the_variables(pki, other_pki):
+    environ = {CERT_ENV: str(other_pki.cert), KEY_ENV: str(other_pki.key), CA_ENV: str(other_pki.ca)}
     tls = TlsSettings.from_env(environ, cert=pki.cert, key=pki.key)
-    assert (tls.cert, tls.key, tls.ca) == (pki.cert, pki.key, other.ca)
+    assert (tls.cert, tls.key, tls.ca) == (pki.cert, pki.key, other_pki.ca)
     assert TlsSettings.from_env(environ, ca=pki.ca).ca == pki.ca
 
 
@@ -120,9 +109,9 @@ def test_an_empty_variable_is_an_error():
         TlsSettings.from_env({CA_ENV: " "})
 
 
-def test_a_key_that_is_not_the_certificates_is_an_error(pki, other):
-    with pytest.raises(ValueError, match=f"{CERT_ENV}/{KEY_ENV}: cannot use {pki.cert} with the key {other.key}"):
-        TlsSettings.from_env({CERT_ENV: str(pki.cert), KEY_ENV: str(other.key)})
+def test_a_key_that_is_not_the_certificates_is_an_error(pki, other_pki):
+    with pytest.raises(ValueError, match=f"{CERT_ENV}/{KEY_ENV}: cannot use {pki.cert} with the key {other_pki.key}"):
+        TlsSettings.from_env({CERT_ENV: str(pki.cert), KEY_ENV: str(other_pki.key)})
 
 
 def test_a_ca_file_without_a_certificate_is_an_error(pki):
@@ -139,13 +128,13 @@ def test_settings_made_directly_are_checked_the_same(pki, tmp_path):
 # ------------------------------------------------------------------ the lighthouse's flags
 
 
-def test_the_lighthouse_flags_and_variables(pki, other):
+def test_the_lighthouse_flags_and_variables(pki, other_pki):
     parser = LighthouseConfig.arg_parser()
     flags = ["--min_replicas", "1", "--tls-cert", str(pki.cert), "--tls-key", str(pki.key)]
     config = LighthouseConfig.from_args(parser.parse_args(flags), environ={CA_ENV: str(pki.ca)})
     assert config.tls.serving and config.tls.cert == pki.cert and config.tls.ca == pki.ca
-    from_env = LighthouseConfig.from_args(parser.parse_args(["--min_replicas", "1"]), environ=other.env())
-    assert from_env.tls.cert == other.cert
+    from_env = LighthouseConfig.from_args(parser.parse_args(["--min_replicas", "1"]), environ=other_pki.env())
+    assert from_env.tls.cert == other_pki.cert
     plain = LighthouseConfig.from_args(parser.parse_args(["--min_replicas", "1"]), environ={})
     assert not plain.tls.enabled
     with pytest.raises(ValueError, match="--tls-cert is set but --tls-key is not"):

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.conftest import all_in_threads
 from torchft_lite.durable import DurableCheckpointer, read_checkpoint
 from torchft_lite.durable._files import read_state_file
 from torchft_lite.durable._layout import MANIFEST, Layout
@@ -68,23 +69,12 @@ class Group:
 
 
 def run(groups: list[Group], steps: int) -> None:
-    errors: list[BaseException] = []
-
     def loop(group: Group) -> None:
-        try:
-            for _ in range(steps):
-                group.step()
-                assert group.checkpointer.wait(30)  # deterministic: no save is skipped for a slow disk
-        except BaseException as exc:  # surfaced below
-            errors.append(exc)
+        for _ in range(steps):
+            group.step()
+            assert group.checkpointer.wait(30)  # deterministic: no save is skipped for a slow disk
 
-    threads = [threading.Thread(target=loop, args=(g,)) for g in groups]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    assert not any(t.is_alive() for t in threads), "a training thread hung"
-    assert not errors, errors
+    all_in_threads(groups, loop, 60, "a training thread hung")
     for group in groups:
         group.checkpointer.flush()  # the last step's checkpoint, if due (it is otherwise taken as the next starts)
         assert group.checkpointer.wait(30)

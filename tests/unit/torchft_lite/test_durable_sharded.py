@@ -10,7 +10,6 @@ anything that tried to gather a full tensor would fail.
 
 from __future__ import annotations
 
-import threading
 from datetime import timedelta
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,8 +20,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from tests.conftest import cpu_mesh, dtensor, in_threads, read_header
 from torchft_lite.serialization.encode import flatten
-from torchft_lite.serialization.spec import PREFIX_SIZE, parse_header, unpack_prefix
 from torchft_lite.durable import DurableCheckpointer, read_checkpoint
 from torchft_lite.durable._files import write_state_file
 from torchft_lite.durable._layout import Layout
@@ -32,22 +31,18 @@ ROWS, COLS = 301, 64  # 301 rows over 2 ranks: uneven shards (151 and 150 rows),
 STEP = 6
 
 
-def mesh_of(rank: int, shape: tuple[int, ...] = (2,), names: tuple[str, ...] = ("fsdp",)) -> DeviceMesh:
-    return DeviceMesh("cpu", torch.arange(2).reshape(shape), mesh_dim_names=names, _init_backend=False, _rank=rank)
-
-
 def shard(full: torch.Tensor, rank: int, mesh: DeviceMesh, dim: int = 0) -> DTensor:
     """Group rank ``rank``'s Shard(dim) of ``full`` on a 1-D mesh (or the last dim of a 2-D one)."""
     local = full.tensor_split(2, dim=dim)[rank].clone()
     placements = [Shard(dim)] if mesh.ndim == 1 else [Replicate(), Shard(dim)]
-    return DTensor.from_local(local, mesh, placements, run_check=False, shape=full.shape, stride=full.stride())
+    return dtensor(local, mesh, placements, full.shape)
 
 
 def model_state(rank: int, seed: int, dim: int = 0, shape: tuple[int, ...] = (2,),
                 names: tuple[str, ...] = ("fsdp",)) -> dict:
     """What an FSDP2 model and its AdamW hold on group rank ``rank``: shards of every tensor."""
     generator = torch.Generator().manual_seed(seed)
-    mesh = mesh_of(rank, shape, names)
+    mesh = cpu_mesh(torch.arange(2).reshape(shape).tolist(), names, rank)
     weight, moment = (torch.randn(ROWS, COLS, generator=generator) for _ in range(2))
     return {"model": {"w": shard(weight, rank, mesh, dim)},
             "optim": {"state": {0: {"exp_avg": shard(moment, rank, mesh, dim), "step": torch.tensor(3.0)}}}}
@@ -92,24 +87,10 @@ class RankManager:
 
 def on_both_ranks(body: Callable[[int], Any]) -> list[Any]:
     """``body(rank)`` for ranks 0 and 1 at once, one thread each; their results, or raises what one raised."""
-    results: list[Any] = [None, None]
-    raised: list[BaseException] = []
-
-    def run(rank: int) -> None:
-        try:
-            results[rank] = body(rank)
-        except BaseException as exc:  # re-raised below
-            raised.append(exc)
-
-    threads = [threading.Thread(target=run, args=(rank,)) for rank in (0, 1)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    assert not any(thread.is_alive() for thread in threads), "a rank hung"
+    results, raised = in_threads((0, 1), body, 60, "a rank hung")
     if raised:
-        raise raised[0]
-    return results
+        raise next(iter(raised.values()))
+    return [results[0], results[1]]
 
 
 def save_group(directory: Path, seed: int = 1) -> list[dict]:
@@ -120,9 +101,7 @@ def save_group(directory: Path, seed: int = 1) -> list[dict]:
 
 
 def data_bytes_of(path: Path) -> int:
-    blob = path.read_bytes()
-    length, crc = unpack_prefix(blob[:PREFIX_SIZE])
-    return parse_header(blob[PREFIX_SIZE:PREFIX_SIZE + length], crc).data_bytes
+    return read_header(path.read_bytes())[0].data_bytes
 
 
 def test_each_rank_writes_only_its_own_shards_and_the_manifest_lists_every_rank(tmp_path):

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 
 import pytest
 import torch
 
-from tests.unit.torchft_lite.test_manager import Replica, replicas, train  # noqa: F401  (the fixture)
+from tests.conftest import in_threads
+from tests.unit.helpers import Replica, flip_bit, rank_fingerprint, replicas, train  # noqa: F401  (the fixture)
 from torchft_lite.health.fingerprint_vote import (
     Advertised, differing_ranks, first_difference, group_fingerprint, parse_fingerprint, vote,
 )
@@ -22,29 +22,6 @@ from torchft_lite.health.nonfinite import HealthConfig
 from torchft_lite.testing import InMemoryLighthouse
 
 EVERY_2 = HealthConfig(fingerprint_every=2)
-
-
-def raised_in_threads(names, body) -> dict[str, BaseException]:
-    """Run ``body(name)`` for every name at once, one thread each; what each raised, by name."""
-    raised: dict[str, BaseException] = {}
-
-    def run(name: str) -> None:
-        try:
-            body(name)
-        except BaseException as exc:  # returned to the test
-            raised[name] = exc
-
-    threads = [threading.Thread(target=run, args=(name,)) for name in names]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    return raised
-
-
-def flip_bit(tensor: torch.Tensor, index: int = 1, bit: int = 3) -> None:
-    """Flip one bit of one element, in place (as a cosmic ray or bad DRAM would)."""
-    tensor.view(torch.int32).view(-1)[index] ^= 1 << bit
 
 
 def state() -> dict:
@@ -141,12 +118,6 @@ def test_every_rank_fingerprints_every_n_steps_for_its_quorum_request_of_that_st
     assert printer.for_step(4) == ""  # a later step's quorum does not carry it
 
 
-def rank_fingerprint(step: int, st: dict) -> str:
-    printer = Fingerprinter(step, lambda: st, lambda *a, **k: None)
-    printer.step_starting(step)
-    return printer.for_step(step)
-
-
 def test_a_group_vouches_for_all_its_ranks_and_a_flip_on_any_rank_changes_its_fingerprint():
     rank0, rank1 = state(), state()
     rank1["model"]["layer.weight"] += 1.0  # ranks of a group may hold different state
@@ -199,7 +170,7 @@ def test_two_groups_that_differ_commit_nothing_and_both_stop_with_the_diverged_c
     assert train(groups, 2) == {name: [True, True] for name in "ab"}
     flip_bit(groups["b"].weights)
     before = {name: g.weights.clone() for name, g in groups.items()}
-    raised = raised_in_threads(groups, lambda name: groups[name].step())
+    _, raised = in_threads(groups, lambda name: groups[name].step(), hung=None)
     assert set(raised) == {"a", "b"}
     assert all(isinstance(exc, StateDivergedError) for exc in raised.values()), raised
     assert {exit_code_for(exc) for exc in raised.values()} == {EXIT_CODE_DIVERGED}
@@ -228,7 +199,7 @@ def test_local_sgd_turns_fingerprints_off_because_groups_differ_between_syncs(re
                 model(torch.randn(4, 3)).sum().backward()
                 optimizer.step()
 
-    raised = raised_in_threads(groups, train_locally)
+    _, raised = in_threads(groups, train_locally, hung=None)
     assert not raised, raised
     assert all(g.manager._fingerprints.every == 0 and g.manager.current_step() >= 3 for g in groups.values())
     assert torch.equal(models["a"].weight, models["b"].weight)  # the last sync averaged them

@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from tests.unit.torchft_lite.test_fingerprint import flip_bit, rank_fingerprint
+from tests.conftest import cpu_mesh, dtensor
+from tests.unit.helpers import flip_bit, rank_fingerprint
 from torchft_lite.health.fingerprint_vote import differing_ranks, first_difference, group_fingerprint, parse_fingerprint
 from torchft_lite.health.fingerprint import fingerprint_of
 
@@ -28,14 +28,12 @@ def full_weights() -> dict[str, torch.Tensor]:
 
 def rank_state(rank: int, full: dict[str, torch.Tensor]) -> dict:
     """Group rank ``rank``'s state: its Shard(0) of each weight, a replicated bias, an integer step."""
-    mesh = DeviceMesh("cpu", torch.tensor([0, 1]), mesh_dim_names=("fsdp",), _init_backend=False, _rank=rank)
+    mesh = cpu_mesh([0, 1], ("fsdp",), rank)
 
     def shard(tensor: torch.Tensor) -> DTensor:
-        local = tensor.tensor_split(2)[rank].clone()
-        return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=tensor.shape,
-                                  stride=tensor.stride())
+        return dtensor(tensor.tensor_split(2)[rank].clone(), mesh, [Shard(0)], tensor.shape)
 
-    bias = DTensor.from_local(torch.ones(COLS), mesh, [Replicate()], run_check=False)
+    bias = dtensor(torch.ones(COLS), mesh, [Replicate()], (COLS,))
     return {"model": {"layer.weight": shard(full["weight"]), "layer.bias": bias},
             "optim": {"state": {0: {"exp_avg": shard(full["exp_avg"]), "step": torch.tensor(7)}}}}
 

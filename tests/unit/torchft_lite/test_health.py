@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from tests.unit.torchft_lite.test_manager import Replica, replicas, train  # noqa: F401  (the fixture)
+from tests.unit.helpers import Replica, replicas, train  # noqa: F401  (the fixture)
 from torchft_lite.errors import ConfigError, NonFiniteError
 from torchft_lite.cluster.exit_codes import EXIT_CODE_BAD_REPLICA, exit_code_for
 from torchft_lite.health.nonfinite import HealthConfig

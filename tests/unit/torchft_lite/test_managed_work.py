@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from tests.unit.helpers import FailingWork
 from torchft_lite.manager import _ManagedWork
 from torchft_lite.work import _DummyWork
 
@@ -17,19 +17,6 @@ class Recorder:
         self.errors.append(exc)
 
 
-class FailingWork(dist.Work):
-    def __init__(self) -> None:
-        super().__init__()
-        self._fut: torch.futures.Future = torch.futures.Future()
-        self._fut.set_exception(RuntimeError("connection closed by peer"))
-
-    def wait(self, timeout=None) -> bool:
-        raise RuntimeError("connection closed by peer")
-
-    def get_future(self) -> torch.futures.Future:
-        return self._fut
-
-
 def test_a_finished_work_waits_true_and_its_future_yields_the_value():
     manager, value = Recorder(), torch.ones(2)
     work = _ManagedWork(manager, _DummyWork(value), value)
@@ -39,7 +26,7 @@ def test_a_finished_work_waits_true_and_its_future_yields_the_value():
 
 def test_a_failed_work_is_reported_and_yields_the_value_instead_of_raising():
     manager, value = Recorder(), torch.zeros(2)
-    work = _ManagedWork(manager, FailingWork(), value)
+    work = _ManagedWork(manager, FailingWork(RuntimeError("connection closed by peer")), value)
     assert work.wait() is False
     assert work.get_future().wait() is value
     assert [str(e) for e in manager.errors] == ["connection closed by peer"] * 2

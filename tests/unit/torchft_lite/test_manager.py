@@ -10,79 +10,13 @@ from __future__ import annotations
 import re
 import threading
 from datetime import timedelta
-from typing import Any
 
 import pytest
 import torch
 
+from tests.unit.helpers import Replica, replicas, train  # noqa: F401  (the fixture)
 from torchft_lite.errors import CheckpointTransferError, ManagerError
-from torchft_lite.manager import Manager
-from torchft_lite.testing import InMemoryLighthouse, InMemoryProcessGroup
-
-
-class Replica:
-    """One replica group: a weight vector, its Manager and its process group."""
-
-    def __init__(self, lighthouse: InMemoryLighthouse, name: str, value: float, **kwargs: Any) -> None:
-        self.weights = torch.full((3,), value)
-        self.pg = InMemoryProcessGroup()
-        self.manager: Manager = lighthouse.manager(
-            name, self.pg, load_state_dict=self.load, state_dict=lambda: {"w": self.weights},
-            min_replica_size=kwargs.pop("min_replica_size", 1),
-            timeout=timedelta(seconds=kwargs.pop("timeout_s", 10.0)), **kwargs,
-        )
-        self.loads = 0
-
-    def load(self, state: dict) -> None:
-        self.loads += 1
-        self.weights = state["w"].clone()
-
-    def step(self, grad: float = 1.0) -> tuple[bool, torch.Tensor]:
-        """One training step: the gradient is averaged over the participants; SGD with lr 1 on commit."""
-        self.manager.start_quorum()
-        g = torch.full((3,), grad)
-        self.manager.allreduce(g).wait()
-        committed = self.manager.should_commit()
-        if committed:
-            self.weights = self.weights - g
-        return committed, g
-
-
-def train(replicas: dict[str, Replica], steps: int, grads: dict[str, float] | None = None) -> dict[str, list[bool]]:
-    """Each replica runs ``steps`` steps on a thread of its own; returns the commit decisions."""
-    results: dict[str, list[bool]] = {name: [] for name in replicas}
-    errors: dict[str, BaseException] = {}
-
-    def run(name: str) -> None:
-        try:
-            for _ in range(steps):
-                results[name].append(replicas[name].step((grads or {}).get(name, 1.0))[0])
-        except BaseException as exc:  # surfaced below
-            errors[name] = exc
-
-    threads = [threading.Thread(target=run, args=(name,)) for name in replicas]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
-    assert not any(thread.is_alive() for thread in threads), "a training thread hung"
-    if errors:
-        name, exc = next(iter(errors.items()))
-        raise AssertionError(f"{name} raised {exc!r}") from exc
-    return results
-
-
-@pytest.fixture
-def replicas():
-    made: list[Replica] = []
-
-    def make(lighthouse: InMemoryLighthouse, name: str, value: float, **kwargs: Any) -> Replica:
-        made.append(Replica(lighthouse, name, value, **kwargs))
-        return made[-1]
-
-    yield make
-    for replica in made:
-        replica.manager.shutdown()
+from torchft_lite.testing import InMemoryLighthouse
 
 
 def test_two_replicas_heal_at_step_zero_then_average_their_gradients(replicas):

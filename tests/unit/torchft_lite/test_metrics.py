@@ -10,8 +10,7 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from tests.unit.torchft_lite.test_fingerprint import flip_bit
-from tests.unit.torchft_lite.test_manager import Replica, replicas, train  # noqa: F401  (the fixture)
+from tests.unit.helpers import Replica, flip_bit, replicas, train  # noqa: F401  (the fixture)
 from torchft_lite.errors import ConfigError, QuorumTimeout
 from torchft_lite.health.nonfinite import HealthConfig
 from torchft_lite.metrics.registry import (GROUP_VOTE, PHASES, TOO_FEW_PARTICIPANTS, ManagerMetrics, MetricsSettings,

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch.distributed import ReduceOp
 
+from tests.conftest import block_amax
 from torchft_lite.collectives import (
     UnsupportedProcessGroupError,
     UnsupportedReduceOpError,
@@ -35,13 +36,6 @@ from torchft_lite.quantization import (
 from torchft_lite.testing import InMemoryProcessGroup
 
 SLACK = 1e-5  # float32 rounding of the scale's reciprocal and of the sums, relative to the block's magnitude
-
-
-def block_amax(tensor: torch.Tensor, block: int) -> torch.Tensor:
-    """Each element's block maximum magnitude, shaped like ``tensor`` (blocks of the flattened tensor)."""
-    flat = tensor.detach().reshape(-1).to(torch.float32).abs()
-    padded = torch.nn.functional.pad(flat, (0, -flat.numel() % block))
-    return padded.view(-1, block).amax(1).repeat_interleave(block)[:flat.numel()].view(tensor.shape)
 
 
 def round_trip(tensors: list[torch.Tensor], world: int = 1, block: int = 1024) -> list[torch.Tensor]:

@@ -11,10 +11,11 @@ import pytest
 import torch
 from torch.distributed import ReduceOp
 
+from tests.conftest import block_amax, in_threads
+from tests.unit.helpers import Replica
 from torchft_lite.collectives import UnsupportedProcessGroupError, UnsupportedReduceOpError
 from torchft_lite.errors import CollectiveError
 from torchft_lite.health.nonfinite import HealthConfig
-from torchft_lite.manager import Manager
 from torchft_lite.quantization import UnsupportedDtypeError
 from torchft_lite.testing import InMemoryLighthouse, InMemoryProcessGroup
 
@@ -104,51 +105,21 @@ class ExchangingInMemoryGroup(InMemoryProcessGroup):
         return self._join("allgather", (outputs, inputs), finish)
 
 
-class Group:
-    """One replica group of one rank: a weight vector of NUMEL values and its Manager."""
-
-    def __init__(self, lighthouse: InMemoryLighthouse, name: str, pg: Any, **kwargs: Any) -> None:
-        self.weights = torch.zeros(NUMEL)
-        self.pg = pg
-        self.manager: Manager = lighthouse.manager(
-            name, pg, load_state_dict=lambda sd: setattr(self, "weights", sd["w"].clone()),
-            state_dict=lambda: {"w": self.weights}, min_replica_size=2, timeout=timedelta(seconds=20), **kwargs)
-
-    def step(self, grad: torch.Tensor, **allreduce_kwargs: Any) -> tuple[bool, torch.Tensor]:
-        self.manager.start_quorum()
-        grad = grad.clone()
-        self.manager.allreduce(grad, **allreduce_kwargs).wait()
-        committed = self.manager.should_commit()
-        if committed:
-            self.weights = self.weights - grad
-        return committed, grad
-
-
-def run(groups: dict[str, Group], step: Callable[[str, Group], Any]) -> dict[str, Any]:
-    results: dict[str, Any] = {}
-
-    def one(name: str) -> None:
-        try:
-            results[name] = step(name, groups[name])
-        except BaseException as exc:  # returned to the test, which asserts on it
-            results[name] = exc
-
-    threads = [threading.Thread(target=one, args=(name,)) for name in groups]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(WAIT)
-    assert not any(thread.is_alive() for thread in threads), "a training thread hung"
-    return results
+def run(groups: dict[str, Replica], step: Callable[[str, Replica], Any]) -> dict[str, Any]:
+    """``step(name, group)`` for every group at once; what each returned, or the error it raised (the test
+    asserts on it)."""
+    results, raised = in_threads(groups, lambda name: step(name, groups[name]), WAIT, "a training thread hung")
+    return {name: raised.get(name, results.get(name)) for name in groups}
 
 
 @pytest.fixture
 def pair():
-    made: list[Group] = []
+    made: list[Replica] = []
 
-    def make(pg_factory: Callable[[], Any] = ExchangingInMemoryGroup, **kwargs: Any) -> tuple[Group, Group]:
+    def make(pg_factory: Callable[[], Any] = ExchangingInMemoryGroup, **kwargs: Any) -> tuple[Replica, Replica]:
         lighthouse = InMemoryLighthouse(min_replicas=2)
-        made.extend([Group(lighthouse, "a", pg_factory(), **kwargs), Group(lighthouse, "b", pg_factory(), **kwargs)])
+        made.extend(Replica(lighthouse, name, size=NUMEL, pg=pg_factory(), min_replica_size=2, timeout_s=20.0, **kwargs)
+                    for name in "ab")
         a, b = made[-2:]
         zero = torch.zeros(NUMEL)
         assert run({"a": a, "b": b}, lambda _, g: g.step(zero)[0]) == {"a": True, "b": True}  # b heals at step 0
@@ -161,11 +132,6 @@ def pair():
 
 def gradients(seed: int) -> torch.Tensor:
     return torch.randn(NUMEL, generator=torch.Generator().manual_seed(seed)) * (seed + 1)
-
-
-def block_amax(tensor: torch.Tensor) -> torch.Tensor:
-    padded = torch.nn.functional.pad(tensor.abs(), (0, -tensor.numel() % 1024))
-    return padded.view(-1, 1024).amax(1).repeat_interleave(1024)[:tensor.numel()]
 
 
 def test_quantized_gradients_are_averaged_within_the_bound_and_identical_in_both_groups(pair):
@@ -219,7 +185,7 @@ def test_a_quantized_sum_divides_by_nobody(pair):
 def test_an_unsupported_dtype_raises_to_the_caller_and_the_step_stays_clean(pair):
     a, b = pair()
 
-    def misuse(name: str, group: Group) -> Any:
+    def misuse(name: str, group: Replica) -> Any:
         group.manager.start_quorum()
         try:
             group.manager.allreduce(torch.ones(4, dtype=torch.int64), should_quantize=True)
@@ -242,7 +208,7 @@ def test_an_unsupported_dtype_raises_to_the_caller_and_the_step_stays_clean(pair
 def test_an_unsupported_reduce_op_and_a_group_without_the_collectives_raise_too(pair):
     a, b = pair(pg_factory=InMemoryProcessGroup)
 
-    def misuse(name: str, group: Group) -> Any:
+    def misuse(name: str, group: Replica) -> Any:
         group.manager.start_quorum()
         raised = []
         for kwargs in ({"reduce_op": ReduceOp.MAX}, {}):

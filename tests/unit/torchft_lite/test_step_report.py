@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from tests.unit.torchft_lite.test_manager import Replica, replicas, train  # noqa: F401  (the fixture)
+from tests.unit.helpers import Replica, replicas, train  # noqa: F401  (the fixture)
 from torchft_lite.core.report import StepReport
 from torchft_lite.testing import InMemoryLighthouse
 

@@ -10,20 +10,10 @@ import threading
 
 import pytest
 
+from tests.conftest import FrozenClock
 from torchft_lite.health.watchdog import Watchdog, WatchdogConfig
 
 LOGGER = "torchft_lite.health.watchdog"
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 @pytest.fixture
@@ -34,7 +24,7 @@ def dogs():
         dog.close()
 
 
-def make(dogs, clock: FakeClock, fired: list | None = None, **config) -> Watchdog:
+def make(dogs, clock: FrozenClock, fired: list | None = None, **config) -> Watchdog:
     config = {"calibrate": True, "explicit": (), "warmup": 5, "multiple": 4.0, "floor": 1.0, **config}
     dog = Watchdog(WatchdogConfig(**config), "[g0/0]", on_expire=lambda *a: (fired if fired is not None else []).append(a),
                    clock=clock)
@@ -42,7 +32,7 @@ def make(dogs, clock: FakeClock, fired: list | None = None, **config) -> Watchdo
     return dog
 
 
-def occur(dog: Watchdog, clock: FakeClock, section: str, seconds: float, times: int = 1) -> None:
+def occur(dog: Watchdog, clock: FrozenClock, section: str, seconds: float, times: int = 1) -> None:
     for _ in range(times):
         dog.begin(section, f"a {section}")
         clock.advance(seconds)
@@ -55,7 +45,7 @@ def calibration_lines(caplog) -> list[str]:
 
 def test_the_configured_timeout_holds_through_the_warm_up_then_multiple_x_the_maximum(dogs, caplog):
     caplog.set_level(logging.INFO, LOGGER)
-    clock = FakeClock()
+    clock = FrozenClock()
     dog = make(dogs, clock, step=600.0)
     occur(dog, clock, "step", 2.0, times=4)
     assert dog.timeout("step") == 600.0
@@ -71,7 +61,7 @@ def test_the_configured_timeout_holds_through_the_warm_up_then_multiple_x_the_ma
 
 def test_the_floor_keeps_tiny_sections_from_a_hair_trigger(dogs, caplog):
     caplog.set_level(logging.INFO, LOGGER)
-    clock = FakeClock()
+    clock = FrozenClock()
     dog = make(dogs, clock, quorum=180.0, floor=120.0)
     occur(dog, clock, "quorum", 0.01, times=5)
     assert dog.timeout("quorum") == 120.0
@@ -80,7 +70,7 @@ def test_the_floor_keeps_tiny_sections_from_a_hair_trigger(dogs, caplog):
 
 
 def test_each_section_calibrates_on_its_own_observations(dogs):
-    clock = FakeClock()
+    clock = FrozenClock()
     dog = make(dogs, clock, quorum=100.0, heal=200.0, step=300.0, multiple=3.0)
     occur(dog, clock, "quorum", 0.5, times=5)
     occur(dog, clock, "step", 10.0, times=5)
@@ -90,7 +80,7 @@ def test_each_section_calibrates_on_its_own_observations(dogs):
 
 def test_a_growing_maximum_keeps_growing_the_timeout_and_logs_changes_over_20_percent(dogs, caplog):
     caplog.set_level(logging.INFO, LOGGER)
-    clock = FakeClock()
+    clock = FrozenClock()
     dog = make(dogs, clock, step=600.0)
     occur(dog, clock, "step", 2.0, times=5)
     assert dog.timeout("step") == 8.0
@@ -108,7 +98,7 @@ def test_a_growing_maximum_keeps_growing_the_timeout_and_logs_changes_over_20_pe
 
 
 def test_explicit_settings_win(dogs):
-    clock = FakeClock()
+    clock = FrozenClock()
     # Given in the config (explicit by default): fixed. Not given: calibrated from nothing (unwatched till then).
     dog = make(dogs, clock, step=600.0, explicit=None)
     assert dog.timeout("quorum") is None
@@ -128,7 +118,7 @@ def test_from_env_set_sections_are_explicit_and_defaulted_ones_calibrate(dogs):
                                       "TORCHFT_LITE_WATCHDOG_CALIBRATE_FLOOR_SEC": "1"}, defaults)
     assert config.calibrate and config.explicit == {"step", "heal"}
     assert (config.warmup, config.multiple, config.floor) == (3, 2.5, 1.0)
-    clock = FakeClock()
+    clock = FrozenClock()
     dog = Watchdog(config, on_expire=lambda *a: None, clock=clock)
     dogs.append(dog)
     for section in ("quorum", "heal", "step"):
@@ -140,7 +130,7 @@ def test_calibration_is_off_unless_asked_and_still_observes(dogs, caplog):
     caplog.set_level(logging.INFO, LOGGER)
     config = WatchdogConfig.from_env({}, WatchdogConfig(quorum=180.0, heal=240.0, step=660.0))
     assert not config.calibrate and config.explicit == frozenset()
-    clock = FakeClock()
+    clock = FrozenClock()
     dog = Watchdog(config, on_expire=lambda *a: None, clock=clock)
     dogs.append(dog)
     occur(dog, clock, "step", 1.0, times=50)
@@ -150,7 +140,7 @@ def test_calibration_is_off_unless_asked_and_still_observes(dogs, caplog):
 
 
 def test_the_state_round_trips_and_a_restarted_watchdog_starts_calibrated_after_its_first_occurrence(dogs, caplog):
-    clock = FakeClock()
+    clock = FrozenClock()
     first = make(dogs, clock, step=600.0, quorum=180.0)
     occur(first, clock, "step", 3.0, times=6)
     occur(first, clock, "quorum", 0.5, times=2)  # not warmed up
@@ -173,14 +163,14 @@ def test_the_state_round_trips_and_a_restarted_watchdog_starts_calibrated_after_
 
 
 def test_the_first_occurrence_after_a_restore_keeps_a_grown_calibration_when_it_is_larger(dogs):
-    clock = FakeClock()
+    clock = FrozenClock()
     dog = make(dogs, clock, step=60.0)
     assert dog.load_calibration_state({"version": 1, "sections": {"step": {"count": 40, "max_seconds": 100.0}}})
     assert dog.timeout("step") == 400.0
 
 
 def test_an_unknown_section_from_a_newer_writer_is_skipped(dogs):
-    clock = FakeClock()
+    clock = FrozenClock()
     dog = make(dogs, clock, step=600.0)
     assert dog.load_calibration_state({"version": 1, "sections": {
         "step": {"count": 9, "max_seconds": 2.0}, "optimizer": {"count": 9, "max_seconds": 1.0}}})
@@ -208,7 +198,7 @@ GARBAGE = [
 @pytest.mark.parametrize("state,why", GARBAGE, ids=[why for _, why in GARBAGE])
 def test_garbage_in_a_saved_calibration_is_refused_whole_with_a_clear_log(dogs, caplog, state, why):
     caplog.set_level(logging.INFO, LOGGER)
-    clock = FakeClock()
+    clock = FrozenClock()
     dog = make(dogs, clock, quorum=180.0, step=600.0)
     occur(dog, clock, "step", 2.0)
     assert dog.load_calibration_state(state) is False
@@ -221,7 +211,7 @@ def test_garbage_in_a_saved_calibration_is_refused_whole_with_a_clear_log(dogs, 
 
 
 def test_time_in_a_watched_heal_does_not_count_against_the_step(dogs):
-    clock = FakeClock()
+    clock = FrozenClock()
     dog = make(dogs, clock, step=10.0, heal=500.0, explicit=("step", "heal"))
     dog.begin("step", "step 3")
     clock.advance(4.0)
@@ -240,7 +230,7 @@ def test_time_in_a_watched_heal_does_not_count_against_the_step(dogs):
 
 def test_a_step_that_ends_inside_its_heal_is_observed_without_it(dogs):
     """A failed receive: the Manager ends the step, then the heal section."""
-    clock = FakeClock()
+    clock = FrozenClock()
     dog = make(dogs, clock, step=10.0, heal=500.0, explicit=("step", "heal"))
     dog.begin("step", "step 3")
     clock.advance(2.0)
@@ -253,7 +243,7 @@ def test_a_step_that_ends_inside_its_heal_is_observed_without_it(dogs):
 
 
 def test_an_unwatched_heal_counts_as_part_of_the_step(dogs):
-    clock = FakeClock()
+    clock = FrozenClock()
     dog = make(dogs, clock, step=10.0, explicit=("step",), calibrate=False)
     dog.begin("step", "step 3")
     dog.begin("heal", "a heal nobody watches")
@@ -268,7 +258,7 @@ def wait_fired(fired: list, done: threading.Event) -> tuple:
 
 
 def test_a_calibrated_timeout_is_the_one_that_fires(dogs):
-    clock, fired, done = FakeClock(), [], threading.Event()
+    clock, fired, done = FrozenClock(), [], threading.Event()
     dog = Watchdog(WatchdogConfig(step=3600.0, calibrate=True, explicit=(), warmup=3, multiple=2.0, floor=0.5),
                    "[g1/0]", on_expire=lambda *a: (fired.append(a), done.set()), clock=clock)
     dogs.append(dog)
@@ -280,7 +270,7 @@ def test_a_calibrated_timeout_is_the_one_that_fires(dogs):
 
 
 def test_a_heal_that_hangs_fires_as_a_heal_not_as_its_step(dogs):
-    clock, fired, done = FakeClock(), [], threading.Event()
+    clock, fired, done = FrozenClock(), [], threading.Event()
     dog = Watchdog(WatchdogConfig(step=0.2, heal=0.6), on_expire=lambda *a: (fired.append(a), done.set()),
                    clock=clock)
     dogs.append(dog)
