@@ -16,7 +16,7 @@ kubernetes_validate = pytest.importorskip(
     "kubernetes_validate", reason="skipped: kubernetes-validate is not installed (the dev extra has it)")
 from kubernetes_validate import utils as kv_utils  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 KUBERNETES = REPO / "examples" / "kubernetes"
 SLURM = REPO / "examples" / "slurm"
 MANIFESTS = sorted(KUBERNETES.glob("*.yaml"))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 FIRST = {100, 101, 102}  # pids of the first run's groups 0, 1, 2
 HEAL_LOG = "2026-01-01 g2r0 INFO torchft_lite: healed: 13.2 MB in 0.4s (33.0 MB/s)\n"
 
