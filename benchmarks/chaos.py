@@ -73,8 +73,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks._chaos_checks import (complete_checkpoints, heal_and_stall_figures, job_step_at,  # noqa: E402
-                                      kill_all_phases, read_reports, verify)
+from benchmarks._chaos_checks import (  # noqa: E402
+    complete_checkpoints, heal_and_stall_figures, job_step_at, kill_all_phases, read_reports, verify,
+)
 from benchmarks._chaos_cli import parse_args  # noqa: E402
 from benchmarks._chaos_faults import Fault, Network, make_schedule  # noqa: E402
 from benchmarks._chaos_impls import make_lighthouse, torchft_missing  # noqa: E402

@@ -32,9 +32,9 @@ import os
 import queue
 import random
 import re
+import shutil
 import statistics
 import subprocess
-import shutil
 import sys
 import tempfile
 import threading

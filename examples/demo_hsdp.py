@@ -24,8 +24,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from torchft_lite.cluster.local import LighthouseProcess, ReplicaGroup, _descendants  # noqa: E402
 from demo import last_step, reports, wait_for  # noqa: E402  (next to this script)
+
+from torchft_lite.cluster.local import LighthouseProcess, ReplicaGroup, _descendants  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parent / "train_hsdp.py"
 SERVED = re.compile(r"served step (\d+) to replica\(s\) 1: ([\d.]+) MB")

@@ -42,9 +42,8 @@ import time
 from datetime import timedelta
 
 import torch
-from torch import nn
-
 from slow_link import MeteredLink  # noqa: E402  (next to this script)
+from torch import nn
 
 IN, OUT, BLOCKS = 32, 8, 4
 

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lighthouse.quorum import QuorumConfig
+from lighthouse.stragglers.scores import StragglerConfig
 from torchft_lite.rpc.access import INSECURE_ENV, TOKEN_ENV, TOKEN_FILE_ENV, Access
 from torchft_lite.rpc.addresses import split_host_port
 from torchft_lite.rpc.tls import CA_ENV, CERT_ENV, KEY_ENV, TlsSettings
-from lighthouse.stragglers.scores import StragglerConfig
 
 ADMIN_TOKEN_ENV = "TORCHFT_LITE_ADMIN_TOKEN"
 DEFAULT_BIND = "[::]:29510"

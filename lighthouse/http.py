@@ -26,12 +26,12 @@ from prometheus_client.registry import Collector
 
 from lighthouse.config import ADMIN_TOKEN_ENV
 from lighthouse.metrics import build_registry
-from torchft_lite.rpc.protocol import torchft_pb2 as pb
+from lighthouse.view import LighthouseView
 from torchft_lite.rpc.access import Access, Refusal
 from torchft_lite.rpc.channel import open_channel
+from torchft_lite.rpc.protocol import torchft_pb2 as pb
 from torchft_lite.rpc.refusals import RefusalLog
 from torchft_lite.rpc.sites import start_site
-from lighthouse.view import LighthouseView
 
 logger = logging.getLogger(__name__)
 

@@ -27,15 +27,15 @@ from lighthouse.decision_log import DecisionLog, log_serving, preview
 from lighthouse.epochs import StaleReplica, resumed_from_of, resumed_quorum_of
 from lighthouse.fencing import QuorumIdStore
 from lighthouse.leases import LeaseHeld, LeaseTable
-from torchft_lite.rpc.protocol import torchft_pb2 as pb
 from lighthouse.quorum import Epoch, IssuedQuorum, Member, Status
-from torchft_lite.rpc.addresses import split_host_port
-from torchft_lite.rpc.broadcast import Broadcast
-from torchft_lite.rpc.engines import RefusalLog, Server, Service, start_service
 from lighthouse.stragglers.rules import StragglerQuorumState, StragglerStatistics
 from lighthouse.timeline import Timeline, TimelineStatistics
 from lighthouse.validation import MAX_REPLICA_ID_LEN, RequestChecks  # noqa: F401  (importable from here)
 from lighthouse.view import LighthouseStatistics
+from torchft_lite.rpc.addresses import split_host_port
+from torchft_lite.rpc.broadcast import Broadcast
+from torchft_lite.rpc.engines import RefusalLog, Server, Service, start_service
+from torchft_lite.rpc.protocol import torchft_pb2 as pb
 
 logger = logging.getLogger(__name__)
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import datetime
 from dataclasses import asdict
 
-from torchft_lite.rpc.protocol import torchft_pb2 as pb
 from lighthouse.quorum import Epoch, QuorumState, Status
 from lighthouse.stragglers.view import straggler_rows, straggler_summary
 from lighthouse.timeline import Timeline
 from lighthouse.view import LighthouseView
+from torchft_lite.rpc.protocol import torchft_pb2 as pb
 
 
 def _member_row(member: pb.QuorumMember | None, replica_id: str) -> dict:

@@ -13,8 +13,8 @@ import threading
 from typing import Any, Awaitable, Callable, TypeVar
 
 from lighthouse.config import LighthouseConfig
-from torchft_lite.rpc.loop import new_event_loop
 from lighthouse.server import LighthouseServer
+from torchft_lite.rpc.loop import new_event_loop
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)

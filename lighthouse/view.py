@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Protocol
 
 from lighthouse.config import LighthouseConfig
-from torchft_lite.rpc.protocol import torchft_pb2 as pb
 from lighthouse.quorum_data import Epoch
-from torchft_lite.rpc.refusals import RefusalLog
 from lighthouse.stragglers.rules import StragglerStatistics
 from lighthouse.timeline import TimelineStatistics
+from torchft_lite.rpc.protocol import torchft_pb2 as pb
+from torchft_lite.rpc.refusals import RefusalLog
 
 __all__ = ["LighthouseStatistics", "LighthouseView"]
 

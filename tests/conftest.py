@@ -15,8 +15,8 @@ import grpc
 import pytest
 
 from lighthouse.config import LighthouseConfig
-from torchft_lite.rpc.protocol import torchft_pb2 as pb
 from lighthouse.server import LighthouseServer
+from torchft_lite.rpc.protocol import torchft_pb2 as pb
 
 # Generous: the suite shares two cores with other processes.
 WAIT = 60.0

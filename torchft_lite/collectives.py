@@ -19,20 +19,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
-from torch.distributed.distributed_c10d import (
-    AllgatherOptions,
-    AllreduceOptions,
-    AllToAllOptions,
-    ReduceScatterOptions,
-)
+from torch.distributed.distributed_c10d import AllgatherOptions, AllreduceOptions, AllToAllOptions, ReduceScatterOptions
 
 from torchft_lite.quantization import (
-    BlockLayout,
-    UnsupportedQuantization,
-    check_quantizable,
-    dequantize_rows,
-    quantize_rows,
-    reduce_rows,
+    BlockLayout, UnsupportedQuantization, check_quantizable, dequantize_rows, quantize_rows, reduce_rows,
 )
 from torchft_lite.work import cuda_devices, device_future
 

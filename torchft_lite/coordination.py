@@ -20,10 +20,11 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Coroutine, Hashable, Optional, TypeVar
 
-from torchft_lite.rpc.lighthouse_client import LighthouseClient as _AsyncLighthouseClient
-from torchft_lite.rpc.lighthouse_client import LighthouseError, LighthouseTimeout
-from torchft_lite.rpc.loop import control_plane
 from torchft_lite.errors import ConfigError, QuorumError, QuorumTimeout
+from torchft_lite.rpc.lighthouse_client import (
+    LighthouseClient as _AsyncLighthouseClient, LighthouseError, LighthouseTimeout,
+)
+from torchft_lite.rpc.loop import control_plane
 
 if TYPE_CHECKING:
     from torchft_lite.rpc.protocol import torchft_pb2 as pb
@@ -167,8 +168,8 @@ class LighthouseServer:
     ) -> None:
         # The server's modules are loaded here, never by importing this module.
         from lighthouse.config import LighthouseConfig
-        from torchft_lite.rpc.access import Access
         from lighthouse.thread import BackgroundLighthouse
+        from torchft_lite.rpc.access import Access
 
         # torchft's in-process defaults (its CLI waits far longer for stragglers to join).
         join_timeout_ms = 100 if join_timeout_ms is None else join_timeout_ms

@@ -29,10 +29,10 @@ from torchft_lite.core.healer import Healer, RegisteredState
 from torchft_lite.core.listeners import StepListeners, metrics_from_env
 from torchft_lite.core.member_events import MemberWatch
 from torchft_lite.core.preemption import PreemptionSignals
-from torchft_lite.core.step_quorum import StepQuorum
 from torchft_lite.core.report import report_of
 from torchft_lite.core.settings import ManagerSettings
 from torchft_lite.core.step import Step, WorldSizeMode
+from torchft_lite.core.step_quorum import StepQuorum
 from torchft_lite.core.wiring import DefaultWiring, ManagerWiring
 from torchft_lite.errors import CollectiveError, ManagerError, ManagerTimeout, QuorumError, QuorumTimeout
 from torchft_lite.health.nonfinite import HealthConfig, health_checks

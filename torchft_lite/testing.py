@@ -30,14 +30,14 @@ from typing import Any, Callable
 import torch
 from torch.distributed import ReduceOp
 
-from torchft_lite.rpc.protocol import torchft_pb2 as pb
-from torchft_lite.rpc.loop import ControlPlane
-from torchft_lite.health.fingerprint_vote import FINGERPRINT_KEY, group_fingerprint, parse_fingerprint
+from torchft_lite.checkpointing.transport import CheckpointTransport
 from torchft_lite.core.settings import ManagerSettings
 from torchft_lite.core.wiring import ManagerParts
-from torchft_lite.group_server.quorum_compute import QuorumMember, compute_quorum_result, response_of
-from torchft_lite.checkpointing.transport import CheckpointTransport
 from torchft_lite.errors import CheckpointTimeout, CollectiveError, ConfigError, QuorumTimeout
+from torchft_lite.group_server.quorum_compute import QuorumMember, compute_quorum_result, response_of
+from torchft_lite.health.fingerprint_vote import FINGERPRINT_KEY, group_fingerprint, parse_fingerprint
+from torchft_lite.rpc.loop import ControlPlane
+from torchft_lite.rpc.protocol import torchft_pb2 as pb
 from torchft_lite.work import ManagedWork
 
 __all__ = ["InMemoryLighthouse", "InMemoryProcessGroup", "InMemoryTransport", "InMemoryWiring"]

@@ -18,8 +18,8 @@ from typing import Callable, Iterator, Mapping
 from lighthouse.decision_log import preview
 from lighthouse.epochs import StaleReplica
 from lighthouse.quorum import Decision, IssuedQuorum, Member, QuorumConfig, QuorumState
-from torchft_lite.rpc.refusals import CountedLog
 from lighthouse.stragglers.scores import ComputeSample, GroupScores, StragglerBook, StragglerConfig, compute_sample_of
+from torchft_lite.rpc.refusals import CountedLog
 
 __all__ = ["MAX_COOLDOWN_DOUBLINGS", "StragglerQuorumState", "StragglerStatistics"]
 

@@ -15,8 +15,9 @@ import pytest
 import torch
 from torch import nn
 
-from tests.integration.helpers import (JOB_WAIT as WAIT, assert_identical_per_step, cluster, read_reports, steps_of,
-                                       wait_for)
+from tests.integration.helpers import (
+    JOB_WAIT as WAIT, assert_identical_per_step, cluster, read_reports, steps_of, wait_for,
+)
 from tests.unit.helpers import CountingManager
 from torchft_lite.ddp import DistributedDataParallel
 

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from torchft_lite.checkpointing import HTTPTransport
-from torchft_lite.serialization import cuda
-from torchft_lite.serialization import decode, encode
+from torchft_lite.serialization import cuda, decode, encode
 
 pytestmark = [
     pytest.mark.gpu,

@@ -14,8 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.integration.helpers import (JOB_WAIT as WAIT, TRAIN_HSDP, assert_identical_per_step, read_logs, read_reports,
-                                       replica_groups, steps_of, wait_for)
+from tests.integration.helpers import (
+    JOB_WAIT as WAIT, TRAIN_HSDP, assert_identical_per_step, read_logs, read_reports, replica_groups, steps_of,
+    wait_for,
+)
 
 pytestmark = [
     pytest.mark.gpu,

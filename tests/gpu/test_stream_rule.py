@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from torchft_lite.core.step import Step, start_allreduce
 from torchft_lite.collectives import start_quantized_allreduce
+from torchft_lite.core.step import Step, start_allreduce
 from torchft_lite.health.nonfinite import HealthConfig, NonFiniteGuard
 from torchft_lite.process_group import ProcessGroupGloo
 from torchft_lite.work import ManagedWork, guard_future

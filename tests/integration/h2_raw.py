@@ -15,8 +15,8 @@ from typing import Callable, NamedTuple
 
 import hpack
 
-from torchft_lite.rpc.h2grpc import wire
 from tests.conftest import WAIT
+from torchft_lite.rpc.h2grpc import wire
 
 
 class Frame(NamedTuple):

@@ -26,17 +26,17 @@ import grpc
 import torch
 from torch.distributed import TCPStore
 
-from torchft_lite.rpc.lighthouse_client import LighthouseClient
-from torchft_lite.rpc.access import Access
-from torchft_lite.rpc.h2grpc import GrpcServer
-from torchft_lite.rpc.tls import TlsSettings
 from lighthouse.server import LighthouseServer
 from tests.conftest import WAIT, all_in_threads, wait_until_sync
+from torchft_lite.cluster.local import LighthouseProcess, ReplicaGroup
+from torchft_lite.group_server.server import ManagerServer, ManagerServerConfig
+from torchft_lite.manager import Manager
+from torchft_lite.rpc.access import Access
+from torchft_lite.rpc.h2grpc import GrpcServer
+from torchft_lite.rpc.lighthouse_client import LighthouseClient
+from torchft_lite.rpc.tls import TlsSettings
 from torchft_lite.serialization import encode
 from torchft_lite.serialization.spec import byte_view, format_path
-from torchft_lite.cluster.local import LighthouseProcess, ReplicaGroup
-from torchft_lite.manager import Manager
-from torchft_lite.group_server.server import ManagerServer, ManagerServerConfig
 
 
 def client_for(server: LighthouseServer) -> LighthouseClient:

@@ -25,10 +25,11 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
+from train_hsdp import TinyDecoder, batch_for  # noqa: E402
+
 import torchft_lite as torchft  # noqa: E402
 from torchft_lite.hsdp import ShardedState, average_across_groups, init_group_mesh  # noqa: E402
 from torchft_lite.process_group import ManagedProcessGroup  # noqa: E402
-from train_hsdp import TinyDecoder, batch_for  # noqa: E402
 
 SIZES = dict(vocab=64, dim=32, layers=2, heads=4, seq_len=16)
 

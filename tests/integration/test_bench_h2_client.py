@@ -12,10 +12,10 @@ import pytest
 
 from benchmarks._h2_client import H2CallError, H2CallTimeout, H2Channel
 from benchmarks._h2_wire import DEFAULT_WINDOW
-from torchft_lite.rpc.h2grpc.connection import H2Connection
-from torchft_lite.rpc.protocol import torchft_pb2 as pb
 from tests.conftest import WAIT, running_lighthouse
 from tests.integration.helpers import probe_server
+from torchft_lite.rpc.h2grpc.connection import H2Connection
+from torchft_lite.rpc.protocol import torchft_pb2 as pb
 
 pytestmark = pytest.mark.integration
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from torchft_lite.rpc.access import Access
 from lighthouse.thread import BackgroundLighthouse
 from tests.conftest import lighthouse_config
 from tests.integration.helpers import form_quorum
+from torchft_lite.rpc.access import Access
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser]
 

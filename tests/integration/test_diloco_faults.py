@@ -27,8 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.helpers import JOB_WAIT as WAIT
-from tests.integration.helpers import read_logs, read_reports, replica_groups, wait_for
+from tests.integration.helpers import JOB_WAIT as WAIT, read_logs, read_reports, replica_groups, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

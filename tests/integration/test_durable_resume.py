@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from tests.integration.helpers import JOB_WAIT as WAIT, TRAIN_DDP as SCRIPT, read_reports, wait_for
-from torchft_lite.durable._layout import Layout
 from torchft_lite.cluster.local import LighthouseProcess, ReplicaGroup
+from torchft_lite.durable._layout import Layout
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import signal
 
-
 import pytest
 
-from tests.integration.helpers import (assert_identical_per_step, cluster, read_logs, read_reports, steps_of,
-                                       wait_for)
+from tests.integration.helpers import assert_identical_per_step, cluster, read_logs, read_reports, steps_of, wait_for
 from torchft_lite.health.watchdog import EXIT_CODE_PREEMPTED
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -95,10 +93,9 @@ def test_a_flapping_member_never_stops_the_survivor(tmp_path):
 
 
 def test_watchdog_exits_a_group_stuck_in_quorum_for_rescheduling(tmp_path):
+    from tests.integration.helpers import JOB_WAIT as WAIT, TRAIN_DDP as SCRIPT
     from torchft_lite.cluster.local import LighthouseProcess, ReplicaGroup
     from torchft_lite.health.watchdog import EXIT_CODE_RESCHEDULE
-
-    from tests.integration.helpers import JOB_WAIT as WAIT, TRAIN_DDP as SCRIPT
 
     # min_replicas=2 with a single group: its quorum can never form.
     lighthouse = LighthouseProcess(min_replicas=2, log_path=tmp_path / "lighthouse.log").start()

@@ -14,8 +14,9 @@ import time
 
 import pytest
 
-from tests.integration.helpers import (JOB_WAIT as WAIT, assert_identical_per_step, cluster, read_logs, read_reports,
-                                       steps_of, wait_for)
+from tests.integration.helpers import (
+    JOB_WAIT as WAIT, assert_identical_per_step, cluster, read_logs, read_reports, steps_of, wait_for,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -42,17 +42,16 @@ from typing import Iterator
 import grpc
 import hpack
 import pytest
-from hypothesis import HealthCheck, Phase, example, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, Phase, example, given, settings, strategies as st
 
-from torchft_lite.rpc.h2grpc import wire
-from torchft_lite.rpc.protocol import torchft_pb2 as pb
 from lighthouse.server import MAX_REPLICA_ID_LEN, LighthouseServer
 from lighthouse.validation import STEP_LIMIT, member_problem, replica_id_problem
-from torchft_lite.rpc.loop import new_event_loop
 from tests.conftest import WAIT, FakeManager, running_lighthouse
 from tests.integration.helpers import fetch, manager_server
 from torchft_lite.group_server.server import ManagerServer
+from torchft_lite.rpc.h2grpc import wire
+from torchft_lite.rpc.loop import new_event_loop
+from torchft_lite.rpc.protocol import torchft_pb2 as pb
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -20,14 +20,14 @@ import aiohttp
 import grpc
 import pytest
 
-from torchft_lite.rpc.lighthouse_client import LighthouseClient
-from torchft_lite.rpc.protocol import torchft_pb2 as pb
-from torchft_lite.rpc.access import TOKEN_ENV, Access
 from tests.conftest import WAIT, non_loopback_address, running_lighthouse, wait_until
 from tests.integration.helpers import manager_server
-from torchft_lite.group_server.client import ManagerClient
 from torchft_lite.errors import ManagerError, QuorumError
+from torchft_lite.group_server.client import ManagerClient
 from torchft_lite.group_server.server import EXIT_CODE_KILLED, ManagerServer, ManagerServerConfig
+from torchft_lite.rpc.access import TOKEN_ENV, Access
+from torchft_lite.rpc.lighthouse_client import LighthouseClient
+from torchft_lite.rpc.protocol import torchft_pb2 as pb
 
 pytestmark = pytest.mark.integration
 

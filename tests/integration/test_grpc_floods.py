@@ -35,13 +35,13 @@ from pathlib import Path
 import grpc
 import pytest
 
-from torchft_lite.rpc.lighthouse_client import LighthouseClient, LighthouseError
-from torchft_lite.rpc.protocol import torchft_pb2 as pb
-from torchft_lite.rpc.access import Access
-from torchft_lite.rpc.h2grpc import wire
 from tests.conftest import WAIT, wait_until_sync
 from tests.integration.flood_lighthouse import IDLE_TIMEOUT, REQUEST_TIMEOUT
 from tests.integration.h2_raw import RawH2, call_frames, request_headers
+from torchft_lite.rpc.access import Access
+from torchft_lite.rpc.h2grpc import wire
+from torchft_lite.rpc.lighthouse_client import LighthouseClient, LighthouseError
+from torchft_lite.rpc.protocol import torchft_pb2 as pb
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -12,11 +12,11 @@ import asyncio
 import grpc
 import pytest
 
-from torchft_lite.rpc.h2grpc import wire
-from torchft_lite.rpc.limits import ServerLimits
 from tests.conftest import WAIT, wait_until
 from tests.integration.h2_raw import RawH2, call_frames, request_headers
 from tests.integration.helpers import probe_server
+from torchft_lite.rpc.h2grpc import wire
+from torchft_lite.rpc.limits import ServerLimits
 
 pytestmark = pytest.mark.integration
 

@@ -6,9 +6,9 @@ import struct
 import grpc
 import pytest
 
-from torchft_lite.rpc.h2grpc import GrpcServer, wire
 from tests.conftest import WAIT, wait_until
 from tests.integration.helpers import probe_server
+from torchft_lite.rpc.h2grpc import GrpcServer, wire
 
 pytestmark = pytest.mark.integration
 

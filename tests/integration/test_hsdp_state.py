@@ -43,9 +43,9 @@ def _rank(rank: int, store_path: str, results) -> None:
         import torch
         import torch.distributed as dist
 
+        from torchft_lite.errors import CheckpointError
         from torchft_lite.serialization.decode import decode_bytes
         from torchft_lite.serialization.encode import encode_to_bytes
-        from torchft_lite.errors import CheckpointError
 
         dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
         source_model, source_optim, source = _build(0)

@@ -13,10 +13,10 @@ from datetime import timedelta
 import pytest
 import torch
 
-from torchft_lite.checkpointing import _streams
-from torchft_lite.serialization import encode, prefault
 from tests.conftest import WAIT
 from tests.integration.helpers import response
+from torchft_lite.checkpointing import _streams
+from torchft_lite.serialization import encode, prefault
 
 pytestmark = pytest.mark.integration
 

@@ -22,9 +22,7 @@ import torch
 from tests.conftest import WAIT, read_header
 from tests.integration.helpers import bearer, digest, fetch
 from torchft_lite.checkpointing import HTTPTransport, _http_receive
-from torchft_lite.serialization import checksum
-from torchft_lite.checkpointing import _http_receive
-from torchft_lite.serialization import encode, spec
+from torchft_lite.serialization import checksum, encode, spec
 
 pytestmark = pytest.mark.integration
 

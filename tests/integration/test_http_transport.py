@@ -10,18 +10,17 @@ import textwrap
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch
 
-from torchft_lite.checkpointing import HTTPTransport
-from torchft_lite.serialization import decode, encode, spec
-from torchft_lite.checkpointing import _http_server
-from torchft_lite.errors import CheckpointError, CheckpointHTTPError, CheckpointTimeout, CheckpointTransferError
 from tests.conftest import WAIT, wait_until_sync
 from tests.integration.helpers import digest
+from torchft_lite.checkpointing import HTTPTransport, _http_server
+from torchft_lite.errors import CheckpointError, CheckpointHTTPError, CheckpointTimeout, CheckpointTransferError
+from torchft_lite.serialization import decode, encode, spec
 
 pytestmark = pytest.mark.integration
 

@@ -11,11 +11,11 @@ from datetime import timedelta
 import pytest
 import torch
 
-from torchft_lite.rpc.access import Access
-from torchft_lite.checkpointing import HTTPTransport, _http_server
-from torchft_lite.errors import CheckpointHTTPError
 from tests.conftest import WAIT, non_loopback_address, wait_until_sync
 from tests.integration.helpers import fetch, same_encoding
+from torchft_lite.checkpointing import HTTPTransport, _http_server
+from torchft_lite.errors import CheckpointHTTPError
+from torchft_lite.rpc.access import Access
 
 pytestmark = pytest.mark.integration
 

@@ -8,9 +8,9 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
-from torchft_lite.serialization import encode
-from torchft_lite.checkpointing import http_transport_bench
 from tests.conftest import WAIT, cpu_mesh, dtensor
+from torchft_lite.checkpointing import http_transport_bench
+from torchft_lite.serialization import encode
 
 pytestmark = pytest.mark.integration
 

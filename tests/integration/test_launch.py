@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from torchft_lite.launch import exit_code_of
 from torchft_lite.cluster.local import stop_tree
+from torchft_lite.launch import exit_code_of
 
 pytestmark = [pytest.mark.integration]
 

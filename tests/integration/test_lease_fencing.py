@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.helpers import (TRAIN_DDP as SCRIPT, assert_identical_per_step, cluster, read_logs, read_reports,
-                                       steps_of, wait_for)
+from tests.integration.helpers import (
+    TRAIN_DDP as SCRIPT, assert_identical_per_step, cluster, read_logs, read_reports, steps_of, wait_for,
+)
 from torchft_lite.cluster.local import LighthouseProcess, ReplicaGroup
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

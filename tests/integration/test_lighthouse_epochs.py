@@ -10,11 +10,11 @@ import logging
 import grpc
 import pytest
 
-from torchft_lite.rpc.lighthouse_client import LighthouseError
 from lighthouse.fencing import QuorumIdStore
 from lighthouse.server import LighthouseServer
 from tests.conftest import WAIT, FrozenClock, lighthouse_config, wait_until
 from tests.integration.helpers import client_for, http
+from torchft_lite.rpc.lighthouse_client import LighthouseError
 
 pytestmark = pytest.mark.integration
 

@@ -6,12 +6,12 @@ import socket
 import grpc
 import pytest
 
-from torchft_lite.rpc.lighthouse_client import LighthouseClient, LighthouseError, LighthouseTimeout
 from lighthouse.config import LighthouseConfig
-from torchft_lite.rpc.protocol import torchft_pb2 as pb
 from lighthouse.server import LighthouseServer
 from tests.conftest import WAIT, running_lighthouse, wait_until
 from tests.integration.helpers import client_for
+from torchft_lite.rpc.lighthouse_client import LighthouseClient, LighthouseError, LighthouseTimeout
+from torchft_lite.rpc.protocol import torchft_pb2 as pb
 
 pytestmark = pytest.mark.integration
 

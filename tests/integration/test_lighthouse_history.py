@@ -5,10 +5,10 @@ import asyncio
 
 import pytest
 
-from torchft_lite.rpc.lighthouse_client import LighthouseClient
 from lighthouse.server import LighthouseServer
 from tests.conftest import WAIT, FrozenClock, lighthouse_config, wait_until
 from tests.integration.helpers import http
+from torchft_lite.rpc.lighthouse_client import LighthouseClient
 
 pytestmark = pytest.mark.integration
 

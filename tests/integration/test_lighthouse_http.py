@@ -4,9 +4,9 @@ import asyncio
 
 import pytest
 
-from torchft_lite.rpc.lighthouse_client import LighthouseClient
 from tests.conftest import WAIT, FakeManager, running_lighthouse
 from tests.integration.helpers import http
+from torchft_lite.rpc.lighthouse_client import LighthouseClient
 
 pytestmark = pytest.mark.integration
 

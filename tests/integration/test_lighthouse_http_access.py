@@ -8,10 +8,10 @@ from http.cookies import SimpleCookie
 import aiohttp
 import pytest
 
-from torchft_lite.rpc.lighthouse_client import LighthouseClient
-from torchft_lite.rpc.access import Access
 from tests.conftest import WAIT, FakeManager, non_loopback_address, running_lighthouse, wait_until
 from tests.integration.helpers import bearer, http
+from torchft_lite.rpc.access import Access
+from torchft_lite.rpc.lighthouse_client import LighthouseClient
 
 pytestmark = pytest.mark.integration
 

@@ -8,10 +8,10 @@ import contextlib
 import grpc
 import pytest
 
-from torchft_lite.rpc.lighthouse_client import LighthouseClient
-from torchft_lite.rpc.protocol import torchft_pb2 as pb
 from lighthouse.server import LighthouseServer
 from tests.conftest import FrozenClock, lighthouse_config, running_lighthouse, wait_until
+from torchft_lite.rpc.lighthouse_client import LighthouseClient
+from torchft_lite.rpc.protocol import torchft_pb2 as pb
 
 pytestmark = pytest.mark.integration
 

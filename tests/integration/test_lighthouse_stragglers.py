@@ -9,10 +9,10 @@ import re
 
 import pytest
 
-from torchft_lite.rpc.lighthouse_client import LighthouseClient
-from torchft_lite.rpc.protocol import torchft_pb2 as pb
 from tests.conftest import WAIT, running_lighthouse
 from tests.integration.helpers import http
+from torchft_lite.rpc.lighthouse_client import LighthouseClient
+from torchft_lite.rpc.protocol import torchft_pb2 as pb
 
 pytestmark = pytest.mark.integration
 

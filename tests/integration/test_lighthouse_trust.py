@@ -18,10 +18,10 @@ from prometheus_client import generate_latest
 from lighthouse import fencing
 from lighthouse.fencing import QuorumIdStore
 from lighthouse.metrics import build_registry
-from torchft_lite.rpc.protocol import torchft_pb2 as pb
 from lighthouse.validation import MAX_DATA_BYTES, STEP_LIMIT
 from tests.conftest import WAIT, disk_full, running_lighthouse
 from tests.integration.helpers import client_for
+from torchft_lite.rpc.protocol import torchft_pb2 as pb
 
 pytestmark = pytest.mark.integration
 

@@ -17,13 +17,13 @@ import pytest
 import torch
 from torch.distributed import TCPStore
 
-from torchft_lite.rpc.protocol import torchft_pb2 as pb
 from lighthouse.thread import BackgroundLighthouse
 from tests.conftest import all_in_threads, lighthouse_config, wait_until_sync
 from tests.integration.helpers import make_manager
 from torchft_lite.checkpointing import CheckpointTransport
 from torchft_lite.errors import CheckpointTransferError, ManagerTimeout
 from torchft_lite.manager import MEMBER_GONE_GRACE, Manager
+from torchft_lite.rpc.protocol import torchft_pb2 as pb
 
 pytestmark = pytest.mark.integration
 

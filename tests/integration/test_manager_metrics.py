@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 
 from benchmarks._throwaway_pki import openssl_missing
-from torchft_lite.rpc.access import Access
-from torchft_lite.rpc.tls import TlsSettings
 from tests.conftest import WAIT, non_loopback_address, wait_until_sync
 from tests.integration.helpers import bearer, fetch
 from tests.unit.helpers import Replica, replicas  # noqa: F401  (the fixture)
 from torchft_lite.metrics.registry import ManagerMetrics, metrics_from_env
+from torchft_lite.rpc.access import Access
+from torchft_lite.rpc.tls import TlsSettings
 from torchft_lite.testing import InMemoryLighthouse
 
 pytestmark = pytest.mark.integration

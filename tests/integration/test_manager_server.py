@@ -7,11 +7,11 @@ import contextlib
 
 import pytest
 
-from torchft_lite.rpc.lighthouse_client import LighthouseClient, LighthouseTimeout
 from tests.conftest import running_lighthouse, wait_until
 from tests.integration.helpers import manager_server
-from torchft_lite.group_server.client import ManagerClient
 from torchft_lite.errors import ManagerError, QuorumError
+from torchft_lite.group_server.client import ManagerClient
+from torchft_lite.rpc.lighthouse_client import LighthouseClient, LighthouseTimeout
 
 pytestmark = pytest.mark.integration
 

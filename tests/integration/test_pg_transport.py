@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from torchft_lite.checkpointing.pg_transport import PGTransport
-from torchft_lite.errors import CheckpointTimeout, CheckpointTransferError
 from tests.conftest import WAIT, cpu_mesh, dtensor
 from tests.integration.helpers import digest
+from torchft_lite.checkpointing.pg_transport import PGTransport
+from torchft_lite.errors import CheckpointTimeout, CheckpointTransferError
 
 pytestmark = pytest.mark.integration
 

@@ -26,8 +26,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from torchft_lite.errors import CollectiveError, CollectiveTimeout, ConfigError
 from torchft_lite import process_group
+from torchft_lite.errors import CollectiveError, CollectiveTimeout, ConfigError
 from torchft_lite.process_group import ProcessGroupBabyGloo, ProcessGroupGloo
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]

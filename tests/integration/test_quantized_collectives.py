@@ -118,8 +118,7 @@ def test_quantized_allreduce_and_reduce_scatter_across_processes(kind, world, tm
 
 
 def _worker(kind: str, addr: str, rank: int, world: int, out: str) -> None:  # pragma: no cover - a worker
-    from torchft_lite.collectives import allocate_reduce_scatter_output, allreduce_quantized, \
-        reduce_scatter_quantized
+    from torchft_lite.collectives import allocate_reduce_scatter_output, allreduce_quantized, reduce_scatter_quantized
     from torchft_lite.process_group import ProcessGroupBabyGloo, ProcessGroupGloo
 
     pg = {"gloo": ProcessGroupGloo, "baby-gloo": ProcessGroupBabyGloo}[kind](timeout=timedelta(seconds=60))

@@ -82,8 +82,8 @@ def heal(group: int, rank: int, port: int, kind: str) -> dict:
     from torch.distributed.tensor import DTensor
 
     from torchft_lite.checkpointing import HTTPTransport
-    from torchft_lite.serialization.encode import flatten
     from torchft_lite.checkpointing.pg_transport import PGTransport
+    from torchft_lite.serialization.encode import flatten
 
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=LONG)
     dist.init_process_group("gloo", store=dist.PrefixStore(f"group{group}/", store), rank=rank, world_size=2,

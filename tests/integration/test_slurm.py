@@ -15,8 +15,9 @@ import time
 
 import pytest
 
-from tests.integration.cluster_jobs import (REPO, assert_identical_per_step, job_env, kill_and_rejoin,
-                                            read_reports, wait_for_rows, write_token)
+from tests.integration.cluster_jobs import (
+    REPO, assert_identical_per_step, job_env, kill_and_rejoin, read_reports, wait_for_rows, write_token,
+)
 from tests.integration.slurm_cluster import SingleNodeSlurm
 from torchft_lite.cluster.local import free_port
 

@@ -22,14 +22,14 @@ import pytest
 import torch
 
 from benchmarks._throwaway_pki import openssl_missing
-from torchft_lite.rpc.lighthouse_client import LighthouseClient
-from torchft_lite.rpc.protocol import torchft_pb2 as pb
-from torchft_lite.rpc.access import TOKEN_ENV, Access
-from torchft_lite.rpc.tls import TlsSettings
 from tests.conftest import WAIT, running_lighthouse, wait_until
 from tests.integration.helpers import manager_server, same_encoding
-from torchft_lite.group_server.client import ManagerClient
 from torchft_lite.errors import CheckpointError, CheckpointURLError, ConfigError
+from torchft_lite.group_server.client import ManagerClient
+from torchft_lite.rpc.access import TOKEN_ENV, Access
+from torchft_lite.rpc.lighthouse_client import LighthouseClient
+from torchft_lite.rpc.protocol import torchft_pb2 as pb
+from torchft_lite.rpc.tls import TlsSettings
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.skipif(openssl_missing() is not None, reason=str(openssl_missing()))]

@@ -14,9 +14,9 @@ from datetime import timedelta
 import pytest
 
 from benchmarks import torchft_ref
-from torchft_lite.rpc.lighthouse_client import LighthouseClient
 from lighthouse.thread import BackgroundLighthouse
 from tests.conftest import lighthouse_config, needs_torchft
+from torchft_lite.rpc.lighthouse_client import LighthouseClient
 
 pytestmark = pytest.mark.integration
 

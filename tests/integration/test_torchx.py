@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.cluster_jobs import (REPO, assert_identical_per_step, job_env, kill_and_rejoin,
-                                            read_reports, write_token)
+from tests.integration.cluster_jobs import (
+    REPO, assert_identical_per_step, job_env, kill_and_rejoin, read_reports, write_token,
+)
 from torchft_lite.cluster.local import free_port, stop_tree
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

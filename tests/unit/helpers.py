@@ -16,9 +16,9 @@ import torch.distributed as dist
 
 from lighthouse.quorum import Decision, QuorumConfig, QuorumState
 from tests.conftest import all_in_threads, read_header
-from torchft_lite.serialization import decode, encode, spec
 from torchft_lite.health.fingerprint import Fingerprinter
 from torchft_lite.manager import Manager
+from torchft_lite.serialization import decode, encode, spec
 from torchft_lite.testing import InMemoryLighthouse, InMemoryProcessGroup
 from torchft_lite.work import DoneWork, ManagedWork, completed_future
 

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from torchft_lite.serialization.decode import TensorWriter
-from torchft_lite.serialization.staging import Stager
-from torchft_lite.serialization.spec import PREFIX_SIZE, Path, parse_header, unpack_prefix
 from torchft_lite.errors import CheckpointTransferError
+from torchft_lite.serialization.decode import TensorWriter
+from torchft_lite.serialization.spec import PREFIX_SIZE, Path, parse_header, unpack_prefix
+from torchft_lite.serialization.staging import Stager
 
 __all__ = ["BytesSink", "DataSink", "EncodedSink"]
 

@@ -28,18 +28,19 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
-from torchft_lite.rpc.tls import TlsSettings
+
 from torchft_lite.checkpointing import _http_client, _streams
-from torchft_lite.serialization import checksum
 from torchft_lite.checkpointing._body_sinks import BytesSink, DataSink, EncodedSink
+from torchft_lite.errors import (
+    CheckpointError, CheckpointHTTPError, CheckpointTransferError, CheckpointURLError, CheckpointURLTimeout,
+)
+from torchft_lite.rpc.tls import TlsSettings
+from torchft_lite.serialization import checksum
 from torchft_lite.serialization.decode import TensorWriter
 from torchft_lite.serialization.spec import (
     MAX_HEADER_BYTES, PREFIX_SIZE, Header, Path, decode_key, decode_tree, format_path, parse_header, unpack_prefix,
 )
 from torchft_lite.serialization.staging import Stager, stager_for
-from torchft_lite.errors import (
-    CheckpointError, CheckpointHTTPError, CheckpointTransferError, CheckpointURLError, CheckpointURLTimeout,
-)
 
 __all__ = ["DONE_TIMEOUT", "Receiver", "encoded_header_difference", "header_difference"]
 

@@ -19,14 +19,16 @@ import re
 import socket
 import ssl
 from typing import Iterable
+
 from aiohttp import web
-from torchft_lite.rpc.access import Access
-from torchft_lite.rpc.refusals import RefusalLog
-from torchft_lite.serialization.encode import EncodedStateDict, FlatStateDict
+
 from torchft_lite.checkpointing._http_snapshot import Session, Snapshot
 from torchft_lite.checkpointing._streams import ADVERTISE_HEADER, SERVED_STREAMS
 from torchft_lite.errors import CheckpointError
+from torchft_lite.rpc.access import Access
 from torchft_lite.rpc.addresses import dual_stack_socket
+from torchft_lite.rpc.refusals import RefusalLog
+from torchft_lite.serialization.encode import EncodedStateDict, FlatStateDict
 
 __all__ = ["ABORT_GRACE", "CheckpointServer", "QUEUE_BYTES", "SEND_BUFFER_BYTES", "flushed", "listen", "tune"]
 

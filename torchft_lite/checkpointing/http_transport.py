@@ -19,15 +19,15 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Coroutine, Sequence, TypeVar
 
-from torchft_lite.rpc.access import Access
-from torchft_lite.rpc.tls import TlsSettings
-from torchft_lite.rpc.loop import control_plane
-from torchft_lite.serialization.decode import targets_of
-from torchft_lite.serialization.encode import FlatStateDict, flatten
 from torchft_lite.checkpointing._http_receive import DONE_TIMEOUT, Receiver
 from torchft_lite.checkpointing._http_server import ABORT_GRACE, listen
 from torchft_lite.checkpointing.transport import CheckpointTransport
 from torchft_lite.errors import CheckpointError, CheckpointTimeout, ConfigError
+from torchft_lite.rpc.access import Access
+from torchft_lite.rpc.loop import control_plane
+from torchft_lite.rpc.tls import TlsSettings
+from torchft_lite.serialization.decode import targets_of
+from torchft_lite.serialization.encode import FlatStateDict, flatten
 
 if TYPE_CHECKING:
     from torchft_lite.checkpointing._http_server import CheckpointServer

@@ -20,14 +20,14 @@ from typing import Any, Callable, Protocol, Sequence, TypeVar
 
 import torch
 
+from torchft_lite.checkpointing.transport import CheckpointTransport
+from torchft_lite.errors import CheckpointError, CheckpointTimeout, CheckpointTransferError, ConfigError
 from torchft_lite.serialization import checksum
 from torchft_lite.serialization.decode import TensorWriter, targets_of
 from torchft_lite.serialization.encode import encode, flatten
 from torchft_lite.serialization.spec import (
     MAX_HEADER_BYTES, PREFIX_SIZE, Header, Path, TensorEntry, byte_view, parse_header, unpack_prefix,
 )
-from torchft_lite.checkpointing.transport import CheckpointTransport
-from torchft_lite.errors import CheckpointError, CheckpointTimeout, CheckpointTransferError, ConfigError
 
 __all__ = ["PGTransport"]
 

@@ -17,10 +17,10 @@ import logging
 import threading
 from typing import Any, Callable
 
-from torchft_lite.rpc.protocol import torchft_pb2 as pb
 from torchft_lite.core.capabilities import Abortable
 from torchft_lite.core.step import Step
 from torchft_lite.errors import CollectiveError
+from torchft_lite.rpc.protocol import torchft_pb2 as pb
 
 __all__ = ["MemberWatch"]
 

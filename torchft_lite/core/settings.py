@@ -22,8 +22,8 @@ from datetime import timedelta
 from typing import Callable, Mapping
 from urllib.parse import urlsplit
 
-from torchft_lite.group_server.lease_fence import DEFAULT_LEASE_TIMEOUT
 from torchft_lite.errors import ConfigError
+from torchft_lite.group_server.lease_fence import DEFAULT_LEASE_TIMEOUT
 
 __all__ = ["ManagerSettings", "Timeouts", "default_advertised_host"]
 

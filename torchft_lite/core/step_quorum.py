@@ -13,11 +13,11 @@ import logging
 import time
 from typing import Any, Callable
 
-from torchft_lite.rpc.protocol import torchft_pb2 as pb
-from torchft_lite.group_server.channel import GroupChannel
 from torchft_lite.core.healer import Healer
 from torchft_lite.core.step import Step, participation_of
 from torchft_lite.errors import CheckpointError, QuorumError
+from torchft_lite.group_server.channel import GroupChannel
+from torchft_lite.rpc.protocol import torchft_pb2 as pb
 
 __all__ = ["StepQuorum"]
 

@@ -14,11 +14,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
-from torchft_lite.rpc.loop import ControlPlane
-from torchft_lite.group_server.channel import ClientChannel, GroupChannel, ServerChannel
 from torchft_lite.core.healer import stripes
 from torchft_lite.core.settings import ManagerSettings
 from torchft_lite.errors import ManagerTimeout
+from torchft_lite.group_server.channel import ClientChannel, GroupChannel, ServerChannel
+from torchft_lite.rpc.loop import ControlPlane
 
 __all__ = ["DefaultWiring", "ManagerParts", "ManagerWiring"]
 

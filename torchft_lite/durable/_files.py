@@ -23,10 +23,10 @@ from typing import Any, BinaryIO, Callable, Mapping
 
 import torch
 
+from torchft_lite.errors import CheckpointError, DurableCheckpointError
 from torchft_lite.serialization.decode import TensorWriter
 from torchft_lite.serialization.encode import FlatStateDict, encode
 from torchft_lite.serialization.spec import PREFIX_SIZE, parse_header, unpack_prefix
-from torchft_lite.errors import CheckpointError, DurableCheckpointError
 
 __all__ = ["FileRecord", "fsync_directory", "read_state_file", "write_bytes_atomically", "write_state_file"]
 

@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
+from torchft_lite.errors import CheckpointMismatchError
 from torchft_lite.serialization import dtensor
 from torchft_lite.serialization.encode import FlatStateDict
 from torchft_lite.serialization.spec import format_path
-from torchft_lite.errors import CheckpointMismatchError
 
 __all__ = ["check_layout", "describe_layout", "layout_of", "sharded_paths"]
 

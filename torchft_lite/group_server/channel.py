@@ -15,10 +15,9 @@ import asyncio
 import logging
 from typing import Any, Callable, Protocol
 
-from torchft_lite.group_server.client import ManagerClient  # sets GRPC_ENABLE_FORK_SUPPORT before grpc loads
-
 import grpc  # noqa: E402  (after the line above)
 
+from torchft_lite.group_server.client import ManagerClient  # sets GRPC_ENABLE_FORK_SUPPORT before grpc loads
 from torchft_lite.rpc.protocol import torchft_pb2 as pb  # noqa: E402
 
 __all__ = ["ClientChannel", "EventListener", "GroupChannel", "ServerChannel", "peer_metadata"]

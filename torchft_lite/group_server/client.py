@@ -16,11 +16,13 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 
 import grpc  # noqa: E402
 
-from torchft_lite.rpc.protocol import torchft_pb2 as pb  # noqa: E402
+from torchft_lite.errors import (  # noqa: E402
+    ManagerError, ManagerTimeout, QuorumError, QuorumTimeout, StateDivergedError,
+)
 from torchft_lite.rpc.access import Access  # noqa: E402
 from torchft_lite.rpc.channel import UnaryChannel  # noqa: E402
+from torchft_lite.rpc.protocol import torchft_pb2 as pb  # noqa: E402
 from torchft_lite.rpc.tls import TlsSettings  # noqa: E402
-from torchft_lite.errors import ManagerError, ManagerTimeout, QuorumError, QuorumTimeout, StateDivergedError  # noqa: E402
 
 __all__ = ["ManagerClient"]
 

@@ -21,10 +21,10 @@ from typing import Callable
 
 import grpc
 
+from torchft_lite.group_server.lease_fence import LeaseFence, lease_clock
+from torchft_lite.rpc.broadcast import Broadcast
 from torchft_lite.rpc.lighthouse_client import LighthouseClient
 from torchft_lite.rpc.protocol import torchft_pb2 as pb
-from torchft_lite.rpc.broadcast import Broadcast
-from torchft_lite.group_server.lease_fence import LeaseFence, lease_clock
 
 __all__ = ["LighthouseLink"]
 

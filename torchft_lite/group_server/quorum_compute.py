@@ -13,8 +13,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from torchft_lite.health.fingerprint_vote import Advertised, vote
 from torchft_lite.errors import StateDivergedError
+from torchft_lite.health.fingerprint_vote import Advertised, vote
 
 __all__ = ["QuorumMember", "QuorumResult", "compute_quorum_result", "heal_sources_of", "member_data", "response_of"]
 

@@ -24,7 +24,9 @@ from google.protobuf.message import DecodeError
 from torchft_lite.errors import QuorumError, QuorumTimeout, StateDivergedError
 from torchft_lite.group_server.lease_fence import DEFAULT_LEASE_TIMEOUT, FenceStatistics, LeaseFence
 from torchft_lite.group_server.lighthouse_link import LighthouseLink
-from torchft_lite.group_server.quorum_compute import QuorumMember, compute_quorum_result, heal_sources_of, member_data, response_of
+from torchft_lite.group_server.quorum_compute import (
+    QuorumMember, compute_quorum_result, heal_sources_of, member_data, response_of,
+)
 from torchft_lite.health.fingerprint_vote import FINGERPRINT_KEY, group_fingerprint, parse_fingerprint
 from torchft_lite.rpc.access import Access
 from torchft_lite.rpc.addresses import split_host_port

@@ -6,10 +6,7 @@ timeouts and :mod:`.watchdog_calibration` their calibration from observed durati
 """
 
 from torchft_lite.health.nonfinite import (
-    FINGERPRINT_EVERY_ENV,
-    MAX_NONFINITE_STEPS_ENV,
-    NONFINITE_GUARD_ENV,
-    HealthConfig,
+    FINGERPRINT_EVERY_ENV, MAX_NONFINITE_STEPS_ENV, NONFINITE_GUARD_ENV, HealthConfig,
 )
 
 __all__ = ["FINGERPRINT_EVERY_ENV", "HealthConfig", "MAX_NONFINITE_STEPS_ENV", "NONFINITE_GUARD_ENV"]

@@ -22,7 +22,9 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from torchft_lite.health.fingerprint_vote import FOLD, MAX_SUMS, differing_ranks, first_difference, parse_fingerprint, vote
+from torchft_lite.health.fingerprint_vote import (
+    FOLD, MAX_SUMS, differing_ranks, first_difference, parse_fingerprint, vote,
+)
 
 __all__ = ["DEFAULT_EXCLUDE", "Fingerprint", "Fingerprinter", "fingerprint_of"]
 

@@ -19,10 +19,10 @@ from typing import Any, Callable, Mapping
 import torch
 from torch.distributed import ReduceOp
 
+from torchft_lite.core.report import ComputeAdvertiser
 from torchft_lite.core.step import Step, start_allreduce
 from torchft_lite.errors import ConfigError, NonFiniteError, StateDivergedError
 from torchft_lite.health.fingerprint import DEFAULT_EXCLUDE, Fingerprinter
-from torchft_lite.core.report import ComputeAdvertiser
 
 __all__ = ["FINGERPRINT_EVERY_ENV", "HealthConfig", "MAX_NONFINITE_STEPS_ENV", "NONFINITE_GUARD_ENV"]
 
@@ -134,8 +134,9 @@ class NonFiniteGuard:
         ``UnsupportedQuantization`` before anything is sent (see ``failed_to_start``).
         """
         if quantize:  # imported on first use: a trainer that never quantizes does not load it
-            from torchft_lite.collectives import allreduce_quantized, check_quantized_reduction, \
-                start_quantized_allreduce
+            from torchft_lite.collectives import (
+                allreduce_quantized, check_quantized_reduction, start_quantized_allreduce,
+            )
         if not (self.config.nonfinite_guard and reduce_op == ReduceOp.AVG and tensor.is_floating_point()):
             if quantize:  # checks its input before it sends anything
                 return start_quantized_allreduce(pg, tensor, reduce_op, participants)

@@ -23,12 +23,12 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from torchft_lite.rpc.access import Access
-from torchft_lite.rpc.tls import TlsSettings
-from torchft_lite.metrics.server import MetricsServer
+from torchft_lite.core.report import StepReport
 from torchft_lite.errors import ConfigError
 from torchft_lite.health.fingerprint import Fingerprinter
-from torchft_lite.core.report import StepReport
+from torchft_lite.metrics.server import MetricsServer
+from torchft_lite.rpc.access import Access
+from torchft_lite.rpc.tls import TlsSettings
 
 __all__ = ["METRICS_HOST_ENV", "METRICS_PORT_ENV", "ManagerMetrics", "MetricsSettings", "failure_reason",
            "metrics_from_env"]

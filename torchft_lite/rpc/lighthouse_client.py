@@ -11,9 +11,9 @@ import asyncio
 
 import grpc
 
-from torchft_lite.rpc.protocol import torchft_pb2 as pb
 from torchft_lite.rpc.access import Access
 from torchft_lite.rpc.channel import UnaryChannel
+from torchft_lite.rpc.protocol import torchft_pb2 as pb
 from torchft_lite.rpc.tls import TlsSettings
 
 

@@ -16,13 +16,13 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
+from torchft_lite.errors import CheckpointTransferError
 from torchft_lite.serialization import checksum, cuda, dtensor, prefault
-from torchft_lite.serialization.staging import Stager
 from torchft_lite.serialization.encode import flatten
 from torchft_lite.serialization.spec import (
     DTYPES, PREFIX_SIZE, Header, Path, TensorEntry, byte_view, format_path, parse_header, unpack_prefix,
 )
-from torchft_lite.errors import CheckpointTransferError
+from torchft_lite.serialization.staging import Stager
 
 __all__ = ["TensorWriter", "decode_bytes", "targets_of"]
 

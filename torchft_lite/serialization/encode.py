@@ -27,12 +27,12 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
+from torchft_lite.errors import CheckpointError
 from torchft_lite.serialization import checksum, cuda, dtensor
 from torchft_lite.serialization.spec import (
     DTYPE_NAME, FORMAT_VERSION, MAX_DEPTH, MIN_BLOCK_BYTES, Blocks, Path, TensorEntry, byte_view, format_path,
     pack_prefix,
 )
-from torchft_lite.errors import CheckpointError
 
 __all__ = ["EncodedStateDict", "FlatStateDict", "encode", "encode_to_bytes", "flatten"]
 

@@ -30,8 +30,8 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from torchft_lite.serialization import checksum, dtensor
 from torchft_lite.errors import CheckpointTransferError
+from torchft_lite.serialization import checksum, dtensor
 
 __all__ = [
     "DTYPES", "DTYPE_NAME", "FORMAT_VERSION", "MAX_DEPTH", "MAX_HEADER_BYTES", "MIN_BLOCK_BYTES", "PREFIX_SIZE",

@@ -19,10 +19,10 @@ from typing import Any, Callable, Iterable, Mapping, Protocol
 
 import torch
 
+from torchft_lite.errors import CheckpointTransferError
 from torchft_lite.serialization import checksum, cuda
 from torchft_lite.serialization.dtensor import local_of
 from torchft_lite.serialization.spec import byte_view
-from torchft_lite.errors import CheckpointTransferError
 
 __all__ = ["Copier", "RecoveryStreamCopier", "SLOTS", "SLOT_BYTES", "SLOT_WAIT", "Stager", "StagingRing",
            "pinned_ring", "stager_for"]

@@ -5,8 +5,8 @@ import pytest
 from lighthouse import fencing
 from lighthouse.config import LighthouseConfig
 from lighthouse.fencing import QuorumIdStore, agreed_step
-from torchft_lite.rpc.addresses import split_host_port
 from tests.conftest import disk_full
+from torchft_lite.rpc.addresses import split_host_port
 
 
 class TestQuorumIdStore:

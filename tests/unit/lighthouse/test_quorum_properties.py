@@ -50,8 +50,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 import pytest
-from hypothesis import HealthCheck, example, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from lighthouse.quorum import IssuedQuorum, Member, QuorumConfig, QuorumState, StaleReplica, Status
 

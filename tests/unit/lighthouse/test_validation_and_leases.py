@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 
 from lighthouse.leases import LeaseHeld, LeaseTable
+from lighthouse.validation import (
+    MAX_DATA_BYTES, MAX_REPLICA_ID_LEN, REASONS, STEP_LIMIT, member_problem, replica_id_problem,
+)
 from torchft_lite.rpc.protocol import torchft_pb2 as pb
-from lighthouse.validation import (MAX_DATA_BYTES, MAX_REPLICA_ID_LEN, REASONS, STEP_LIMIT, member_problem,
-                                   replica_id_problem)
 
 
 def test_members_within_every_limit_pass():

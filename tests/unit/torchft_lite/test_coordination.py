@@ -6,10 +6,10 @@ import sys
 
 import pytest
 
-from torchft_lite.rpc.protocol import torchft_pb2 as pb
 from torchft_lite import coordination
 from torchft_lite.coordination import LighthouseClient, LighthouseServer, Quorum, QuorumMember, Timestamp
 from torchft_lite.errors import QuorumError
+from torchft_lite.rpc.protocol import torchft_pb2 as pb
 
 SERVER_SIDE = ("lighthouse.server", "lighthouse.quorum", "lighthouse.http", "lighthouse.status", "lighthouse.metrics",
                "lighthouse.config")

@@ -10,8 +10,7 @@ from torch import nn
 
 from tests.conftest import all_in_threads, two_layers
 from tests.unit.helpers import SoloManager
-from torchft_lite.local_sgd import _buckets
-from torchft_lite.local_sgd import DiLoCo, LocalSGD, extract_local_tensor
+from torchft_lite.local_sgd import DiLoCo, LocalSGD, _buckets, extract_local_tensor
 
 WAIT = 30.0
 

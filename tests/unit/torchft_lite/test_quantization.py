@@ -15,23 +15,13 @@ from torch.distributed import ReduceOp
 
 from tests.conftest import block_amax
 from torchft_lite.collectives import (
-    UnsupportedProcessGroupError,
-    UnsupportedReduceOpError,
-    allocate_reduce_scatter_output,
-    allreduce_quantized,
-    check_quantized_reduction,
-    get_padded_sizes,
+    UnsupportedProcessGroupError, UnsupportedReduceOpError, allocate_reduce_scatter_output, allreduce_quantized,
+    check_quantized_reduction, get_padded_sizes,
 )
 from torchft_lite.process_group.dummy import ProcessGroupDummy
 from torchft_lite.quantization import (
-    BlockLayout,
-    UnsupportedDtypeError,
-    UnsupportedQuantization,
-    dequantize_rows,
-    fused_dequantize_from_fp8,
-    fused_quantize_into_fp8,
-    fused_reduce_fp8,
-    quantize_rows,
+    BlockLayout, UnsupportedDtypeError, UnsupportedQuantization, dequantize_rows, fused_dequantize_from_fp8,
+    fused_quantize_into_fp8, fused_reduce_fp8, quantize_rows,
 )
 from torchft_lite.testing import InMemoryProcessGroup
 

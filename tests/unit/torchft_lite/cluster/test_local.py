@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from torchft_lite.rpc.access import TOKEN_ENV, TOKEN_FILE_ENV
 from torchft_lite.cluster import local as local_cluster
 from torchft_lite.cluster.local import LighthouseProcess, ReplicaGroup, job_access, job_token_env
+from torchft_lite.rpc.access import TOKEN_ENV, TOKEN_FILE_ENV
 
 
 @pytest.fixture

@@ -21,11 +21,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from tests.conftest import cpu_mesh, dtensor, in_threads, read_header
-from torchft_lite.serialization.encode import flatten
 from torchft_lite.durable import DurableCheckpointer, read_checkpoint
 from torchft_lite.durable._files import write_state_file
 from torchft_lite.durable._layout import Layout
 from torchft_lite.errors import CheckpointMismatchError, ConfigError, DurableCheckpointError
+from torchft_lite.serialization.encode import flatten
 
 ROWS, COLS = 301, 64  # 301 rows over 2 ranks: uneven shards (151 and 150 rows), as FSDP2 makes them
 STEP = 6

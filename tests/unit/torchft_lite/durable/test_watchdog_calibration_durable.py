@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchft_lite.serialization.decode import decode_bytes
-from torchft_lite.serialization.encode import encode_to_bytes
 from torchft_lite.durable import DurableCheckpointer
 from torchft_lite.durable._layout import Layout
-from torchft_lite.testing import InMemoryLighthouse, InMemoryProcessGroup
 from torchft_lite.health.watchdog import WatchdogConfig
+from torchft_lite.serialization.decode import decode_bytes
+from torchft_lite.serialization.encode import encode_to_bytes
+from torchft_lite.testing import InMemoryLighthouse, InMemoryProcessGroup
 
 # Calibrated timeouts land on the 300 s floor, far from anything these steps take, and apart from the
 # configured 600 s so a test can tell which one is in force.

@@ -8,10 +8,10 @@ import logging
 
 import grpc
 
-from torchft_lite.rpc.protocol import torchft_pb2 as pb
 from tests.conftest import wait_until
 from torchft_lite.group_server.channel import ClientChannel
 from torchft_lite.group_server.lighthouse_link import LighthouseLink
+from torchft_lite.rpc.protocol import torchft_pb2 as pb
 
 GONE = pb.LeaseEvent(kind=pb.LeaseEvent.MEMBER_GONE, replica_id="other", quorum_id=3, reason="lease ended")
 GRANTED = pb.LeaseEvent(kind=pb.LeaseEvent.GRANTED, replica_id="me")

@@ -25,10 +25,11 @@ import random
 from collections import Counter
 
 import pytest
-from hypothesis import assume, given, settings
-from hypothesis import strategies as st
+from hypothesis import assume, given, settings, strategies as st
 
-from torchft_lite.group_server.quorum_compute import QuorumMember, QuorumResult, compute_quorum_result, heal_sources_of, member_data
+from torchft_lite.group_server.quorum_compute import (
+    QuorumMember, QuorumResult, compute_quorum_result, heal_sources_of, member_data,
+)
 
 INT64 = st.integers(-(2**63), 2**63 - 1)
 steps = st.one_of(st.integers(0, 3), st.integers(0, 3), st.just(0), INT64)

@@ -11,13 +11,13 @@ import torch
 
 from tests.conftest import in_threads
 from tests.unit.helpers import Replica, flip_bit, rank_fingerprint, replicas, train  # noqa: F401  (the fixture)
+from torchft_lite.cluster.exit_codes import EXIT_CODE_DIVERGED, exit_code_for
+from torchft_lite.errors import ConfigError, StateDivergedError
+from torchft_lite.group_server.quorum_compute import QuorumMember, compute_quorum_result
+from torchft_lite.health.fingerprint import Fingerprinter, fingerprint_of
 from torchft_lite.health.fingerprint_vote import (
     Advertised, differing_ranks, first_difference, group_fingerprint, parse_fingerprint, vote,
 )
-from torchft_lite.group_server.quorum_compute import QuorumMember, compute_quorum_result
-from torchft_lite.errors import ConfigError, StateDivergedError
-from torchft_lite.cluster.exit_codes import EXIT_CODE_DIVERGED, exit_code_for
-from torchft_lite.health.fingerprint import Fingerprinter, fingerprint_of
 from torchft_lite.health.nonfinite import HealthConfig
 from torchft_lite.testing import InMemoryLighthouse
 

@@ -15,8 +15,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from tests.conftest import cpu_mesh, dtensor
 from tests.unit.helpers import flip_bit, rank_fingerprint
-from torchft_lite.health.fingerprint_vote import differing_ranks, first_difference, group_fingerprint, parse_fingerprint
 from torchft_lite.health.fingerprint import fingerprint_of
+from torchft_lite.health.fingerprint_vote import differing_ranks, first_difference, group_fingerprint, parse_fingerprint
 
 ROWS, COLS = 5, 3  # 5 rows over 2 ranks: uneven shards, as FSDP2 makes them (3 rows and 2)
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tests.unit.helpers import Replica, replicas, train  # noqa: F401  (the fixture)
-from torchft_lite.errors import ConfigError, NonFiniteError
 from torchft_lite.cluster.exit_codes import EXIT_CODE_BAD_REPLICA, exit_code_for
+from torchft_lite.errors import ConfigError, NonFiniteError
 from torchft_lite.health.nonfinite import HealthConfig
 from torchft_lite.testing import InMemoryLighthouse
 

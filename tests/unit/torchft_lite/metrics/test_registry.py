@@ -11,13 +11,14 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from tests.unit.helpers import Replica, flip_bit, replicas, train  # noqa: F401  (the fixture)
+from torchft_lite.core.report import StepReport
 from torchft_lite.errors import ConfigError, QuorumTimeout
 from torchft_lite.health.nonfinite import HealthConfig
-from torchft_lite.metrics.registry import (GROUP_VOTE, PHASES, TOO_FEW_PARTICIPANTS, ManagerMetrics, MetricsSettings,
-                                  failure_reason, metrics_from_env)
-from torchft_lite.core.report import StepReport
-from torchft_lite.testing import InMemoryLighthouse
 from torchft_lite.health.watchdog import WatchdogConfig
+from torchft_lite.metrics.registry import (
+    GROUP_VOTE, PHASES, TOO_FEW_PARTICIPANTS, ManagerMetrics, MetricsSettings, failure_reason, metrics_from_env,
+)
+from torchft_lite.testing import InMemoryLighthouse
 
 NAN = float("nan")
 

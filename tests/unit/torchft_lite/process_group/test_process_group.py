@@ -18,20 +18,11 @@ from tests.conftest import wait_until_sync
 from torchft_lite import process_group
 from torchft_lite.errors import CollectiveError, CollectiveTimeout, ConfigError
 from torchft_lite.process_group import (
-    CompletedWork,
-    ProcessGroup,
-    ProcessGroupClosed,
-    ProcessGroupDummy,
-    ProcessGroupNCCL,
-    ReconfigurableProcessGroup,
-    ReconfigureOptions,
-    StoreAddress,
-    parse_store_addr,
-    plan_rendezvous,
+    CompletedWork, ProcessGroup, ProcessGroupClosed, ProcessGroupDummy, ProcessGroupNCCL, ReconfigurableProcessGroup,
+    ReconfigureOptions, StoreAddress, parse_store_addr, plan_rendezvous, reconfigurable as reconfigurable_module,
 )
 from torchft_lite.process_group.handles import make_handle
 from torchft_lite.work import _DummyWork
-from torchft_lite.process_group import reconfigurable as reconfigurable_module
 
 
 def test_public_api_is_pinned() -> None:

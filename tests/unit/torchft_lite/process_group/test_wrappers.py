@@ -11,13 +11,8 @@ import torch.distributed as dist
 from tests.unit.helpers import FailingWork
 from torchft_lite.errors import CollectiveError, ConfigError
 from torchft_lite.process_group import (
-    CompletedWork,
-    ErrorSwallowingProcessGroupWrapper,
-    FakeProcessGroupWrapper,
-    ManagedProcessGroup,
-    ProcessGroupDummy,
-    ProcessGroupWrapper,
-    ReconfigureOptions,
+    CompletedWork, ErrorSwallowingProcessGroupWrapper, FakeProcessGroupWrapper, ManagedProcessGroup, ProcessGroupDummy,
+    ProcessGroupWrapper, ReconfigureOptions,
 )
 from torchft_lite.process_group.handles import make_handle
 from torchft_lite.process_group.wrappers import _ErrorSwallowingWork

@@ -12,7 +12,6 @@ from torchft_lite.rpc.h2grpc.guard import ConnectionGuard, FloodMeter, LimitExce
 from torchft_lite.rpc.h2grpc.streams import Stream
 from torchft_lite.rpc.limits import LimitLog, ServerLimits, grpcio_options
 
-
 # ------------------------------------------------------------------ ServerLimits
 
 

@@ -4,9 +4,8 @@ import pytest
 import torch
 
 from tests.unit.helpers import MIXED_STATE as STATE, SMALL_BLOCK as BLOCK, encoded, fill_in_place
-from torchft_lite.serialization import checksum
-from torchft_lite.serialization import decode
 from torchft_lite.errors import CheckpointTransferError
+from torchft_lite.serialization import checksum, decode
 
 
 def test_blocks_cut_every_tensor_and_the_trailer_has_one_sum_each():

@@ -16,8 +16,8 @@ from torch.distributed.tensor.placement_types import _MaskPartial, _StridedShard
 
 from tests.conftest import cpu_mesh, dtensor, read_header
 from torchft_lite.checkpointing import _http_receive
-from torchft_lite.serialization import decode, encode, spec
 from torchft_lite.errors import CheckpointError, CheckpointTransferError
+from torchft_lite.serialization import decode, encode, spec
 
 
 def sharded_state() -> dict:

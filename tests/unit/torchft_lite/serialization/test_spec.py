@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tests.conftest import read_header
-from torchft_lite.serialization import decode, encode, spec
 from torchft_lite.errors import CheckpointError, CheckpointTransferError
+from torchft_lite.serialization import decode, encode, spec
 
 
 def realistic_state_dict() -> dict:

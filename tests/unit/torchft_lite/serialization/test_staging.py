@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from tests.unit.helpers import MIXED_STATE as STATE, encoded, fill_in_place
-from torchft_lite.serialization import decode, staging
 from torchft_lite.errors import CheckpointTransferError
+from torchft_lite.serialization import decode, staging
 
 
 class RecordingCopier:
