@@ -18,7 +18,7 @@ import torch
 
 from tests.conftest import WAIT, wait_until_sync
 from tests.integration.helpers import digest
-from torchft_lite.checkpointing import HTTPTransport, _http_server
+from torchft_lite.checkpointing import HTTPTransport, _http_server, _http_socket
 from torchft_lite.errors import CheckpointError, CheckpointHTTPError, CheckpointTimeout, CheckpointTransferError
 from torchft_lite.serialization import decode, encode, spec
 
@@ -336,7 +336,7 @@ def big_state_dict(megabytes: int = 48) -> dict:
 def test_mutating_right_after_disallow_leaves_what_was_served_intact(make_transport, threads, monkeypatch):
     # Small kernel buffers on both ends: most of the stream waits in the server's own write queue,
     # which holds views of the tensors, not copies.
-    monkeypatch.setattr(_http_server, "SEND_BUFFER_BYTES", 64 << 10)
+    monkeypatch.setattr(_http_socket, "SEND_BUFFER_BYTES", 64 << 10)
     server = make_transport()
     sent = big_state_dict()
     expected = digest(5, sent)

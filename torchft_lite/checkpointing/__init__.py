@@ -2,7 +2,7 @@
 
 :class:`CheckpointTransport` (``transport.py``) is the interface the Manager heals
 through. :class:`HTTPTransport` (``http_transport.py``) serves a state dict from
-its checkpoint server (``_http_server``, ``_http_snapshot``) and receives one
+its checkpoint server (``_http_server``, ``_http_snapshot``, ``_http_socket``) and receives one
 with a ``_http_receive.Receiver`` (``_http_client``, ``_body_sinks``,
 ``_streams``); ``PGTransport`` (``pg_transport.py``) sends
 the same bytes over a process group. The format they carry, and how received

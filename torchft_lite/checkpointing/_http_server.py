@@ -5,7 +5,7 @@ encoding, its header, data ranges and block checksums, and takes a receiver's
 ``done`` report (the routes are on :meth:`CheckpointServer.start`). Every request
 is checked first against the transport's access policy (``torchft_lite.rpc.access``:
 the job token, else loopback peers only): 401 or 403, and nothing served. With a
-TLS context it serves HTTPS only. Below it, the socket: where it listens, send buffers, flushing.
+TLS context it serves HTTPS only; the socket and its tuning are ``_http_socket``'s.
 """
 
 from __future__ import annotations
@@ -23,14 +23,14 @@ from typing import Iterable
 from aiohttp import web
 
 from torchft_lite.checkpointing._http_snapshot import Session, Snapshot
+from torchft_lite.checkpointing._http_socket import ABORT_GRACE, flushed, tune
 from torchft_lite.checkpointing._streams import ADVERTISE_HEADER, SERVED_STREAMS
 from torchft_lite.errors import CheckpointError
 from torchft_lite.rpc.access import Access
-from torchft_lite.rpc.addresses import dual_stack_socket
 from torchft_lite.rpc.refusals import RefusalLog
 from torchft_lite.serialization.encode import EncodedStateDict, FlatStateDict
 
-__all__ = ["ABORT_GRACE", "CheckpointServer", "QUEUE_BYTES", "SEND_BUFFER_BYTES", "flushed", "listen", "tune"]
+__all__ = ["CheckpointServer"]
 
 logger = logging.getLogger("torchft_lite.checkpointing.http_transport")  # one logger for the transport
 
@@ -84,7 +84,7 @@ class CheckpointServer:
         self._changed = asyncio.Condition()
 
     async def start(self, sock: socket.socket) -> None:
-        """Serve on ``sock``, a listening socket (:func:`listen`); it is closed with the server.
+        """Serve on ``sock``, a listening socket (``_http_socket.listen``); it is closed with the server.
 
         Routes (``{step}`` is the step asked for; every request names its receiver session with
         ``?session=<id>``; held requests also pass ``?timeout=<seconds>``)::
@@ -416,54 +416,3 @@ class CheckpointServer:
 
 
 logger = logging.getLogger("torchft_lite.checkpointing.http_transport")  # one logger for the transport
-
-BACKLOG = 128  # connections the kernel accepts before the server reads them
-ABORT_GRACE = 10.0  # seconds a release waits for aborted streams and encoding to stop
-SEND_BUFFER_BYTES = 8 << 20
-QUEUE_BYTES = 16 << 20  # views of tensor memory the transport may queue before the stream waits
-# Over TLS what is queued is encrypted copies (the TLS layer encrypts a write at once, and hands the whole
-# of its output to the socket's own transport, which queues it again): a small queue bounds that memory
-# per stream; encryption, not the queue, paces a TLS stream.
-TLS_QUEUE_BYTES = 2 << 20
-
-
-def listen(host: str, port: int) -> socket.socket:
-    """A socket listening on ``host:port`` now: a connection made before the server runs waits in its backlog
-    (``HTTPTransport(defer_server=True)``) instead of being refused."""
-    if host == "::":
-        sock = dual_stack_socket(port)
-        if sock.family != socket.AF_INET6:
-            logger.info("IPv6 unavailable; the checkpoint server listens on 0.0.0.0 instead of ::")
-    elif ":" in host:
-        sock = socket.create_server((host, port), family=socket.AF_INET6)
-    else:
-        sock = socket.create_server((host, port))
-    sock.listen(BACKLOG)
-    return sock
-
-
-def tune(transport: asyncio.BaseTransport | None) -> None:
-    """Big kernel send buffers and a deep write queue: the queue holds views, never copies (over TLS, a
-    shallow one: it holds encrypted copies)."""
-    if transport is None:
-        return
-    sock = transport.get_extra_info("socket")
-    if sock is not None:
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
-        except OSError as exc:
-            logger.debug("could not enlarge the send buffer: %r", exc)
-    tls = transport.get_extra_info("ssl_object") is not None
-    transport.set_write_buffer_limits(high=TLS_QUEUE_BYTES if tls else QUEUE_BYTES)  # type: ignore[attr-defined]
-
-
-async def flushed(transport: asyncio.BaseTransport | None) -> None:
-    """Wait until ``transport`` has handed every queued byte to the kernel (or is closing).
-
-    Duck-typed: uvloop's transports are not registered as ``asyncio.WriteTransport``.
-    """
-    delay = 0.0001
-    while transport is not None and not transport.is_closing() \
-            and transport.get_write_buffer_size():  # type: ignore[attr-defined]
-        await asyncio.sleep(delay)
-        delay = min(2 * delay, 0.005)

@@ -20,7 +20,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Coroutine, Sequence, TypeVar
 
 from torchft_lite.checkpointing._http_receive import DONE_TIMEOUT, Receiver
-from torchft_lite.checkpointing._http_server import ABORT_GRACE, listen
+from torchft_lite.checkpointing._http_socket import ABORT_GRACE, listen
 from torchft_lite.checkpointing.transport import CheckpointTransport
 from torchft_lite.errors import CheckpointError, CheckpointTimeout, ConfigError
 from torchft_lite.rpc.access import Access
