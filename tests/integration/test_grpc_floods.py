@@ -219,7 +219,7 @@ async def repeat_until_sent(total: int, per_connection, port: int, attack: Attac
             raw = await RawH2.open(port)
             try:
                 sent += await per_connection(raw)
-                await raw.closed(timeout=0.5)  # the server's last word, if it has one
+                await raw.closed(timeout=2.0)  # the server's last word, if it has one (late on a loaded machine)
             finally:
                 raw.close()
                 attack.saw(raw)

@@ -45,9 +45,13 @@ def groups():
             pg.shutdown()
 
 
-def configure(pgs: list[ProcessGroupBabyGloo], addr: str) -> None:
-    """Configure ``pgs`` as ranks 0..n-1 of one group, concurrently (a rendezvous needs every rank)."""
-    all_in_threads(range(len(pgs)), lambda rank: pgs[rank].configure(addr, f"replica-{rank}", rank, len(pgs)),
+def configure(pgs: list[ProcessGroupBabyGloo], addr: str, rendezvous: timedelta | None = None) -> None:
+    """Configure ``pgs`` as ranks 0..n-1 of one group, concurrently (a rendezvous needs every rank).
+
+    ``rendezvous``: the rendezvous' own timeout (default: the groups' timeout, which stays their collectives').
+    """
+    all_in_threads(range(len(pgs)),
+                   lambda rank: pgs[rank].configure(addr, f"replica-{rank}", rank, len(pgs), timeout=rendezvous),
                    WAIT_S, "configure() did not return")
 
 
@@ -112,7 +116,8 @@ def test_a_reconfigure_with_an_operation_still_running_kills_that_child(store, g
 
 def test_an_overdue_collective_kills_the_child_and_errors_the_group(store, groups) -> None:
     waiting, _silent = pgs = groups(2, timeout_s=3.0)
-    configure(pgs, f"127.0.0.1:{store.port}/torchft/1/0")
+    # The rendezvous of two fresh children may take longer than the collectives' 3 s on a loaded machine.
+    configure(pgs, f"127.0.0.1:{store.port}/torchft/1/0", rendezvous=timedelta(seconds=WAIT_S))
     child = waiting.child_pid()
     work = waiting.allreduce([torch.ones(2)])  # the other rank never joins
     with pytest.raises(CollectiveTimeout):
@@ -122,7 +127,7 @@ def test_an_overdue_collective_kills_the_child_and_errors_the_group(store, group
     with pytest.raises(CollectiveError, match="errored until the next configure"):
         waiting.allreduce([torch.ones(2)])
 
-    configure(pgs, f"127.0.0.1:{store.port}/torchft/2/0")
+    configure(pgs, f"127.0.0.1:{store.port}/torchft/2/0", rendezvous=timedelta(seconds=WAIT_S))
     tensors = [torch.ones(2), torch.ones(2)]
     allreduce(pgs, tensors)
     assert [t.tolist() for t in tensors] == [[2.0, 2.0]] * 2 and waiting.errored() is None
