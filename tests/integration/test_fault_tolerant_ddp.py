@@ -176,9 +176,13 @@ def test_nan_gradients_k_steps_in_a_row_end_the_group_with_exit_code_65_and_the_
     """``max_nonfinite_steps`` (3 by default) NaN steps in a row: of three groups, the poisoned one leaves with
     EXIT_CODE_BAD_REPLICA; the other two go on without it, identical at every step. (Quorums need two groups,
     so the poisoned group never trains alone, and the two healthy ones still make one after it has gone.)"""
-    with cluster(tmp_path, min_replicas=2, join_timeout=30.0) as (_, add, report):
+    with cluster(tmp_path, min_replicas=2, join_timeout=30.0) as (lighthouse, add, report):
         bad = add(0, 3, steps=10, sleep=0.05, min_replicas=2,
                   extra=("--inject-group", "0", "--inject-nan-at", "2", "--inject-nan-times", "5"))
+        # The poisoned group must be in the first quorum: started late on a loaded machine, it joined the
+        # other two at step 7, and their 10 steps ended before its third NaN step.
+        wait_for(lambda: "need min_replicas=2" in lighthouse.log_path.read_text(errors="replace"),
+                 "group 0 to ask the lighthouse for the first quorum", groups=[bad])
         good = [add(g, 3, steps=10, sleep=0.05, min_replicas=2) for g in (1, 2)]
         assert bad.wait(WAIT) == [65], f"logs in {tmp_path}"
         for group in good:
