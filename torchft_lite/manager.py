@@ -141,7 +141,7 @@ class Manager:
         self._guard, self._fingerprints = health_checks(
             health or HealthConfig.from_env(os.environ), self._state.user_state, advertise, self._channel,
             self._listeners, self._log, self._record)
-        self.context = ManagerContext(settings=s, replica_id=self._replica_id, channel=self._channel,
+        self.context = ManagerContext(settings=s, channel=self._channel,
                                       store=parts.store, state=self._state, fingerprinter=self._fingerprints)
         """What durable checkpoints and metrics see of this Manager (ours; see :class:`ManagerContext`)."""
         if load_state_dict is not None and state_dict is not None:

@@ -21,8 +21,6 @@ class ManagerContext:
     """
 
     settings: ManagerSettings
-    replica_id: str
-    """This incarnation's replica id as the lighthouse knows it (the user's id and a unique suffix)."""
     channel: GroupChannel
     """How this rank reaches its group's ManagerServer (what it advertises to the quorum goes through it)."""
     store: Any
