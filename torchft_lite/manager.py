@@ -12,8 +12,9 @@ votes, and advances the step only on commit.
 Where things live (``torchft_lite.core``): a step's state is a ``step.Step``
 (replaced by each ``start_quorum``); what a heal carries is a
 ``healer.RegisteredState`` and heals are the ``healer.Healer``'s; the
-ManagerServer is reached through a ``group_server.channel.GroupChannel`` that a
-wiring builds (``wiring.DefaultWiring``, or ``testing.InMemoryWiring``).
+ManagerServer is reached through torchft's ``ManagerClient`` (this module's
+name for it, so a test can substitute it as torchft's do) that a wiring
+connects (``wiring.DefaultWiring``, or ``testing.InMemoryWiring``).
 
 Failures never raise into the training loop: the first error of a step is
 recorded (:meth:`Manager.report_error`), logged once, and the step does not
@@ -23,6 +24,7 @@ commit. Only more than ``max_retries`` consecutive failed commits raise.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import os
 import signal
@@ -34,7 +36,7 @@ from typing import Any, Callable, Sequence, TypeVar
 import torch
 from torch.distributed import ReduceOp
 
-from torchft_lite.core.capabilities import Abortable, Advertises, ReportsErrors, StepListener, WarmsUp
+from torchft_lite.core.capabilities import Abortable, ReportsErrors, StepListener, WarmsUp
 from torchft_lite.core.context import ManagerContext
 from torchft_lite.core.healer import Healer, RegisteredState
 from torchft_lite.core.listeners import StepListeners, metrics_from_env
@@ -44,14 +46,16 @@ from torchft_lite.core.step_quorum import StepQuorum
 from torchft_lite.core.report import report_of
 from torchft_lite.core.settings import ManagerSettings
 from torchft_lite.core.step import Step, WorldSizeMode
-from torchft_lite.core.wiring import DefaultWiring, ManagerWiring
+from torchft_lite.core.wiring import MANAGER_ADDR_KEY, REPLICA_ID_KEY, DefaultWiring, ManagerWiring
+from torchft_lite.coordination import ManagerClient
+from torchft_lite.group_server.manager_client import checkpoint_metadata_in_thread
 from torchft_lite.errors import CollectiveError, ManagerError, ManagerTimeout, QuorumError, QuorumTimeout
 from torchft_lite.health.nonfinite import HealthConfig, health_checks
 from torchft_lite.health.watchdog import Watchdog, WatchdogConfig
 from torchft_lite.rpc.loop import control_plane
 from torchft_lite.work import DoneWork, ManagedWork, _ManagedWork, guard_future  # noqa: F401  (torchft's name)
 
-__all__ = ["Manager", "WorldSizeMode"]
+__all__ = ["MANAGER_ADDR_KEY", "Manager", "ManagerClient", "REPLICA_ID_KEY", "WorldSizeMode"]
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -129,41 +133,46 @@ class Manager:
         self._control = control_plane()
         self._state = RegisteredState(self.state_dict, self.load_state_dict, self._log)
         parts = (wiring or DefaultWiring()).build(s, checkpoint_transport, self._state.in_place_targets,
-                                                  self._control)
+                                                  self._control, self._connect)
         self._parts = parts  # keeps the store client alive as long as the Manager
-        self._replica_id, self._channel = parts.replica_id, parts.channel
+        self._replica_id, self._client = parts.replica_id, parts.client
         self.watchdog = Watchdog(watchdog or WatchdogConfig.from_env(os.environ,
                                                                      WatchdogConfig(**s.timeouts.watchdog_defaults())),
                                  label=f"[{self._replica_id}/{s.group_rank}]")
-        self._healer = Healer(self._state, parts.transport, self._channel.peer_metadata, in_place=parts.heal_in_place,
+        self._healer = Healer(self._state, parts.transport, functools.partial(checkpoint_metadata_in_thread, parts.connect),
+                              in_place=parts.heal_in_place,
                               timeout=s.timeouts.step, log=self._log, record=self._record, watchdog=self.watchdog,
                               clock=parts.clock)
-        advertise = self._channel.advertise if isinstance(self._channel, Advertises) else None
+        advertise = self._client.advertise if s.group_rank == 0 else None  # group rank 0 speaks for the group
         self._guard, self._fingerprints = health_checks(
-            health or HealthConfig.from_env(os.environ), self._state.user_state, advertise, self._channel,
+            health or HealthConfig.from_env(os.environ), self._state.user_state, advertise, self._client,
             self._listeners, self._log, self._record)
-        self.context = ManagerContext(settings=s, replica_id=self._replica_id, channel=self._channel,
+        self.context = ManagerContext(settings=s, replica_id=self._replica_id, client=self._client,
                                       store=parts.store, state=self._state, fingerprinter=self._fingerprints)
         """What durable checkpoints and metrics see of this Manager (ours; see :class:`ManagerContext`)."""
         if load_state_dict is not None and state_dict is not None:
             self.register_state_dict_fn("default", load_state_dict, state_dict)
         self._step_quorum = StepQuorum(
-            self._channel, pg, self._healer, group_rank=s.group_rank, replica_id=self._replica_id,
+            self._client, pg, self._healer, group_rank=s.group_rank, replica_id=self._replica_id,
             init_sync=init_sync, use_async_quorum=use_async_quorum, log=self._log, clock=parts.clock,
             fingerprint=self._fingerprints.for_step,
             spares_above=s.min_replica_size if world_size_mode is WorldSizeMode.FIXED_WITH_SPARES else None,
         )
         self._members = MemberWatch(self._replica_id, lambda: self._current, pg, self._record, self._log,
                                     MEMBER_GONE_GRACE)
-        self._control.run(self._channel.follow_events(self._members.on_event), s.timeouts.connect.total_seconds(),
-                          "the lighthouse event stream to start")
+        self._client.follow_events(self._members.on_event)
         self._preemption = PreemptionSignals(preemption_signals, lambda: self._current.quorum)
         # A child-process group starts its child now: join the first quorum once it can configure.
         if isinstance(pg, WarmsUp):
             pg.wait_warm(s.timeouts.connect)
         self._log(logging.INFO, "manager ready (group rank %d of %d, ManagerServer %s)", s.group_rank,
-                  s.group_world_size, self._channel.address)
+                  s.group_world_size, getattr(self._client, "address", "?"))
         self.metrics = metrics_from_env(self)  # TORCHFT_LITE_METRICS_PORT: /metrics (torchft_lite.metrics.registry)
+
+    def _connect(self, address: str) -> ManagerClient:
+        """A ``ManagerClient`` to the ManagerServer at ``address``: this module's ``ManagerClient``, looked up at
+        each call, so a substituted one (``patch("torchft.manager.ManagerClient")``) is the one used."""
+        return ManagerClient(address, connect_timeout=self._timeouts.connect)
 
     # ------------------------------------------------------------ state dicts
 
@@ -368,12 +377,9 @@ class Manager:
         if not enough:
             self._log(logging.WARNING, "only %d replica(s) participate, min_replica_size is %d",
                       step.participation.world_size, self._min_replica_size)
-        seconds = (timeout if timeout is not None else self._timeouts.commit_vote).total_seconds()
         try:
-            group_clean = self._control.run(
-                self._channel.should_commit(self._group_rank, self._step, step.error is None, seconds),
-                seconds + 5.0, "the group's commit vote",
-            )
+            group_clean = self._client.should_commit(self._group_rank, self._step, step.error is None,
+                                                     timeout=timeout if timeout is not None else self._timeouts.commit_vote)
         except Exception as exc:
             # The other ranks may have committed; carrying on could leave this rank a step apart from
             # them for good. Fail stop (as torchft does): a restarted group is healed from a peer.
@@ -454,7 +460,7 @@ class Manager:
         self._preemption.restore()
         if self._current.quorum is not None:
             self._current.quorum.cancel()
-        self._parts.close(self._control, self._log, wait)
+        self._parts.close(self._log, wait)
 
     def _log(self, level: int, msg: str, *args: Any, exc_info: Any = None) -> None:
         if logger.isEnabledFor(level):

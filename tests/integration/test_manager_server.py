@@ -9,7 +9,7 @@ import pytest
 
 from torchft_lite.rpc.lighthouse_client import LighthouseClient, LighthouseTimeout
 from tests.conftest import running_lighthouse, wait_until
-from torchft_lite.group_server.client import ManagerClient
+from torchft_lite.group_server.client import ManagerStub
 from torchft_lite.errors import ManagerError, QuorumError
 from torchft_lite.group_server.server import ManagerServer, ManagerServerConfig
 
@@ -26,7 +26,7 @@ async def manager_server(lighthouse_addr: str, replica_id: str, world_size: int 
     server = ManagerServer(ManagerServerConfig(**settings), on_kill=kills.append, lighthouse=lighthouse)
     server.kills = kills
     await server.start()
-    client = ManagerClient(server.address())
+    client = ManagerStub(server.address())
     try:
         yield server, client
     finally:
@@ -34,7 +34,7 @@ async def manager_server(lighthouse_addr: str, replica_id: str, world_size: int 
         await server.stop()
 
 
-async def quorum(client: ManagerClient, rank: int, step: int, timeout: float = 30.0, **kw):
+async def quorum(client: ManagerStub, rank: int, step: int, timeout: float = 30.0, **kw):
     return await client.quorum(group_rank=rank, step=step, checkpoint_metadata=f"meta-{rank}", shrink_only=False,
                                init_sync=kw.pop("init_sync", True), commit_failures=kw.pop("commit_failures", 0),
                                timeout=timeout)
@@ -168,7 +168,7 @@ class UnreliableLighthouseClient(LighthouseClient):
         return await super().heartbeat(replica_id, timeout=timeout)
 
 
-async def voted(client: ManagerClient, number: int, between=None) -> list[bool]:
+async def voted(client: ManagerStub, number: int, between=None) -> list[bool]:
     """Both ranks of a two-rank group join step ``number``'s quorum, ``await between()`` runs, both vote yes:
     the group's decision, as each rank hears it."""
     await asyncio.gather(quorum(client, 0, number), quorum(client, 1, number))

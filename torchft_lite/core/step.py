@@ -116,7 +116,7 @@ class Step:
 
 
 def participation_of(response: Any, *, counts_healing: bool, spares_above: int | None) -> Participation:
-    """Who takes part, from the group's quorum answer (a ``ManagerQuorumResponse``).
+    """Who takes part, from the group's quorum answer (a ``QuorumResult``).
 
     ``counts_healing``: a synchronous quorum applies the heal before the
     forward pass, so every member takes part (torchft's rule); otherwise only
@@ -126,8 +126,7 @@ def participation_of(response: Any, *, counts_healing: bool, spares_above: int |
     if counts_healing:
         rank, size = response.replica_rank, response.replica_world_size
     else:
-        rank = response.max_replica_rank if response.HasField("max_replica_rank") else None
-        size = response.max_world_size
+        rank, size = response.max_replica_rank, response.max_world_size
     if spares_above is not None:
         rank = rank if rank is not None and rank < spares_above else None
         size = min(size, spares_above)

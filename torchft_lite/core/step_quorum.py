@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from datetime import timedelta
 from typing import Any, Callable
 
-from torchft_lite.rpc.protocol import torchft_pb2 as pb
-from torchft_lite.group_server.channel import GroupChannel
+from torchft_lite.group_server.manager_client import ManagerClient, quorum_in_thread
+from torchft_lite.group_server.quorum_compute import QuorumResult
 from torchft_lite.core.healer import Healer
 from torchft_lite.core.step import Step, participation_of
 from torchft_lite.errors import CheckpointError, QuorumError
@@ -25,14 +26,14 @@ __all__ = ["StepQuorum"]
 class StepQuorum:
     """Runs each step's quorum for one rank; remembers the quorum id the process group is configured for."""
 
-    def __init__(self, channel: GroupChannel, pg: Any, healer: Healer, *, group_rank: int,
+    def __init__(self, client: ManagerClient, pg: Any, healer: Healer, *, group_rank: int,
                  replica_id: str, init_sync: bool, use_async_quorum: bool, spares_above: int | None,
                  log: Callable[..., None], clock: Callable[[], float] = time.monotonic,
                  fingerprint: Callable[[int], str] = lambda step: "") -> None:
         """``fingerprint(step)``: this rank's state fingerprint at ``step`` for its request, or ""."""
         self.quorum_id = -1
         self._fingerprint = fingerprint
-        self._channel, self._pg, self._healer = channel, pg, healer
+        self._client, self._pg, self._healer = client, pg, healer
         self._group_rank, self._replica_id = group_rank, replica_id
         self._init_sync, self._use_async_quorum, self._spares_above = init_sync, use_async_quorum, spares_above
         self._log, self._clock = log, clock
@@ -57,12 +58,12 @@ class StepQuorum:
 
     async def _quorum_and_heal(self, step: Step, allow_heal: bool, shrink_only: bool, timeout: float,
                                commit_failures: int) -> None:
-        request = pb.ManagerQuorumRequest(
-            group_rank=self._group_rank, step=step.number, checkpoint_metadata=self._healer.transport.metadata(),
-            shrink_only=shrink_only, init_sync=self._init_sync, commit_failures=commit_failures,
-            state_fingerprint=self._fingerprint(step.number),
+        response = await quorum_in_thread(
+            self._client, group_rank=self._group_rank, step=step.number,
+            checkpoint_metadata=self._healer.transport.metadata(), shrink_only=shrink_only,
+            timeout=timedelta(seconds=timeout), commit_failures=commit_failures, reconfigure_handle="",
+            init_sync=self._init_sync, state_fingerprint=self._fingerprint(step.number),
         )
-        response = await self._channel.quorum(request, timeout)
         step.participation = participation_of(response, counts_healing=allow_heal and not self._use_async_quorum,
                                               spares_above=self._spares_above)
         # From here, member-gone events (earlier ones too) count only for replicas of this quorum: one the
@@ -91,7 +92,7 @@ class StepQuorum:
                 sources = [(response.recover_src_replica_rank, response.recover_src_manager_address)]
             await self._healer.receive(step, sources, response.max_step, self._group_rank)
 
-    async def _reconfigure(self, response: pb.ManagerQuorumResponse) -> None:
+    async def _reconfigure(self, response: QuorumResult) -> None:
         store = f"{response.store_address}/torchft/{response.quorum_id}/{self._group_rank}"
         # Set first: a store prefix is never rendezvoused on twice, even if this
         # configure fails (the failed commit then brings a new quorum id).

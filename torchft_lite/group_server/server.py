@@ -424,9 +424,13 @@ class ManagerServer:
 
     # ------------------------------------------------------------ metadata, kill
 
+    def checkpoint_metadata(self, rank: int) -> str | None:
+        """What group rank ``rank`` sent as its checkpoint metadata with its last quorum request; None before."""
+        return self._checkpoint_metadata.get(rank)
+
     async def _rpc_checkpoint_metadata(self, data: bytes, context) -> bytes:
         request = _parse(pb.CheckpointMetadataRequest, data)
-        metadata = self._checkpoint_metadata.get(request.rank)
+        metadata = self.checkpoint_metadata(request.rank)
         if metadata is None:
             raise RpcAbort(grpc.StatusCode.NOT_FOUND,
                            f"rank not found: group rank {request.rank} of {self.config.replica_id} has not joined a quorum")

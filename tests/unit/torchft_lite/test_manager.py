@@ -199,10 +199,10 @@ def test_the_commit_vote_is_the_and_of_the_group_and_a_failed_vote_fails_stop(re
     lighthouse = InMemoryLighthouse()
     solo = replicas(lighthouse, "solo", 1.0)
 
-    async def broken_vote(*args):
+    def broken_vote(*args, **kwargs):
         raise ConnectionError("the ManagerServer is gone")
 
-    solo.manager._channel.should_commit = broken_vote
+    solo.manager._client.should_commit = broken_vote
     solo.manager.start_quorum()
     with pytest.raises(ManagerError, match="commit vote for step 0 failed"):
         solo.manager.should_commit()
@@ -216,11 +216,11 @@ def test_the_vote_waits_long_enough_for_a_peer_rank_still_in_its_rendezvous_or_a
     solo = replicas(lighthouse, "solo", 1.0, timeout_s=3.0)
     waits: list[float] = []
 
-    async def vote(group_rank, step, clean, timeout):
-        waits.append(timeout)
+    def vote(group_rank, step, clean, timeout):
+        waits.append(timeout.total_seconds())
         return clean
 
-    solo.manager._channel.should_commit = vote
+    solo.manager._client.should_commit = vote
     for explicit in (None, timedelta(seconds=1.5)):
         solo.manager.start_quorum()
         assert solo.manager.should_commit(timeout=explicit)
