@@ -2,7 +2,8 @@
 
 The probe runs in a fresh interpreter (what a training script is) against a
 lighthouse in this process: it builds the public API a torchft script uses,
-takes one step, and reports which ``lighthouse`` modules got imported.
+takes one step, and reports which ``lighthouse`` and ``torchft_lite.rpc``
+modules got imported.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from tests.conftest import lighthouse_config
 
 pytestmark = pytest.mark.integration
 
-# What a trainer may load of the lighthouse package (beside the package itself); everything else,
-# lighthouse.server, .quorum, .http, .status, .metrics and .config among it, is the server's.
-TRAINER_SIDE = ("client", "protocol", "rpc")
+# What a trainer may load of the lighthouse package (beside the package itself): nothing since the RPC kit,
+# the lighthouse client and the protocol moved to torchft_lite.rpc; lighthouse.server, .quorum, .http, .status,
+# .metrics, .config and the rest are the server's.
+TRAINER_SIDE: tuple[str, ...] = ()
 
 PROBE = """
 import sys
@@ -54,14 +56,14 @@ try:
     client.close()
 finally:
     manager.shutdown()
-print(" ".join(sorted(m for m in sys.modules if m == "lighthouse" or m.startswith("lighthouse."))))
+print(" ".join(sorted(m for m in sys.modules if m == "lighthouse" or m.startswith(("lighthouse.", "torchft_lite.rpc")))))
 print(" ".join(sorted(m for m in ("prometheus_client", "torchft_lite.metrics.registry") if m in sys.modules)))
 print("hpack" in sys.modules)
 """
 
 
 def server_modules(loaded: list[str]) -> list[str]:
-    return [m for m in loaded if m != "lighthouse" and m.split(".")[1] not in TRAINER_SIDE]
+    return [m for m in loaded if m.startswith("lighthouse.") and m.split(".")[1] not in TRAINER_SIDE]
 
 
 def test_a_training_step_loads_no_lighthouse_server_code():
