@@ -36,6 +36,7 @@ from typing import Any, Callable, Sequence, TypeVar
 import torch
 from torch.distributed import ReduceOp
 
+from torchft_lite.checkpointing._rwlock import RWLock
 from torchft_lite.core.capabilities import Abortable, ReportsErrors, StepListener, WarmsUp
 from torchft_lite.core.context import ManagerContext
 from torchft_lite.core.healer import Healer, RegisteredState
@@ -131,6 +132,9 @@ class Manager:
         self._listeners = StepListeners(self._log)
 
         self._control = control_plane()
+        # torchft's: held for writing between disallow_state_dict_read and allow_state_dict_read.
+        self._state_dict_lock = RWLock(timeout=s.timeouts.step.total_seconds())
+        self._is_state_dict_read_allowed = True
         self._state = RegisteredState(self.state_dict, self.load_state_dict, self._log)
         parts = (wiring or DefaultWiring()).build(s, checkpoint_transport, self._state.in_place_targets,
                                                   self._control, self._connect)
@@ -189,8 +193,10 @@ class Manager:
         self._batches_committed = int(state_dict["batches_committed"])
 
     def _manager_state_dict(self) -> dict[str, Any]:
-        """What a heal carries (torchft's name, which its tests and tools read): user state and ours."""
-        return self._state.state_dict()
+        """What a heal carries (torchft's name, which its tests and tools read): user state and ours. Waits
+        (bounded by ``timeout``) while the training loop has disallowed reads (``disallow_state_dict_read``)."""
+        with self._state_dict_lock.r_lock():
+            return self._state.state_dict()
 
     def add_step_listener(self, listener: StepListener) -> None:
         """Tell ``listener`` where each step stands (see ``torchft_lite.core.capabilities.StepListener``)."""
@@ -270,12 +276,23 @@ class Manager:
             self._record(step, exc)
 
     def disallow_state_dict_read(self) -> None:
-        """torchft's: the state a heal serves is about to change; wait (bounded) for this step's receivers."""
+        """torchft's: the state is about to change. This step's heal receivers are waited for (bounded) and its
+        state is served no more; reads of the state (``_manager_state_dict``) wait until ``allow_state_dict_read``.
+        Raises ``TimeoutError`` when a read holds the state longer than ``timeout``. A no-op while disallowed."""
         if self._current.published and threading.get_ident() == self._current.training_thread:
             self._healer.stop_serving(self._current)  # served no more this step
+        if not self._is_state_dict_read_allowed:
+            return
+        self._state_dict_lock.w_acquire()
+        self._is_state_dict_read_allowed = False
 
     def allow_state_dict_read(self) -> None:
-        """torchft's: the state may be read again (a step serves its state at most once)."""
+        """torchft's: the state may be read again (a step still serves its state at most once). A no-op while
+        allowed."""
+        if self._is_state_dict_read_allowed:
+            return
+        self._is_state_dict_read_allowed = True
+        self._state_dict_lock.w_release()
 
     # ------------------------------------------------------------ collectives
 

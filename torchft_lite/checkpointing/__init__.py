@@ -22,6 +22,7 @@ Where things live::
     _cuda.py               GPU tensors to and from host memory on the recovery stream
     _staging.py            a receive into GPU tensors: a small ring of pinned slots, copied out as the socket is read
     http_transport_bench.py  torchft's http_transport_bench, same flags, to run the two side by side
+    _rwlock.py             RWLock: the Manager's state-dict lock (torchft's allow/disallow_state_dict_read)
 
 A heal over HTTP: the healthy replica's ``send_checkpoint`` flattens its
 state dict (``_encode.flatten``) and publishes it on its CheckpointServer;

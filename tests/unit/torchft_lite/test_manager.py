@@ -259,3 +259,28 @@ def test_durations_the_manager_reports_come_from_the_injected_clock(replicas, ca
         seconds = [float(m) for r in caplog.records if what in r.getMessage()
                    for m in re.findall(r" in (\d+\.\d\d)s", r.getMessage())]
         assert seconds and all(s > 0 and s % 5 == 0 for s in seconds), (what, seconds)
+
+
+def test_a_read_of_the_state_waits_while_the_training_loop_has_disallowed_it(replicas):
+    """torchft's contract for allow/disallow_state_dict_read: _manager_state_dict waits (bounded) in between."""
+    solo = replicas(InMemoryLighthouse(), "solo", 1.0, timeout_s=0.2)
+    manager = solo.manager
+    assert solo.step()[0]
+    manager.disallow_state_dict_read()
+    manager.disallow_state_dict_read()  # a no-op while disallowed
+    outcome: list[Any] = []
+    reader = threading.Thread(target=lambda: outcome.append(_read_or_error(manager)))
+    reader.start()
+    reader.join(10)
+    assert isinstance(outcome[0], TimeoutError)  # waited the step timeout, then gave up
+    manager.allow_state_dict_read()
+    manager.allow_state_dict_read()
+    assert _read_or_error(manager)["torchft"] == {"step": 1, "batches_committed": 1}
+    assert torch.equal(_read_or_error(manager)["user"]["default"]["w"], solo.weights)
+
+
+def _read_or_error(manager: Manager) -> Any:
+    try:
+        return manager._manager_state_dict()
+    except TimeoutError as exc:
+        return exc
