@@ -2,8 +2,8 @@
 
 Per step (docs/training.md, "How a step works"): ``start_quorum`` (from ``Optimizer.zero_grad``) asks
 the group's ManagerServer for a quorum on the control-plane loop while the
-forward pass runs; on a new quorum id the process group is reconfigured on a
-store prefix unique to (quorum id, group rank); a replica behind the max step
+forward pass runs; on a new quorum id the process group is reconfigured from
+the members' handles (``_reconfigure_pg``, torchft's); a replica behind the max step
 receives the state dict from its assigned peer; ``allreduce`` averages
 gradients over the participants; ``should_commit`` (from ``Optimizer.step``)
 applies a received state dict on the training thread, collects the group's
@@ -50,9 +50,10 @@ from torchft_lite.core.step import Step, WorldSizeMode
 from torchft_lite.core.wiring import MANAGER_ADDR_KEY, REPLICA_ID_KEY, DefaultWiring, ManagerWiring
 from torchft_lite.coordination import ManagerClient
 from torchft_lite.group_server.manager_client import checkpoint_metadata_in_thread
-from torchft_lite.errors import CollectiveError, ManagerError, ManagerTimeout, QuorumError, QuorumTimeout
+from torchft_lite.errors import CollectiveError, ConfigError, ManagerError, ManagerTimeout, QuorumError, QuorumTimeout
 from torchft_lite.health.nonfinite import HealthConfig, health_checks
 from torchft_lite.health.watchdog import Watchdog, WatchdogConfig
+from torchft_lite.process_group.handles import ReconfigureOptions
 from torchft_lite.rpc.loop import control_plane
 from torchft_lite.work import DoneWork, ManagedWork, _ManagedWork, guard_future  # noqa: F401  (torchft's name)
 
@@ -110,6 +111,9 @@ class Manager:
         wiring: what the Manager connects to (default: TCPStore, ManagerServer, HTTP heals; or ``testing``'s).
         health: the non-finite guard and fingerprints (default: on, from the environment; ``torchft_lite.health.nonfinite``).
         """
+        if not getattr(pg, "supports_reconfigure", False):
+            raise ConfigError("the process group must support reconfigure (get_reconfigure_handle and reconfigure, as "
+                              "torchft_lite's do); a native torch group must be created with enable_reconfigure=True")
         s = self._settings = ManagerSettings.resolve(  # everything is validated before anything starts
             min_replica_size=min_replica_size, timeout=timeout, quorum_timeout=quorum_timeout,
             connect_timeout=connect_timeout, rank=rank, world_size=world_size, store_addr=store_addr,
@@ -122,6 +126,7 @@ class Manager:
         self._use_async_quorum = use_async_quorum
         self._group_rank = s.group_rank
         self._timeouts = s.timeouts
+        self._timeout = s.timeouts.step  # torchft's name: bounds a reconfigure (_reconfigure_pg)
         self._step = 0
         self._batches_committed = 0
         self._commit_failures = 0
@@ -156,10 +161,14 @@ class Manager:
         """What durable checkpoints and metrics see of this Manager (ours; see :class:`ManagerContext`)."""
         if load_state_dict is not None and state_dict is not None:
             self.register_state_dict_fn("default", load_state_dict, state_dict)
+        set_rank_info = getattr(pg, "set_rank_info", None)
+        if set_rank_info is not None:  # named in its handle and its logs
+            set_rank_info(self._replica_id, s.group_rank, s.group_world_size)
         self._step_quorum = StepQuorum(
-            self._client, pg, self._healer, group_rank=s.group_rank, replica_id=self._replica_id,
-            init_sync=init_sync, use_async_quorum=use_async_quorum, log=self._log, clock=parts.clock,
-            fingerprint=self._fingerprints.for_step,
+            self._client, pg, self._healer, group_rank=s.group_rank,
+            # looked up at each call, as torchft's is (its tests replace it)
+            reconfigure=lambda quorum_id, handles: self._reconfigure_pg(quorum_id, handles), init_sync=init_sync,
+            use_async_quorum=use_async_quorum, log=self._log, clock=parts.clock, fingerprint=self._fingerprints.for_step,
             spares_above=s.min_replica_size if world_size_mode is WorldSizeMode.FIXED_WITH_SPARES else None,
         )
         self._members = MemberWatch(self._replica_id, lambda: self._current, pg, self._record, self._log,
@@ -177,6 +186,16 @@ class Manager:
         """A ``ManagerClient`` to the ManagerServer at ``address``: this module's ``ManagerClient``, looked up at
         each call, so a substituted one (``patch("torchft.manager.ManagerClient")``) is the one used."""
         return ManagerClient(address, connect_timeout=self._timeouts.connect)
+
+    def _reconfigure_pg(self, communicator_id: int, handles: list[str]) -> None:
+        """torchft's: join the process group of a new quorum: ``handles`` are the members' process-group handles
+        for this group rank in replica-rank order (from the quorum), ``communicator_id`` the quorum id. Blocks,
+        bounded by ``timeout``; raises what the group's ``reconfigure`` raises."""
+        opts = ReconfigureOptions()
+        opts.uuid = communicator_id
+        opts.handles = handles
+        opts.timeout = self._timeout
+        self._pg.reconfigure(opts).wait()
 
     # ------------------------------------------------------------ state dicts
 

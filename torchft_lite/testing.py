@@ -23,6 +23,7 @@ import asyncio
 import itertools
 import json
 import threading
+import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable
@@ -38,10 +39,12 @@ from torchft_lite.core.wiring import ManagerParts
 from torchft_lite.group_server.manager_client import HANDOFF, seconds_of
 from torchft_lite.group_server.quorum_compute import QuorumMember, QuorumResult, compute_quorum_result
 from torchft_lite.checkpointing.transport import CheckpointTransport
+from torchft_lite.process_group.handles import make_handle, plan_rendezvous
+from torchft_lite.process_group.tracked_work import CompletedWork
 from torchft_lite.errors import CheckpointTimeout, CollectiveError, ConfigError, QuorumTimeout
 from torchft_lite.work import ManagedWork
 
-__all__ = ["InMemoryLighthouse", "InMemoryProcessGroup", "InMemoryTransport", "InMemoryWiring"]
+__all__ = ["ConfiguredByHandles", "InMemoryLighthouse", "InMemoryProcessGroup", "InMemoryTransport", "InMemoryWiring"]
 
 
 class InMemoryTransport(CheckpointTransport):
@@ -90,6 +93,27 @@ class InMemoryTransport(CheckpointTransport):
                 del self.shelf[key]
 
 
+class ConfiguredByHandles:
+    """torchft's handle API (``get_reconfigure_handle``, ``reconfigure``) for a fake process group that implements
+    only ``configure(store_addr, replica_id, rank, world_size)``, as the Manager needs it.
+
+    A handle names a store that does not exist (``in-memory-<id>:0``): the fake never dials it, and it keeps the
+    store addresses of fakes of different tests apart.
+    """
+
+    supports_reconfigure = True
+
+    def get_reconfigure_handle(self) -> str:
+        handle_id = self.__dict__.setdefault("_fake_handle_id", uuid.uuid4().hex)
+        return make_handle(handle_id, f"in-memory-{handle_id}", 0, None)
+
+    def reconfigure(self, opts: Any) -> Any:
+        self.get_reconfigure_handle()
+        plan = plan_rendezvous(opts, self.__dict__["_fake_handle_id"])
+        self.configure(plan.store_addr, self.__dict__["_fake_handle_id"], plan.rank, plan.world_size)
+        return CompletedWork()
+
+
 @dataclass
 class _World:
     """The replicas that configured one store prefix, and their collectives in order."""
@@ -99,7 +123,7 @@ class _World:
     aborted: str | None = None
 
 
-class InMemoryProcessGroup:
+class InMemoryProcessGroup(ConfiguredByHandles):
     """Allreduce across the in-memory replicas of the same quorum (sum, avg, min, max, product).
 
     ``fail_next`` makes the next allreduce fail; ``abort()`` fails what is in flight.
@@ -117,9 +141,8 @@ class InMemoryProcessGroup:
         self._ops = itertools.count()
 
     def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int) -> None:
-        key = store_addr.rsplit("/", 1)[0]  # one world per quorum, whatever the group rank
-        with self._lock:
-            self._world = self._worlds.setdefault(key, _World(world_size))
+        with self._lock:  # one world per communicator: the first member's store and the quorum id
+            self._world = self._worlds.setdefault(store_addr, _World(world_size))
         self._rank, self._ops = rank, itertools.count()
         self.configures.append((store_addr, rank, world_size))
 
@@ -200,7 +223,7 @@ class InMemoryLighthouse:
         self._last: tuple[str, ...] = ()
         self._quorum_id = 0
         self._ids = itertools.count()
-        self.store_address = f"in-memory/{next(_LIGHTHOUSES)}"  # keeps process groups of two lighthouses apart
+        self.store_address = f"in-memory/{next(_LIGHTHOUSES)}"  # what members advertise as their TCPStore
 
     def wiring(self) -> "InMemoryWiring":
         return InMemoryWiring(self)
@@ -293,17 +316,19 @@ class _Client:
                 state_fingerprint: str = "") -> QuorumResult:
         seconds = seconds_of(timeout, "timeout")
         return self._control.run(
-            self._ask(group_rank, step, checkpoint_metadata, seconds, commit_failures, init_sync, state_fingerprint),
+            self._ask(group_rank, step, checkpoint_metadata, seconds, commit_failures, init_sync, state_fingerprint,
+                      reconfigure_handle),
             seconds + HANDOFF, f"a quorum for {self.replica_id} from the in-memory lighthouse")
 
     async def _ask(self, group_rank: int, step: int, checkpoint_metadata: str, timeout: float, commit_failures: int,
-                   init_sync: bool, state_fingerprint: str) -> QuorumResult:
+                   init_sync: bool, state_fingerprint: str, reconfigure_handle: str) -> QuorumResult:
         self.metadata = checkpoint_metadata
         fingerprint = group_fingerprint(step, [state_fingerprint])  # a group of one rank
         data = self.advertised if fingerprint is None else {**self.advertised, FINGERPRINT_KEY: fingerprint}
         self.data = json.dumps(data, sort_keys=True) if data else ""
         member = QuorumMember(self.replica_id, self.address, self.lighthouse.store_address, step, 1,
-                              commit_failures, fingerprint=parse_fingerprint(self.data))
+                              commit_failures, fingerprint=parse_fingerprint(self.data),
+                              reconfigure_handles=(reconfigure_handle,) if reconfigure_handle else ())
         quorum_id, members = await self.lighthouse._ask(self.replica_id, member, timeout)
         clients = self.lighthouse._clients
         for watch in self.watchers:

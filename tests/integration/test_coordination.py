@@ -182,6 +182,8 @@ def test_a_group_of_two_ranks_gets_its_quorum_votes_and_serves_its_metadata_thro
             assert [(r.replica_rank, r.replica_world_size, r.max_step, r.heal) for r in results] == [(0, 1, 4, False)] * 2
             assert results[0].quorum_id == results[1].quorum_id and results[0].replica_ids == ["group"]
             assert results[1].store_address == "127.0.0.1:1234"
+            # Each group rank gets every member's process-group handle for that rank (one member here).
+            assert [r.reconfigure_handles for r in results] == [["handle-0"], ["handle-1"]]
             # A peer (another process, in a real job) asks for a rank's metadata to heal from it.
             peer = ManagerClient(server.address(), connect_timeout=LONG)
             try:

@@ -23,11 +23,12 @@ from tests.conftest import lighthouse_config, wait_until_sync
 from torchft_lite.checkpointing import CheckpointTransport
 from torchft_lite.errors import CheckpointTransferError, ManagerTimeout
 from torchft_lite.manager import MEMBER_GONE_GRACE, Manager
+from torchft_lite.testing import ConfiguredByHandles
 
 pytestmark = pytest.mark.integration
 
 
-class FakeProcessGroup:
+class FakeProcessGroup(ConfiguredByHandles):
     """Allreduce returns the input (a one-replica sum); ``fail_next`` injects an error."""
 
     def __init__(self) -> None:
@@ -118,7 +119,7 @@ def test_steps_commit_and_an_injected_allreduce_error_retries_the_step(lighthous
         manager.allreduce(grad).wait()
         assert manager.should_commit() and manager.current_step() == 1
         assert manager.batches_committed() == 1 and manager.num_participants() == 1
-        assert len(pg.configures) == 1 and pg.configures[0][0].endswith("/0")
+        assert len(pg.configures) == 1 and "/torchft/" in pg.configures[0][0]
 
         manager.start_quorum()
         pg.fail_next = True

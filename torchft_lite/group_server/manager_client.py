@@ -23,7 +23,6 @@ top of torchft's: :meth:`ManagerClient.follow_events`,
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import math
 import threading
@@ -293,9 +292,10 @@ class ManagerClient:
         await self._stub.close()
 
 
-async def quorum_in_thread(client: ManagerClient, **kwargs: Any) -> QuorumResult:
-    """``client._quorum(**kwargs)`` from a worker thread, for code on the control-plane loop."""
-    return await asyncio.to_thread(functools.partial(client._quorum, **kwargs))
+async def quorum_in_thread(client: ManagerClient, reconfigure_handle: Callable[[], str], **kwargs: Any) -> QuorumResult:
+    """``client._quorum(reconfigure_handle=reconfigure_handle(), **kwargs)`` from a worker thread, for code on the
+    control-plane loop (a process group's first handle starts the store it names: never on the loop)."""
+    return await asyncio.to_thread(lambda: client._quorum(reconfigure_handle=reconfigure_handle(), **kwargs))
 
 
 async def checkpoint_metadata_in_thread(connect: Callable[[str], ManagerClient], address: str, rank: int,

@@ -24,7 +24,10 @@ assignments:
   advertises nothing, such as torchft's, counts as 1), so every group computes
   the same assignment; with K = 1 it is exactly torchft's;
 * group rank ``r`` of every replica rendezvous on the TCPStore of the
-  up-to-date member ``r mod len(up to date)`` (the primary).
+  up-to-date member ``r mod len(up to date)`` (the primary);
+* group rank ``r`` of every replica gets every member's process-group handle
+  for group rank ``r``, in replica-rank order (torchft's reconfigure
+  handles: a process group's rank is the position of its own handle).
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ class QuorumMember:
     commit_failures: int = 0
     heal_sources: int = 1  # how many sources it can heal from at once (see heal_sources_of)
     fingerprint: Advertised | None = None  # of the state at its step (see _fingerprint_vote)
+    reconfigure_handles: tuple[str, ...] = ()  # its ranks' process-group handles, by group rank
 
 
 @dataclass
@@ -152,6 +156,8 @@ def compute_quorum_result(
     my_src = my_srcs[0] if my_srcs else None
 
     max_replica_rank = at_max.index(replica_rank) if replica_rank in at_max else None
+    handles = [m.reconfigure_handles[group_rank] if group_rank < len(m.reconfigure_handles) else ""
+               for m in ordered]
     return QuorumResult(
         quorum_id=quorum_id,
         replica_rank=replica_rank,
@@ -166,6 +172,7 @@ def compute_quorum_result(
         recover_dst_replica_ranks=my_dsts,
         commit_failures=max(m.commit_failures for m in ordered),
         replica_ids=ids,
+        reconfigure_handles=handles if any(handles) else [],  # [] when no member sent any
         recover_src_replica_ranks=my_srcs,
         recover_src_manager_addresses=[ordered[src].address for src in my_srcs],
     )

@@ -175,3 +175,16 @@ def test_member_data_merges_into_json_and_advertises_nothing_for_one():
         member_data(2, "opaque")
     with pytest.raises(ValueError, match=">= 1"):
         member_data(0)
+
+
+def test_each_group_rank_gets_every_members_handle_for_that_rank_in_replica_rank_order():
+    quorum = [QuorumMember(f"replica_{i}", f"addr_{i}", f"store_{i}", 5, world_size=2,
+                           reconfigure_handles=(f"h{i}-r0", f"h{i}-r1")) for i in (2, 0, 1)]
+    for group_rank in (0, 1):
+        result = compute_quorum_result(1, quorum, "replica_1", group_rank)
+        assert result.reconfigure_handles == [f"h{i}-r{group_rank}" for i in (0, 1, 2)]
+    # A member that sent none leaves a gap the Manager names; when nobody sent any there are none.
+    quorum[0] = QuorumMember("replica_2", "addr_2", "store_2", 5, world_size=2)
+    assert compute_quorum_result(1, quorum, "replica_1", 0).reconfigure_handles == ["h0-r0", "h1-r0", ""]
+    bare = [QuorumMember(f"replica_{i}", f"addr_{i}", f"store_{i}", 5) for i in range(2)]
+    assert compute_quorum_result(1, bare, "replica_1", 0).reconfigure_handles == []
