@@ -22,6 +22,9 @@
     └── ManagerError (also RuntimeError)     the ManagerServer refused or failed a call
         └── ManagerTimeout (also TimeoutError)
 
+    ExceptionWithTraceback                   not raised: what ``Manager.errored()`` returns (torchft's),
+                                             the step's first error and where it came from
+
 Each branch also derives from what torchft raises in the same situation, so
 a script written for torchft catches ours: ``RuntimeError`` for failures,
 ``TimeoutError`` for timeouts, ``ValueError`` for bad settings, and for an
@@ -35,6 +38,7 @@ Lower layers raise these; only the Manager turns one into "skip this step"
 from __future__ import annotations
 
 import io
+import traceback
 import urllib.error
 
 __all__ = [
@@ -56,6 +60,7 @@ __all__ = [
     "CheckpointHTTPError",
     "ManagerError",
     "ManagerTimeout",
+    "ExceptionWithTraceback",
 ]
 
 
@@ -160,3 +165,14 @@ class ManagerError(TorchFTError, RuntimeError):
 
 class ManagerTimeout(ManagerError, TimeoutError):
     """A call to the group's ManagerServer did not finish within its timeout."""
+
+
+class ExceptionWithTraceback(Exception):
+    """A recorded error as ``Manager.errored()`` hands it out (torchft's): the error itself in
+    ``original_exception`` and its formatted traceback in ``stack_trace``. Its message is the error's, then the
+    traceback, so ``"..." in str(manager.errored())`` finds the error's words."""
+
+    def __init__(self, e: BaseException) -> None:
+        self.original_exception = e
+        self.stack_trace = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+        super().__init__(f"{e}\n{self.stack_trace}")

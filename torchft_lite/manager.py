@@ -50,14 +50,15 @@ from torchft_lite.core.step import Step, WorldSizeMode
 from torchft_lite.core.wiring import MANAGER_ADDR_KEY, REPLICA_ID_KEY, DefaultWiring, ManagerWiring
 from torchft_lite.coordination import ManagerClient
 from torchft_lite.group_server.manager_client import checkpoint_metadata_in_thread
-from torchft_lite.errors import CollectiveError, ConfigError, ManagerError, ManagerTimeout, QuorumError, QuorumTimeout
+from torchft_lite.errors import (CollectiveError, ConfigError, ExceptionWithTraceback, ManagerError, ManagerTimeout,
+                                 QuorumError, QuorumTimeout)
 from torchft_lite.health.nonfinite import HealthConfig, health_checks
 from torchft_lite.health.watchdog import Watchdog, WatchdogConfig
 from torchft_lite.process_group.handles import ReconfigureOptions
 from torchft_lite.rpc.loop import control_plane
 from torchft_lite.work import DoneWork, ManagedWork, _ManagedWork, guard_future  # noqa: F401  (torchft's name)
 
-__all__ = ["MANAGER_ADDR_KEY", "Manager", "ManagerClient", "REPLICA_ID_KEY", "WorldSizeMode"]
+__all__ = ["ExceptionWithTraceback", "MANAGER_ADDR_KEY", "Manager", "ManagerClient", "REPLICA_ID_KEY", "WorldSizeMode"]
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -352,7 +353,7 @@ class Manager:
         """``fut``, except that an error or timeout is recorded and yields ``default``."""
         step = self._current
         seconds = (timeout if timeout is not None else self._timeouts.step).total_seconds()
-        guarded = guard_future(fut, default, lambda exc: self._record(step, exc), seconds, "a collective",
+        guarded = guard_future(fut, default, lambda exc: self._record(step, exc), seconds, "a collective's future",
                                schedule_timeout=self._control.call_later)
         step.work.append(ManagedWork(guarded))
         gone = step.member_gone()
@@ -381,8 +382,10 @@ class Manager:
             self._log(logging.WARNING, "step failed, will not commit: %s: %s", type(e).__name__, e,
                       exc_info=(type(e), e, e.__traceback__))
 
-    def errored(self) -> BaseException | None:
-        return self._current.error
+    def errored(self) -> ExceptionWithTraceback | None:
+        """This step's first error (torchft's ``ExceptionWithTraceback``: the error is ``.original_exception``), or
+        None while the step can commit."""
+        return self._current.error_with_traceback()
 
     # ------------------------------------------------------------ commit
 
@@ -443,8 +446,8 @@ class Manager:
             self._commit_failures += 1
             self._log(logging.INFO, "step not committed (%d consecutive)", self._commit_failures)
             if self._settings.max_retries is not None and self._commit_failures > self._settings.max_retries:
-                raise RuntimeError(f"{self._commit_failures} consecutive steps failed to commit "
-                                   f"(max_retries={self._settings.max_retries}); last error: {step.error!r}")
+                raise RuntimeError(f"should_commit failed {self._commit_failures} times consecutively, exceeding "
+                                   f"max_retries={self._settings.max_retries}; last error: {step.error!r}")
         step.open = False
         self.watchdog.end("step")
         self.watchdog.end("heal")
@@ -474,13 +477,64 @@ class Manager:
         return self._batches_committed
 
     def participating_rank(self) -> int | None:
+        """This replica's rank among the step's participants (None when it sits the step out); waits for the
+        step's quorum, as torchft's does."""
+        self._wait_for_participation()
         return self._current.participation.rank
 
     def num_participants(self) -> int:
+        """How many replicas take part in the step (0 before the first quorum); waits for the step's quorum, as
+        torchft's does."""
+        self._wait_for_participation()
         return self._current.participation.world_size
+
+    def _wait_for_participation(self) -> None:
+        step = self._current
+        if step.ready is not None and not step.ready.done():
+            self._await(step, step.ready, "the quorum")
 
     def is_participating(self) -> bool:
         return self._current.participation.rank is not None and not self._current.healing
+
+    # torchft's private names for the Manager's state, which torchft's tests and tools read (read-only but
+    # _init_sync and _checkpoint_transport, which they also set).
+
+    @property
+    def _quorum_id(self) -> int:
+        """The quorum the process group is configured for (-1 before the first)."""
+        return self._step_quorum.quorum_id
+
+    @property
+    def _errored(self) -> ExceptionWithTraceback | None:
+        return self.errored()
+
+    @property
+    def _healing(self) -> bool:
+        """This step receives the state dict (it contributes zeros until it is applied)."""
+        return self._current.healing
+
+    @property
+    def _quorum_future(self) -> concurrent.futures.Future | None:
+        """The step's quorum and heal (None before the first ``start_quorum``)."""
+        return self._current.quorum
+
+    @property
+    def _init_sync(self) -> bool:
+        """Sent with each quorum request: at step 0, every replica heals from the primary."""
+        return self._step_quorum.init_sync
+
+    @_init_sync.setter
+    def _init_sync(self, value: bool) -> None:
+        self._step_quorum.init_sync = bool(value)
+
+    @property
+    def _checkpoint_transport(self) -> Any:
+        """The transport heals go through (the default ``HTTPTransport``, or the user's)."""
+        return self._healer.transport
+
+    @_checkpoint_transport.setter
+    def _checkpoint_transport(self, transport: Any) -> None:
+        self._healer.transport = transport
 
     @property
     def replica_id(self) -> str:

@@ -147,7 +147,7 @@ def test_max_retries_exceeded_raises(lighthouse):
             manager.report_error(RuntimeError(f"boom {attempt}"))
             if attempt == 0:
                 assert manager.should_commit() is False
-        with pytest.raises(RuntimeError, match="2 consecutive steps failed to commit"):
+        with pytest.raises(RuntimeError, match="should_commit failed 2 times consecutively, exceeding max_retries=1"):
             manager.should_commit()
     finally:
         manager.shutdown()

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from torchft_lite.errors import ExceptionWithTraceback
+
 __all__ = ["Participation", "Step", "WorldSizeMode", "participation_of", "start_allreduce"]
 
 
@@ -55,6 +57,7 @@ class Step:
 
     error: BaseException | None = None
     """The first error: the step will not commit."""
+    _reported: ExceptionWithTraceback | None = field(default=None, repr=False)
     participation: Participation = Participation()
     members: frozenset[str] = frozenset()
     """Replica ids of this step's quorum (empty until it is known)."""
@@ -113,6 +116,15 @@ class Step:
             return False
         self.error = error
         return True
+
+    def error_with_traceback(self) -> ExceptionWithTraceback | None:
+        """The step's first error as ``Manager.errored()`` hands it out (the same object every time)."""
+        error = self.error
+        if error is None:
+            return None
+        if self._reported is None or self._reported.original_exception is not error:
+            self._reported = ExceptionWithTraceback(error)
+        return self._reported
 
 
 def participation_of(response: Any, *, counts_healing: bool, spares_above: int | None) -> Participation:

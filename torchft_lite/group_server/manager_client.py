@@ -88,7 +88,8 @@ class ManagerClient:
 
     Args:
         addr: the ManagerServer's address, as ``ManagerServer.address()`` gives it (group rank 0 publishes it in
-            the group's TCPStore).
+            the group's TCPStore). Required: the default only lets ``create_autospec(ManagerClient)()`` make an
+            instance mock the way torchft's tests do with torchft's class, whose signature Python can't see.
         connect_timeout: how long to wait for a connection (a ``timedelta``, or seconds); a call waits at most
             its own timeout in any case.
 
@@ -97,7 +98,7 @@ class ManagerClient:
     (``ManagerTimeout``); bad arguments raise :class:`~torchft_lite.errors.ConfigError` (a ``ValueError``).
     """
 
-    def __init__(self, addr: str, connect_timeout: timedelta | float) -> None:
+    def __init__(self, addr: str = "", connect_timeout: timedelta | float = timedelta(seconds=60)) -> None:
         if not isinstance(addr, str) or not addr:
             raise ConfigError(f"ManagerClient: addr must be a non-empty address, got {addr!r}")
         self.address = addr
