@@ -271,7 +271,9 @@ class Manager:
         """Wait until this step's quorum is known and the process group is ready; errors are recorded.
 
         A heal may still be in flight (``should_commit`` waits for it): a healing replica takes part in the
-        step's collectives meanwhile.
+        step's collectives meanwhile. A replica the quorum names as a heal's source serves its state from here
+        on (on the training thread, whose state is the last committed step's), as torchft's does from its
+        quorum: a receiver in a synchronous quorum must not wait for this replica's first collective.
         """
         step = self._current
         if step.ready is None:
@@ -281,6 +283,7 @@ class Manager:
         if step.compute_from is not None:  # blocked after start_quorum returned (StepReport.quorum_s)
             step.late_quorum_wait += time.monotonic() - began
         self.watchdog.end("quorum")
+        self._healer.publish(step, self._step)
 
     def _backstop(self) -> float:
         return self._timeouts.quorum_backstop.total_seconds()
@@ -324,8 +327,7 @@ class Manager:
         """
         step = self._current
         step.first_allreduce_at = step.first_allreduce_at or time.monotonic()
-        self.wait_quorum()
-        self._healer.publish(step, self._step)
+        self.wait_quorum()  # a heal's source serves from here
         if not step.collectives_ready:
             # No process group for this quorum: peers can't be in step with us.
             return DoneWork(tensor)

@@ -284,3 +284,32 @@ def _read_or_error(manager: Manager) -> Any:
         return manager._manager_state_dict()
     except TimeoutError as exc:
         return exc
+
+
+def test_a_source_serves_from_wait_quorum_so_a_synchronous_receiver_never_waits_for_its_collectives(replicas):
+    """torchft's sources send from their quorum: a receiver whose start_quorum heals synchronously must get the
+    state while the source waits on something out of band (here a barrier with that receiver, as torchft's
+    DiLoCo regression test does) rather than at the source's first collective, which never comes."""
+    lighthouse = InMemoryLighthouse()
+    a = replicas(lighthouse, "a", 1.0, timeout_s=5.0)
+    assert train({"a": a}, 2) == {"a": [True, True]}
+    b = replicas(lighthouse, "b", 9.0, timeout_s=5.0, use_async_quorum=False)
+    barrier = threading.Barrier(2, timeout=30)
+    outcome: dict[str, Any] = {}
+
+    def run(name: str, replica: Replica) -> None:
+        try:
+            replica.manager.start_quorum()
+            replica.manager.wait_quorum()
+            barrier.wait()
+            outcome[name] = replica.manager.should_commit()
+        except BaseException as exc:  # surfaced below
+            outcome[name] = exc
+
+    threads = [threading.Thread(target=run, args=item) for item in (("a", a), ("b", b))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert outcome == {"a": True, "b": True}
+    assert b.loads == 1 and torch.equal(a.weights, b.weights) and b.manager.current_step() == 3
