@@ -149,8 +149,8 @@ class Manager:
         self.watchdog = Watchdog(watchdog or WatchdogConfig.from_env(os.environ,
                                                                      WatchdogConfig(**s.timeouts.watchdog_defaults())),
                                  label=f"[{self._replica_id}/{s.group_rank}]")
-        self._healer = Healer(self._state, parts.transport, functools.partial(checkpoint_metadata_in_thread, parts.connect),
-                              in_place=parts.heal_in_place,
+        peer_metadata = functools.partial(checkpoint_metadata_in_thread, parts.connect)
+        self._healer = Healer(self._state, parts.transport, peer_metadata, in_place=parts.heal_in_place,
                               timeout=s.timeouts.step, log=self._log, record=self._record, watchdog=self.watchdog,
                               clock=parts.clock)
         advertise = self._client.advertise if s.group_rank == 0 else None  # group rank 0 speaks for the group

@@ -281,9 +281,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--file-timeout", type=float, default=300.0, metavar="S",
                         help="wall limit in seconds for one file on one side, over all its attempts; "
                              "tests not run by then are reported not_run (default: 300)")
-    parser.add_argument("--total-timeout", type=float, default=1200.0, metavar="S",
+    parser.add_argument("--total-timeout", type=float, default=900.0, metavar="S",
                         help="wall budget in seconds for the whole run; a file or side not started when it "
-                             "is spent is reported not_run (default: 1200, so make compat stays under 20 min)")
+                             "is spent is reported not_run (default: 900, so make compat stays under 15 min)")
     parser.add_argument("--report", type=Path, default=REPO / "build" / "compat" / "report.txt", metavar="PATH",
                         help="where to write every test's outcome per side with the first line of its error "
                              "(default: build/compat/report.txt)")

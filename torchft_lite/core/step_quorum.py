@@ -103,8 +103,9 @@ class StepQuorum:
         handles = list(response.reconfigure_handles)
         missing = [replica for replica, handle in zip(response.replica_ids, handles) if not handle]
         if missing:
-            raise ConfigError(f"quorum {response.quorum_id}: {', '.join(missing)} sent no process-group handle for group "
-                              f"rank {self._group_rank} (a Manager or ManagerServer that predates reconfigure handles?)")
+            raise ConfigError(f"quorum {response.quorum_id}: {', '.join(missing)} sent no process-group handle for "
+                              f"group rank {self._group_rank} (a Manager or ManagerServer that predates reconfigure "
+                              f"handles?)")
         started = self._clock()
         await asyncio.to_thread(self._reconfigure_pg, response.quorum_id, handles)
         self._log(logging.INFO, "quorum %d: reconfigured as replica %d of %d (%d up to date, max step %d) in %.2fs",

@@ -160,7 +160,8 @@ def test_quorum_fixed_world_size(replicas):
         def run() -> tuple[bool, int, bool]:
             replica.manager.start_quorum()
             replica.manager.allreduce(torch.ones(3)).wait()
-            return replica.manager.is_participating(), replica.manager.num_participants(), replica.manager.should_commit()
+            manager = replica.manager
+            return manager.is_participating(), manager.num_participants(), manager.should_commit()
         return run
 
     results = together(**{name: step(replica) for name, replica in group.items()})
