@@ -12,7 +12,12 @@ Names are resolved lazily so ``import torchft_lite`` stays cheap.
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
+
+# Training scripts fork (DataLoader workers) and the children never use gRPC, so grpc's fork handlers are only
+# a source of stalls. Every module of this package that loads grpc is imported after this line.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 
 __all__ = [
     "DistributedDataParallel",

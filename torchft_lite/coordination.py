@@ -1,4 +1,5 @@
-"""torchft's low-level coordination API: a lighthouse server and client, and the quorum they agree on.
+"""torchft's low-level coordination API: the lighthouse and a replica group's ManagerServer, their clients,
+and the quorum they agree on.
 
 Scripts written against ``torchft.coordination`` (or ``torchft._torchft``) use these names unchanged::
 
@@ -7,7 +8,8 @@ Scripts written against ``torchft.coordination`` (or ``torchft._torchft``) use t
     quorum = client.quorum(replica_id="a", timeout=timedelta(seconds=30), step=0)
     lighthouse.shutdown()
 
-Every call waits at most its ``timeout``: no answer in time raises :class:`~torchft_lite.errors.QuorumTimeout`
+A Manager reaches its group's ManagerServer through :class:`ManagerClient`, which returns a
+:class:`QuorumResult` per quorum. Every call waits at most its ``timeout``: no answer in time raises :class:`~torchft_lite.errors.QuorumTimeout`
 (a ``TimeoutError``), any other failure :class:`~torchft_lite.errors.QuorumError`, and bad settings
 :class:`~torchft_lite.errors.ConfigError` (a ``ValueError``).
 """
@@ -15,12 +17,15 @@ Every call waits at most its ``timeout``: no answer in time raises :class:`~torc
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Coroutine, Hashable, Optional, TypeVar
 
 from torchft_lite.errors import ConfigError, QuorumError, QuorumTimeout
+from torchft_lite.group_server.manager_client import (
+    HANDOFF as _HANDOFF, ManagerClient, seconds_of as _seconds, serve_in_process, withdraw_from_process,
+)
+from torchft_lite.group_server.quorum_compute import QuorumResult
 from torchft_lite.rpc.lighthouse_client import (
     LighthouseClient as _AsyncLighthouseClient, LighthouseError, LighthouseTimeout,
 )
@@ -29,26 +34,10 @@ from torchft_lite.rpc.loop import control_plane
 if TYPE_CHECKING:
     from torchft_lite.rpc.protocol import torchft_pb2 as pb
 
-__all__ = ["LighthouseClient", "LighthouseServer", "Quorum", "QuorumMember", "Timestamp"]
+__all__ = ["LighthouseClient", "LighthouseServer", "ManagerClient", "ManagerServer", "Quorum", "QuorumMember",
+           "QuorumResult", "Timestamp"]
 
 T = TypeVar("T")
-
-# The control-plane wait outlasts the RPC's own deadline by this much, so the
-# RPC's timeout (which names the call) is the one that fires.
-_HANDOFF = 5.0
-
-
-def _seconds(value: timedelta | float, name: str) -> float:
-    """A timeout given as a ``timedelta`` (torchft's form) or as seconds -> seconds >= 0."""
-    if isinstance(value, timedelta):
-        seconds = value.total_seconds()
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):
-        seconds = float(value)
-    else:
-        raise ConfigError(f"{name} must be a timedelta or a number of seconds, got {value!r}")
-    if not math.isfinite(seconds) or seconds < 0:
-        raise ConfigError(f"{name} must be a finite duration >= 0, got {value!r}")
-    return seconds
 
 
 # ---------------------------------------------------------------- data
@@ -197,6 +186,87 @@ class LighthouseServer:
         self._lighthouse.stop(timeout)
 
     def __enter__(self) -> "LighthouseServer":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+
+class ManagerServer:
+    """A replica group's coordinator (torchft's ``ManagerServer``), serving on this process's control plane.
+
+    It is serving when the constructor returns. It gathers the group's ranks for each quorum and commit vote,
+    speaks for the group at the lighthouse (heartbeats and a lease) and answers peers' checkpoint-metadata
+    calls (:mod:`torchft_lite.group_server.server`). A :class:`ManagerClient` of this process calls it directly.
+
+    Args:
+        replica_id: the group's id at the lighthouse, unique to this incarnation.
+        lighthouse_addr: the lighthouse, ``http://host:port``.
+        hostname: the host in this server's advertised address (what the other ranks and peers dial).
+        bind: ``HOST:PORT`` to serve gRPC on; port 0 picks a free port (``"[::]:0"``).
+        store_addr: ``host:port`` of the group's TCPStore, advertised to the quorum.
+        world_size: the number of ranks in the group; a quorum waits for all of them.
+        heartbeat_interval: time between heartbeats to the lighthouse (a ``timedelta``, or seconds).
+        connect_timeout: how long to wait for the lighthouse, and for this server to start (the same).
+        quorum_retries: extra lighthouse Quorum attempts after a failed one.
+        quorum_timeout: (ours) how long a lighthouse Quorum call may take when the ranks' request has no deadline.
+        heal_sources: (ours) how many peers a healing rank of this group can pull from at once (striping).
+        lease_timeout: (ours) the lease the commit fence assumes until the lighthouse states its own, in seconds.
+
+    Raises ``ConfigError`` for a bad setting and ``OSError`` when ``bind`` is taken.
+    """
+
+    def __init__(
+        self,
+        replica_id: str,
+        lighthouse_addr: str,
+        hostname: str,
+        bind: str,
+        store_addr: str,
+        world_size: int,
+        heartbeat_interval: timedelta | float,
+        connect_timeout: timedelta | float,
+        quorum_retries: int = 0,
+        *,
+        quorum_timeout: timedelta | float = timedelta(seconds=60),
+        heal_sources: int = 1,
+        lease_timeout: float | None = None,
+    ) -> None:
+        # The server's modules are loaded here, never by importing this module.
+        from torchft_lite.group_server.server import ManagerServer as _AsyncManagerServer, ManagerServerConfig
+
+        connect = _seconds(connect_timeout, "connect_timeout")
+        extra = {} if lease_timeout is None else {"lease_timeout": lease_timeout}
+        try:
+            config = ManagerServerConfig(
+                replica_id=replica_id, lighthouse_addr=lighthouse_addr, hostname=hostname, store_address=store_addr,
+                world_size=world_size, bind=bind, heartbeat_interval=_seconds(heartbeat_interval, "heartbeat_interval"),
+                connect_timeout=connect, quorum_timeout=_seconds(quorum_timeout, "quorum_timeout"),
+                quorum_retries=quorum_retries, heal_sources=heal_sources, **extra,
+            )
+            server = _AsyncManagerServer(config)
+        except ValueError as exc:
+            raise ConfigError(f"ManagerServer: {exc}") from exc
+        self._control = control_plane()
+        self._control.run(server.start(), connect + _HANDOFF, f"ManagerServer {replica_id} to start")
+        self._server = server
+        self._stopped = False
+        serve_in_process(server)
+
+    def address(self) -> str:
+        """The address the group's ranks and healing peers dial: ``http://host:port`` (``https`` with TLS)."""
+        return self._server.address()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Leave: the lease closes first (the lighthouse drops the group at once), then stop serving; waits up to
+        ``timeout`` s. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        withdraw_from_process(self._server)
+        self._control.run(self._server.stop(), timeout, f"ManagerServer {self._server.config.replica_id} to stop")
+
+    def __enter__(self) -> "ManagerServer":
         return self
 
     def __exit__(self, *exc_info: object) -> None:

@@ -22,11 +22,15 @@
     │           └── CheckpointHTTPError (also urllib.error.HTTPError)  the server answered an error status
     └── ManagerError (also RuntimeError)     the ManagerServer refused or failed a call
         └── ManagerTimeout (also TimeoutError)
+
+    ExceptionWithTraceback                   not raised: what ``Manager.errored()`` returns (torchft's),
+                                             the step's first error and where it came from
 """
 
 from __future__ import annotations
 
 import io
+import traceback
 import urllib.error
 
 __all__ = [
@@ -48,6 +52,7 @@ __all__ = [
     "CheckpointHTTPError",
     "ManagerError",
     "ManagerTimeout",
+    "ExceptionWithTraceback",
 ]
 
 
@@ -161,3 +166,14 @@ class ManagerError(TorchFTError, RuntimeError):
 
 class ManagerTimeout(ManagerError, TimeoutError):
     """A call to the group's ManagerServer did not finish within its timeout."""
+
+
+class ExceptionWithTraceback(Exception):
+    """A recorded error as ``Manager.errored()`` hands it out (torchft's): the error itself in
+    ``original_exception`` and its formatted traceback in ``stack_trace``. Its message is the error's, then the
+    traceback, so ``"..." in str(manager.errored())`` finds the error's words."""
+
+    def __init__(self, e: BaseException) -> None:
+        self.original_exception = e
+        self.stack_trace = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+        super().__init__(f"{e}\n{self.stack_trace}")

@@ -2,7 +2,7 @@
 
 Per step (docs/training.md, "How a step works"): ``start_quorum`` (from ``Optimizer.zero_grad``) asks
 the group's ManagerServer for a quorum while the forward pass runs, reconfigures the process group on a
-new quorum id and heals a replica behind the max step; ``allreduce`` averages gradients over the
+new quorum id (from the members' handles, torchft's ``_reconfigure_pg``) and heals a replica behind the max step; ``allreduce`` averages gradients over the
 participants; ``should_commit`` (from ``Optimizer.step``) applies a received state dict, collects the
 group's votes, and advances the step only on commit. Failures never raise into the training loop: the
 first error of a step is recorded (:meth:`Manager.report_error`), logged once, and the step does not
@@ -12,6 +12,7 @@ commit. Only more than ``max_retries`` consecutive failed commits raise.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import logging
 import os
 import signal
@@ -23,7 +24,9 @@ from typing import Any, Callable, Sequence, TypeVar
 import torch
 from torch.distributed import ReduceOp
 
-from torchft_lite.core.capabilities import Abortable, Advertises, ReportsErrors, StepListener, WarmsUp
+from torchft_lite.checkpointing._rwlock import RWLock
+from torchft_lite.coordination import ManagerClient
+from torchft_lite.core.capabilities import Abortable, ReportsErrors, StepListener, WarmsUp
 from torchft_lite.core.context import ManagerContext
 from torchft_lite.core.healer import Healer, RegisteredState
 from torchft_lite.core.listeners import StepListeners, metrics_from_env
@@ -33,14 +36,18 @@ from torchft_lite.core.report import report_of
 from torchft_lite.core.settings import ManagerSettings
 from torchft_lite.core.step import Step, WorldSizeMode
 from torchft_lite.core.step_quorum import StepQuorum
-from torchft_lite.core.wiring import DefaultWiring, ManagerWiring
-from torchft_lite.errors import CollectiveError, ManagerError, ManagerTimeout, QuorumError, QuorumTimeout
+from torchft_lite.core.wiring import MANAGER_ADDR_KEY, REPLICA_ID_KEY, DefaultWiring, ManagerWiring
+from torchft_lite.errors import (
+    CollectiveError, ConfigError, ExceptionWithTraceback, ManagerError, ManagerTimeout, QuorumError, QuorumTimeout,
+)
+from torchft_lite.group_server.manager_client import checkpoint_metadata_in_thread
 from torchft_lite.health.nonfinite import HealthConfig, health_checks
 from torchft_lite.health.watchdog import Watchdog, WatchdogConfig
+from torchft_lite.process_group.handles import ReconfigureOptions
 from torchft_lite.rpc.loop import control_plane
 from torchft_lite.work import DoneWork, ManagedWork, _ManagedWork, guard_future  # noqa: F401  (torchft's name)
 
-__all__ = ["Manager", "WorldSizeMode"]
+__all__ = ["ExceptionWithTraceback", "MANAGER_ADDR_KEY", "Manager", "ManagerClient", "REPLICA_ID_KEY", "WorldSizeMode"]
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
@@ -58,8 +65,9 @@ class Manager:
 
     Where its parts live: a step's state is a ``core.step.Step`` (replaced by each ``start_quorum``); what a
     heal carries is a ``core.healer.RegisteredState`` and heals are the ``core.healer.Healer``'s; the
-    ManagerServer is reached through a ``group_server.channel.GroupChannel`` that a wiring builds
-    (``core.wiring.DefaultWiring``, or ``testing.InMemoryWiring``).
+    ManagerServer is reached through torchft's ``ManagerClient`` (this module's name for it, so a test can
+    substitute it as torchft's do) that a wiring connects (``core.wiring.DefaultWiring``, or
+    ``testing.InMemoryWiring``).
     """
 
     def __init__(
@@ -104,6 +112,9 @@ class Manager:
         wiring: what the Manager connects to (default: TCPStore, ManagerServer, HTTP heals; or ``testing``'s).
         health: the non-finite guard and fingerprints (default: on, from the environment; ``torchft_lite.health.nonfinite``).
         """
+        if not getattr(pg, "supports_reconfigure", False):
+            raise ConfigError("the process group must support reconfigure (get_reconfigure_handle and reconfigure, as "
+                              "torchft_lite's do); a native torch group must be created with enable_reconfigure=True")
         s = self._settings = ManagerSettings.resolve(  # everything is validated before anything starts
             min_replica_size=min_replica_size, timeout=timeout, quorum_timeout=quorum_timeout,
             connect_timeout=connect_timeout, rank=rank, world_size=world_size, store_addr=store_addr,
@@ -116,6 +127,7 @@ class Manager:
         self._use_async_quorum = use_async_quorum
         self._group_rank = s.group_rank
         self._timeouts = s.timeouts
+        self._timeout = s.timeouts.step  # torchft's name: bounds a reconfigure (_reconfigure_pg)
         self._step = 0
         self._batches_committed = 0
         self._commit_failures = 0
@@ -126,43 +138,65 @@ class Manager:
         self._listeners = StepListeners(self._log)
 
         self._control = control_plane()
+        # torchft's: held for writing between disallow_state_dict_read and allow_state_dict_read.
+        self._state_dict_lock = RWLock(timeout=s.timeouts.step.total_seconds())
+        self._is_state_dict_read_allowed = True
         self._state = RegisteredState(self.state_dict, self.load_state_dict, self._log)
         parts = (wiring or DefaultWiring()).build(s, checkpoint_transport, self._state.in_place_targets,
-                                                  self._control)
+                                                  self._control, self._connect)
         self._parts = parts  # keeps the store client alive as long as the Manager
-        self._replica_id, self._channel = parts.replica_id, parts.channel
+        self._replica_id, self._client = parts.replica_id, parts.client
         self.watchdog = Watchdog(watchdog or WatchdogConfig.from_env(os.environ,
                                                                      WatchdogConfig(**s.timeouts.watchdog_defaults())),
                                  label=f"[{self._replica_id}/{s.group_rank}]")
-        self._healer = Healer(self._state, parts.transport, self._channel.peer_metadata, in_place=parts.heal_in_place,
+        peer_metadata = functools.partial(checkpoint_metadata_in_thread, parts.connect)
+        self._healer = Healer(self._state, parts.transport, peer_metadata, in_place=parts.heal_in_place,
                               timeout=s.timeouts.step, log=self._log, record=self._record, watchdog=self.watchdog,
                               clock=parts.clock)
-        advertise = self._channel.advertise if isinstance(self._channel, Advertises) else None
+        advertise = self._client.advertise if s.group_rank == 0 else None  # group rank 0 speaks for the group
         self._guard, self._fingerprints = health_checks(
-            health or HealthConfig.from_env(os.environ), self._state.user_state, advertise, self._channel,
+            health or HealthConfig.from_env(os.environ), self._state.user_state, advertise, self._client,
             self._listeners, self._log, self._record)
-        self.context = ManagerContext(settings=s, channel=self._channel,
+        self.context = ManagerContext(settings=s, client=self._client,
                                       store=parts.store, state=self._state, fingerprinter=self._fingerprints)
         """What durable checkpoints and metrics see of this Manager (ours; see :class:`ManagerContext`)."""
         if load_state_dict is not None and state_dict is not None:
             self.register_state_dict_fn("default", load_state_dict, state_dict)
+        set_rank_info = getattr(pg, "set_rank_info", None)
+        if set_rank_info is not None:  # named in its handle and its logs
+            set_rank_info(self._replica_id, s.group_rank, s.group_world_size)
         self._step_quorum = StepQuorum(
-            self._channel, pg, self._healer, group_rank=s.group_rank, replica_id=self._replica_id,
-            init_sync=init_sync, use_async_quorum=use_async_quorum, log=self._log, clock=parts.clock,
-            fingerprint=self._fingerprints.for_step,
+            self._client, pg, self._healer, group_rank=s.group_rank,
+            # looked up at each call, as torchft's is (its tests replace it)
+            reconfigure=lambda quorum_id, handles: self._reconfigure_pg(quorum_id, handles), init_sync=init_sync,
+            use_async_quorum=use_async_quorum, log=self._log, clock=parts.clock, fingerprint=self._fingerprints.for_step,
             spares_above=s.min_replica_size if world_size_mode is WorldSizeMode.FIXED_WITH_SPARES else None,
         )
         self._members = MemberWatch(self._replica_id, lambda: self._current, pg, self._record, self._log,
                                     MEMBER_GONE_GRACE)
-        self._control.run(self._channel.follow_events(self._members.on_event), s.timeouts.connect.total_seconds(),
-                          "the lighthouse event stream to start")
+        self._client.follow_events(self._members.on_event)
         self._preemption = PreemptionSignals(preemption_signals, lambda: self._current.quorum)
         # A child-process group starts its child now: join the first quorum once it can configure.
         if isinstance(pg, WarmsUp):
             pg.wait_warm(s.timeouts.connect)
         self._log(logging.INFO, "manager ready (group rank %d of %d, ManagerServer %s)", s.group_rank,
-                  s.group_world_size, self._channel.address)
+                  s.group_world_size, getattr(self._client, "address", "?"))
         self.metrics = metrics_from_env(self)  # TORCHFT_LITE_METRICS_PORT: /metrics (torchft_lite.metrics.registry)
+
+    def _connect(self, address: str) -> ManagerClient:
+        """A ``ManagerClient`` to the ManagerServer at ``address``: this module's ``ManagerClient``, looked up at
+        each call, so a substituted one (``patch("torchft.manager.ManagerClient")``) is the one used."""
+        return ManagerClient(address, connect_timeout=self._timeouts.connect)
+
+    def _reconfigure_pg(self, communicator_id: int, handles: list[str]) -> None:
+        """torchft's: join the process group of a new quorum: ``handles`` are the members' process-group handles
+        for this group rank in replica-rank order (from the quorum), ``communicator_id`` the quorum id. Blocks,
+        bounded by ``timeout``; raises what the group's ``reconfigure`` raises."""
+        opts = ReconfigureOptions()
+        opts.uuid = communicator_id
+        opts.handles = handles
+        opts.timeout = self._timeout
+        self._pg.reconfigure(opts).wait()
 
     # ------------------------------------------------------------ state dicts
 
@@ -179,8 +213,10 @@ class Manager:
         self._batches_committed = int(state_dict["batches_committed"])
 
     def _manager_state_dict(self) -> dict[str, Any]:
-        """What a heal carries (torchft's name, which its tests and tools read): user state and ours."""
-        return self._state.state_dict()
+        """What a heal carries (torchft's name, which its tests and tools read): user state and ours. Waits
+        (bounded by ``timeout``) while the training loop has disallowed reads (``disallow_state_dict_read``)."""
+        with self._state_dict_lock.r_lock():
+            return self._state.state_dict()
 
     def add_step_listener(self, listener: StepListener) -> None:
         """Tell ``listener`` where each step stands (see ``torchft_lite.core.capabilities.StepListener``)."""
@@ -235,7 +271,9 @@ class Manager:
         """Wait until this step's quorum is known and the process group is ready; errors are recorded.
 
         A heal may still be in flight (``should_commit`` waits for it): a healing replica takes part in the
-        step's collectives meanwhile.
+        step's collectives meanwhile. A replica the quorum names as a heal's source serves its state from here
+        on (on the training thread, whose state is the last committed step's), as torchft's does from its
+        quorum: a receiver in a synchronous quorum must not wait for this replica's first collective.
         """
         step = self._current
         if step.ready is None:
@@ -245,6 +283,7 @@ class Manager:
         if step.compute_from is not None:  # blocked after start_quorum returned (StepReport.quorum_s)
             step.late_quorum_wait += time.monotonic() - began
         self.watchdog.end("quorum")
+        self._healer.publish(step, self._step)
 
     def _backstop(self) -> float:
         return self._timeouts.quorum_backstop.total_seconds()
@@ -260,12 +299,23 @@ class Manager:
             self._record(step, exc)
 
     def disallow_state_dict_read(self) -> None:
-        """torchft's: the state a heal serves is about to change; wait (bounded) for this step's receivers."""
+        """torchft's: the state is about to change. This step's heal receivers are waited for (bounded) and its
+        state is served no more; reads of the state (``_manager_state_dict``) wait until ``allow_state_dict_read``.
+        Raises ``TimeoutError`` when a read holds the state longer than ``timeout``. A no-op while disallowed."""
         if self._current.published and threading.get_ident() == self._current.training_thread:
             self._healer.stop_serving(self._current)  # served no more this step
+        if not self._is_state_dict_read_allowed:
+            return
+        self._state_dict_lock.w_acquire()
+        self._is_state_dict_read_allowed = False
 
     def allow_state_dict_read(self) -> None:
-        """torchft's: the state may be read again (a step serves its state at most once)."""
+        """torchft's: the state may be read again (a step still serves its state at most once). A no-op while
+        allowed."""
+        if self._is_state_dict_read_allowed:
+            return
+        self._is_state_dict_read_allowed = True
+        self._state_dict_lock.w_release()
 
     # ------------------------------------------------------------ collectives
 
@@ -277,8 +327,7 @@ class Manager:
         """
         step = self._current
         step.first_allreduce_at = step.first_allreduce_at or time.monotonic()
-        self.wait_quorum()
-        self._healer.publish(step, self._step)
+        self.wait_quorum()  # a heal's source serves from here
         if not step.collectives_ready:
             # No process group for this quorum: peers can't be in step with us.
             return DoneWork(tensor)
@@ -306,7 +355,7 @@ class Manager:
         """``fut``, except that an error or timeout is recorded and yields ``default``."""
         step = self._current
         seconds = (timeout if timeout is not None else self._timeouts.step).total_seconds()
-        guarded = guard_future(fut, default, lambda exc: self._record(step, exc), seconds, "a collective",
+        guarded = guard_future(fut, default, lambda exc: self._record(step, exc), seconds, "a collective's future",
                                schedule_timeout=self._control.call_later)
         step.work.append(ManagedWork(guarded))
         gone = step.member_gone()
@@ -335,8 +384,10 @@ class Manager:
             self._log(logging.WARNING, "step failed, will not commit: %s: %s", type(e).__name__, e,
                       exc_info=(type(e), e, e.__traceback__))
 
-    def errored(self) -> BaseException | None:
-        return self._current.error
+    def errored(self) -> ExceptionWithTraceback | None:
+        """This step's first error (torchft's ``ExceptionWithTraceback``: the error is ``.original_exception``), or
+        None while the step can commit."""
+        return self._current.error_with_traceback()
 
     # ------------------------------------------------------------ commit
 
@@ -367,12 +418,9 @@ class Manager:
         if not enough:
             self._log(logging.WARNING, "only %d replica(s) participate, min_replica_size is %d",
                       step.participation.world_size, self._min_replica_size)
-        seconds = (timeout if timeout is not None else self._timeouts.commit_vote).total_seconds()
         try:
-            group_clean = self._control.run(
-                self._channel.should_commit(self._group_rank, self._step, step.error is None, seconds),
-                seconds + 5.0, "the group's commit vote",
-            )
+            group_clean = self._client.should_commit(self._group_rank, self._step, step.error is None,
+                                                     timeout=timeout if timeout is not None else self._timeouts.commit_vote)
         except Exception as exc:
             # The other ranks may have committed; carrying on could leave this rank a step apart from
             # them for good. Fail stop (as torchft does): a restarted group is healed from a peer.
@@ -400,8 +448,8 @@ class Manager:
             self._commit_failures += 1
             self._log(logging.INFO, "step not committed (%d consecutive)", self._commit_failures)
             if self._settings.max_retries is not None and self._commit_failures > self._settings.max_retries:
-                raise RuntimeError(f"{self._commit_failures} consecutive steps failed to commit "
-                                   f"(max_retries={self._settings.max_retries}); last error: {step.error!r}")
+                raise RuntimeError(f"should_commit failed {self._commit_failures} times consecutively, exceeding "
+                                   f"max_retries={self._settings.max_retries}; last error: {step.error!r}")
         step.open = False
         self.watchdog.end("step")
         self.watchdog.end("heal")
@@ -431,13 +479,64 @@ class Manager:
         return self._batches_committed
 
     def participating_rank(self) -> int | None:
+        """This replica's rank among the step's participants (None when it sits the step out); waits for the
+        step's quorum, as torchft's does."""
+        self._wait_for_participation()
         return self._current.participation.rank
 
     def num_participants(self) -> int:
+        """How many replicas take part in the step (0 before the first quorum); waits for the step's quorum, as
+        torchft's does."""
+        self._wait_for_participation()
         return self._current.participation.world_size
+
+    def _wait_for_participation(self) -> None:
+        step = self._current
+        if step.ready is not None and not step.ready.done():
+            self._await(step, step.ready, "the quorum")
 
     def is_participating(self) -> bool:
         return self._current.participation.rank is not None and not self._current.healing
+
+    # torchft's private names for the Manager's state, which torchft's tests and tools read (read-only but
+    # _init_sync and _checkpoint_transport, which they also set).
+
+    @property
+    def _quorum_id(self) -> int:
+        """The quorum the process group is configured for (-1 before the first)."""
+        return self._step_quorum.quorum_id
+
+    @property
+    def _errored(self) -> ExceptionWithTraceback | None:
+        return self.errored()
+
+    @property
+    def _healing(self) -> bool:
+        """This step receives the state dict (it contributes zeros until it is applied)."""
+        return self._current.healing
+
+    @property
+    def _quorum_future(self) -> concurrent.futures.Future | None:
+        """The step's quorum and heal (None before the first ``start_quorum``)."""
+        return self._current.quorum
+
+    @property
+    def _init_sync(self) -> bool:
+        """Sent with each quorum request: at step 0, every replica heals from the primary."""
+        return self._step_quorum.init_sync
+
+    @_init_sync.setter
+    def _init_sync(self, value: bool) -> None:
+        self._step_quorum.init_sync = bool(value)
+
+    @property
+    def _checkpoint_transport(self) -> Any:
+        """The transport heals go through (the default ``HTTPTransport``, or the user's)."""
+        return self._healer.transport
+
+    @_checkpoint_transport.setter
+    def _checkpoint_transport(self, transport: Any) -> None:
+        self._healer.transport = transport
 
     @property
     def replica_id(self) -> str:
@@ -453,7 +552,7 @@ class Manager:
         self._preemption.restore()
         if self._current.quorum is not None:
             self._current.quorum.cancel()
-        self._parts.close(self._control, self._log, wait)
+        self._parts.close(self._log, wait)
 
     def _log(self, level: int, msg: str, *args: Any, exc_info: Any = None) -> None:
         if logger.isEnabledFor(level):

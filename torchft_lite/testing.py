@@ -23,6 +23,7 @@ import asyncio
 import itertools
 import json
 import threading
+import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable
@@ -34,13 +35,16 @@ from torchft_lite.checkpointing.transport import CheckpointTransport
 from torchft_lite.core.settings import ManagerSettings
 from torchft_lite.core.wiring import ManagerParts
 from torchft_lite.errors import CheckpointTimeout, CollectiveError, ConfigError, QuorumTimeout
-from torchft_lite.group_server.quorum_compute import QuorumMember, compute_quorum_result, response_of
+from torchft_lite.group_server.manager_client import HANDOFF, seconds_of
+from torchft_lite.group_server.quorum_compute import QuorumMember, QuorumResult, compute_quorum_result
 from torchft_lite.health.fingerprint_vote import FINGERPRINT_KEY, group_fingerprint, parse_fingerprint
+from torchft_lite.process_group.handles import make_handle, plan_rendezvous
+from torchft_lite.process_group.tracked_work import CompletedWork
 from torchft_lite.rpc.loop import ControlPlane
 from torchft_lite.rpc.protocol import torchft_pb2 as pb
 from torchft_lite.work import ManagedWork
 
-__all__ = ["InMemoryLighthouse", "InMemoryProcessGroup", "InMemoryTransport", "InMemoryWiring"]
+__all__ = ["ConfiguredByHandles", "InMemoryLighthouse", "InMemoryProcessGroup", "InMemoryTransport", "InMemoryWiring"]
 
 
 class InMemoryTransport(CheckpointTransport):
@@ -89,6 +93,27 @@ class InMemoryTransport(CheckpointTransport):
                 del self.shelf[key]
 
 
+class ConfiguredByHandles:
+    """torchft's handle API (``get_reconfigure_handle``, ``reconfigure``) for a fake process group that implements
+    only ``configure(store_addr, replica_id, rank, world_size)``, as the Manager needs it.
+
+    A handle names a store that does not exist (``in-memory-<id>:0``): the fake never dials it, and it keeps the
+    store addresses of fakes of different tests apart.
+    """
+
+    supports_reconfigure = True
+
+    def get_reconfigure_handle(self) -> str:
+        handle_id = self.__dict__.setdefault("_fake_handle_id", uuid.uuid4().hex)
+        return make_handle(handle_id, f"in-memory-{handle_id}", 0, None)
+
+    def reconfigure(self, opts: Any) -> Any:
+        self.get_reconfigure_handle()
+        plan = plan_rendezvous(opts, self.__dict__["_fake_handle_id"])
+        self.configure(plan.store_addr, self.__dict__["_fake_handle_id"], plan.rank, plan.world_size)
+        return CompletedWork()
+
+
 @dataclass
 class _World:
     """The replicas that configured one store prefix, and their collectives in order."""
@@ -98,7 +123,7 @@ class _World:
     aborted: str | None = None
 
 
-class InMemoryProcessGroup:
+class InMemoryProcessGroup(ConfiguredByHandles):
     """Allreduce across the in-memory replicas of the same quorum (sum, avg, min, max, product).
 
     ``fail_next`` makes the next allreduce fail; ``abort()`` fails what is in flight.
@@ -116,9 +141,8 @@ class InMemoryProcessGroup:
         self._ops = itertools.count()
 
     def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int) -> None:
-        key = store_addr.rsplit("/", 1)[0]  # one world per quorum, whatever the group rank
-        with self._lock:
-            self._world = self._worlds.setdefault(key, _World(world_size))
+        with self._lock:  # one world per communicator: the first member's store and the quorum id
+            self._world = self._worlds.setdefault(store_addr, _World(world_size))
         self._rank, self._ops = rank, itertools.count()
         self.configures.append((store_addr, rank, world_size))
 
@@ -193,13 +217,13 @@ class InMemoryLighthouse:
         self.clock = clock
         self.shelf: dict = {}
         self.published = threading.Condition()
-        self._channels: dict[str, _Channel] = {}  # live replicas
+        self._clients: dict[str, _Client] = {}  # live replicas
         self._asks: dict[str, QuorumMember] = {}
         self._waiting: dict[str, asyncio.Future] = {}
         self._last: tuple[str, ...] = ()
         self._quorum_id = 0
         self._ids = itertools.count()
-        self.store_address = f"in-memory/{next(_LIGHTHOUSES)}"  # keeps process groups of two lighthouses apart
+        self.store_address = f"in-memory/{next(_LIGHTHOUSES)}"  # what members advertise as their TCPStore
 
     def wiring(self) -> "InMemoryWiring":
         return InMemoryWiring(self)
@@ -225,18 +249,18 @@ class InMemoryLighthouse:
 
     # ------------------------------------------------------------ on the control-plane loop
 
-    async def _join(self, channel: "_Channel") -> None:
-        self._channels[channel.replica_id] = channel
+    async def _join(self, client: "_Client") -> None:
+        self._clients[client.replica_id] = client
 
     async def _leave(self, replica_id: str, why: str) -> None:
-        channel = self._channels.pop(replica_id, None)
+        client = self._clients.pop(replica_id, None)
         self._asks.pop(replica_id, None)
         waiter = self._waiting.pop(replica_id, None)
         if waiter is not None and not waiter.done():
             waiter.set_exception(QuorumTimeout(f"{replica_id} left while waiting for a quorum"))
-        if channel is not None:
+        if client is not None:
             event = pb.LeaseEvent(kind=pb.LeaseEvent.MEMBER_GONE, replica_id=replica_id, reason=why)
-            for other in self._channels.values():
+            for other in self._clients.values():
                 for listener in other.listeners:
                     listener(event)
         self._maybe_form()
@@ -254,7 +278,7 @@ class InMemoryLighthouse:
                                 f"(status: Cancelled, message: Timeout expired)") from None
 
     def _maybe_form(self) -> None:
-        if len(self._asks) < self.min_replicas or set(self._asks) != set(self._channels):
+        if len(self._asks) < self.min_replicas or set(self._asks) != set(self._clients):
             return
         members = [self._asks[replica_id] for replica_id in sorted(self._asks)]
         ids = tuple(m.replica_id for m in members)
@@ -268,11 +292,11 @@ class InMemoryLighthouse:
                 waiter.set_result((self._quorum_id, members))
 
 
-class _Channel:
-    """One replica's :class:`~torchft_lite.group_server.channel.GroupChannel` to an :class:`InMemoryLighthouse`."""
+class _Client:
+    """One replica's ``ManagerClient`` to an :class:`InMemoryLighthouse` (torchft's calls, for a group of one rank)."""
 
-    def __init__(self, lighthouse: InMemoryLighthouse, replica_id: str) -> None:
-        self.lighthouse, self.replica_id = lighthouse, replica_id
+    def __init__(self, lighthouse: InMemoryLighthouse, replica_id: str, control: ControlPlane) -> None:
+        self.lighthouse, self.replica_id, self._control = lighthouse, replica_id, control
         self.address = f"in-memory://{replica_id}"
         self.listeners: list[Callable[[pb.LeaseEvent], None]] = []
         self.metadata = ""
@@ -287,38 +311,61 @@ class _Channel:
         else:
             self.advertised[key] = value
 
-    async def quorum(self, request: pb.ManagerQuorumRequest, timeout: float) -> pb.ManagerQuorumResponse:
-        self.metadata = request.checkpoint_metadata
-        fingerprint = group_fingerprint(request.step, [request.state_fingerprint])  # a group of one rank
+    def _quorum(self, group_rank: int, step: int, checkpoint_metadata: str, shrink_only: bool, timeout: timedelta,
+                commit_failures: int, reconfigure_handle: str, init_sync: bool = True, *,
+                state_fingerprint: str = "") -> QuorumResult:
+        seconds = seconds_of(timeout, "timeout")
+        return self._control.run(
+            self._ask(group_rank, step, checkpoint_metadata, seconds, commit_failures, init_sync, state_fingerprint,
+                      reconfigure_handle),
+            seconds + HANDOFF, f"a quorum for {self.replica_id} from the in-memory lighthouse")
+
+    async def _ask(self, group_rank: int, step: int, checkpoint_metadata: str, timeout: float, commit_failures: int,
+                   init_sync: bool, state_fingerprint: str, reconfigure_handle: str) -> QuorumResult:
+        self.metadata = checkpoint_metadata
+        fingerprint = group_fingerprint(step, [state_fingerprint])  # a group of one rank
         data = self.advertised if fingerprint is None else {**self.advertised, FINGERPRINT_KEY: fingerprint}
         self.data = json.dumps(data, sort_keys=True) if data else ""
-        member = QuorumMember(self.replica_id, self.address, self.lighthouse.store_address, request.step, 1,
-                              request.commit_failures, fingerprint=parse_fingerprint(self.data))
+        member = QuorumMember(self.replica_id, self.address, self.lighthouse.store_address, step, 1,
+                              commit_failures, fingerprint=parse_fingerprint(self.data),
+                              reconfigure_handles=(reconfigure_handle,) if reconfigure_handle else ())
         quorum_id, members = await self.lighthouse._ask(self.replica_id, member, timeout)
-        channels = self.lighthouse._channels
+        clients = self.lighthouse._clients
         for watch in self.watchers:
-            watch([(m.replica_id, m.step, channels[m.replica_id].data if m.replica_id in channels else "")
+            watch([(m.replica_id, m.step, clients[m.replica_id].data if m.replica_id in clients else "")
                    for m in members])
-        return response_of(compute_quorum_result(quorum_id, members, self.replica_id, request.group_rank,
-                                                 init_sync=request.init_sync))
+        return compute_quorum_result(quorum_id, members, self.replica_id, group_rank, init_sync=init_sync)
 
     def watch_quorums(self, watch: Callable[[list[tuple[str, int, str]]], None]) -> None:
         self.watchers.append(watch)
 
-    async def should_commit(self, group_rank: int, step: int, vote: bool, timeout: float) -> bool:
-        return vote  # a group of one rank votes alone
+    def should_commit(self, group_rank: int, step: int, should_commit: bool, timeout: timedelta) -> bool:
+        return should_commit  # a group of one rank votes alone
 
-    async def peer_metadata(self, address: str, group_rank: int, timeout: float) -> str:
-        for channel in self.lighthouse._channels.values():
-            if channel.address == address:
-                return channel.metadata
-        raise CheckpointTimeout(f"no live replica at {address}")
+    def _checkpoint_metadata(self, rank: int, timeout: timedelta) -> str:
+        return self.metadata
 
-    async def follow_events(self, listener: Callable[[pb.LeaseEvent], None]) -> None:
+    def follow_events(self, listener: Callable[[pb.LeaseEvent], None]) -> None:
         self.listeners.append(listener)
 
-    async def close(self) -> None:
-        await self.lighthouse._leave(self.replica_id, "shut down")
+    def close(self) -> None:
+        self._control.run(self.lighthouse._leave(self.replica_id, "shut down"), 10.0, f"{self.replica_id} to leave")
+
+
+class _Peer:
+    """A ``ManagerClient`` to another replica of an :class:`InMemoryLighthouse`, found by its address."""
+
+    def __init__(self, lighthouse: InMemoryLighthouse, address: str) -> None:
+        self.lighthouse, self.address = lighthouse, address
+
+    def _checkpoint_metadata(self, rank: int, timeout: timedelta) -> str:
+        for client in list(self.lighthouse._clients.values()):
+            if client.address == self.address:
+                return client.metadata
+        raise CheckpointTimeout(f"no live replica at {self.address}")
+
+    def close(self) -> None:
+        pass
 
 
 class InMemoryWiring:
@@ -328,16 +375,18 @@ class InMemoryWiring:
         self.lighthouse = lighthouse
 
     def build(self, settings: ManagerSettings, transport: Any, in_place_targets: Callable[[], Any],
-              control: ControlPlane) -> ManagerParts:
+              control: ControlPlane, connect: Any = None) -> ManagerParts:
+        """``connect`` (the Manager's ``ManagerClient``) is not used: replicas reach one another in memory."""
         if settings.group_world_size != 1:
             raise ConfigError(f"the in-memory lighthouse runs one-rank groups, got world_size={settings.group_world_size}")
         lighthouse = self.lighthouse
         replica_id = f"{settings.replica_id}:{next(lighthouse._ids)}"
-        channel = _Channel(lighthouse, replica_id)
-        control.run(lighthouse._join(channel), 10.0, f"{replica_id} to join the in-memory lighthouse")
+        client = _Client(lighthouse, replica_id, control)
+        control.run(lighthouse._join(client), 10.0, f"{replica_id} to join the in-memory lighthouse")
         if transport is None:
             transport = InMemoryTransport(lighthouse.shelf, replica_id, lighthouse.published)
-        parts = ManagerParts(channel=channel, replica_id=replica_id, transport=transport, heal_in_place=False)
+        parts = ManagerParts(client=client, connect=lambda address: _Peer(lighthouse, address), replica_id=replica_id,
+                             transport=transport, heal_in_place=False)
         if lighthouse.clock is not None:
             parts.clock = lighthouse.clock
         return parts

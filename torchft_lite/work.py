@@ -179,7 +179,7 @@ def guard_future(
 
     if timeout is not None:
         def expire() -> None:
-            settle(None, TimeoutError(f"{what} did not finish within {timeout:.1f}s"))
+            settle(None, TimeoutError(f"{what} did not complete within {timeout:g}s"))
 
         if schedule_timeout is not None:
             cancel_timer = schedule_timeout(timeout, expire)
@@ -256,6 +256,17 @@ class _ManagedWork(dist.Work):
             self._manager.report_error(exc)
             return False
         return True
+
+    def block_current_stream(self, timeout: timedelta | None = None) -> None:
+        """The caller's current stream waits for the work, the host does not (c10d's); an error goes to the
+        manager."""
+        try:
+            if timeout is None:
+                self._work.block_current_stream()
+            else:
+                self._work.block_current_stream(timeout)
+        except Exception as exc:
+            self._manager.report_error(exc)
 
     def get_future(self) -> torch.futures.Future:
         def settle(fut: torch.futures.Future) -> object:

@@ -1,11 +1,13 @@
 """Run the test files shipped in torchft's wheel against torchft and torchft_lite.
 
-The test files are read from the installed torchft package at run time, never
-copied into this repository. Each file runs in its own pytest subprocess, once
-as is (the torchft side) and once with ``tests/compat/alias`` first on
+Every test file of the installed torchft package is read from it at run time,
+never copied into this repository. Each file runs in its own pytest subprocess,
+once as is (the torchft side) and once with ``tests/compat/alias`` first on
 PYTHONPATH, where ``import torchft`` is torchft_lite (the torchft_lite side).
-Prints a table and one JSON line, and writes every test's outcome (with the
-first line of its error) to ``--report``. ``make compat`` runs this.
+Prints a table, the tests torchft passes and torchft_lite does not, the tests
+left out (tests/compat/cases.py) with their reasons, and one JSON line; writes
+every test's outcome (with the first line of its error) to ``--report``.
+``make compat`` runs this.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pathlib import Path
 if not __package__:  # run as a script: make `tests.compat` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.compat.cases import EXCLUDED, FILES, excluded_pattern
+from tests.compat.cases import EXCLUDED, excluded_pattern, wheel_test_files
 from tests.compat.pytest_process import HANG_GRACE_S, Outcome, Settings, run_pytest
 
 HERE = Path(__file__).resolve().parent
@@ -42,7 +44,8 @@ exit status:
   1  the harness broke: torchft is not installed but --require-torchft was
      given, a requested file is not in the wheel, the torchft side of a file
      could not run at all (collection error, nothing collected), or pytest
-     itself failed (internal or usage error) on either side.
+     itself failed (internal or usage error) on either side, or no file collected
+     a single test on torchft's side.
   2  bad command line.
 
 outcomes in the report: passed, failed, skipped, error (collection failed,
@@ -157,13 +160,35 @@ def run_file(file: str, sides: tuple[str, ...], settings: Settings) -> FileRepor
 
 
 def harness_errors(report: FileReport, keyword: str | None) -> list[str]:
+    """What went wrong with the harness itself on this file. A file that collects no tests is not one: some
+    test files of the wheel hold only helpers, or define their tests only where Triton imports."""
     errors = [f"{report.file} [{side}]: {run.broken}" for side, run in report.sides.items() if run.broken]
     torchft = report.sides["torchft"]
     if torchft.collect_error is not None and not torchft.out_of_time:
         errors.append(f"{report.file} [torchft]: collection failed: {torchft.collect_error}")
-    elif torchft.collected == [] and not keyword and not report.excluded:
-        errors.append(f"{report.file} [torchft]: no tests collected")
     return errors
+
+
+def run_errors(reports: list[FileReport], keyword: str | None) -> list[str]:
+    """The harness errors of every file, and of the run: torchft's side collected nothing at all."""
+    errors = [error for report in reports for error in harness_errors(report, keyword)]
+    ran = [report for report in reports if not report.sides["torchft"].out_of_time]
+    if ran and not keyword and not any(report.sides["torchft"].collected for report in ran):
+        errors.append("no test file collected a single test on torchft's side")
+    return errors
+
+
+def gaps(reports: list[FileReport], sides: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(test id, torchft_lite's outcome and message) of every test torchft passes and torchft_lite does not."""
+    if sides != SIDES:
+        return []
+    found = []
+    for report in reports:
+        for test_id in report.ids:
+            theirs, ours = report.outcome("torchft", test_id), report.outcome("torchft_lite", test_id)
+            if theirs.outcome == "passed" and ours.outcome != "passed":
+                found.append((test_id, f"{ours.outcome}" + (f": {ours.message}" if ours.message else "")))
+    return found
 
 
 # --- output -----------------------------------------------------------------------
@@ -195,6 +220,19 @@ def print_table(reports: list[FileReport], sides: tuple[str, ...]) -> None:
         print(line(row))
 
 
+def print_gaps_and_exclusions(reports: list[FileReport], sides: tuple[str, ...]) -> None:
+    if sides == SIDES:
+        missing = gaps(reports, sides)
+        print(f"\ntorchft passes, torchft_lite does not: {len(missing) or 'none'}")
+        for test_id, outcome in missing:
+            print(f"  {test_id}  -- {outcome[:200]}")
+    excluded = [(test_id, reason) for test_id, reason in EXCLUDED.items()
+                if any(test_id.startswith(report.file + "::") for report in reports)]
+    print(f"\nexcluded (tests/compat/cases.py): {len(excluded) or 'none'}")
+    for test_id, reason in excluded:
+        print(f"  {test_id}\n      {reason}")
+
+
 def summary(reports: list[FileReport], sides: tuple[str, ...], wall_s: float) -> dict:
     files = {}
     for report in reports:
@@ -203,7 +241,8 @@ def summary(reports: list[FileReport], sides: tuple[str, ...], wall_s: float) ->
     total = {"tests": sum(f["tests"] for f in files.values()), "excluded": sum(f["excluded"] for f in files.values())}
     for side in sides:
         total[side] = {k: sum(f[side][k] for f in files.values()) for k in OUTCOMES}
-    return {"compat": {"torchft": torchft_version(), "wall_s": round(wall_s, 1), "files": files, "total": total}}
+    return {"compat": {"torchft": torchft_version(), "wall_s": round(wall_s, 1), "files": files, "total": total,
+                       "gaps": [test_id for test_id, _ in gaps(reports, sides)]}}
 
 
 def write_report(path: Path, reports: list[FileReport], sides: tuple[str, ...]) -> None:
@@ -230,7 +269,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("files", nargs="*", metavar="FILE",
                         help="test files to run, relative to the installed torchft package "
-                             "(default: the FILES list in tests/compat/cases.py)")
+                             "(default: every *_test.py in it)")
     parser.add_argument("--side", choices=("both", *SIDES), default="both",
                         help="run only torchft's side or only torchft_lite's (default: both)")
     parser.add_argument("-k", dest="keyword", metavar="EXPR",
@@ -242,9 +281,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--file-timeout", type=float, default=300.0, metavar="S",
                         help="wall limit in seconds for one file on one side, over all its attempts; "
                              "tests not run by then are reported not_run (default: 300)")
-    parser.add_argument("--total-timeout", type=float, default=780.0, metavar="S",
+    parser.add_argument("--total-timeout", type=float, default=900.0, metavar="S",
                         help="wall budget in seconds for the whole run; a file or side not started when it "
-                             "is spent is reported not_run (default: 780, so make compat stays under 15 min)")
+                             "is spent is reported not_run (default: 900, so make compat stays under 15 min)")
     parser.add_argument("--report", type=Path, default=REPO / "build" / "compat" / "report.txt", metavar="PATH",
                         help="where to write every test's outcome per side with the first line of its error "
                              "(default: build/compat/report.txt)")
@@ -265,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     if wheel_dir is None:
         print("note: torchft is not installed; nothing to compare against", file=sys.stderr)
         return 1 if args.require_torchft else 0
-    files = args.files or list(FILES)
+    files = args.files or wheel_test_files(wheel_dir)
     missing = [file for file in files if not (wheel_dir / file).is_file()]
     if missing:
         print(f"error: not in the torchft wheel at {wheel_dir}: {', '.join(missing)}", file=sys.stderr)
@@ -285,10 +324,11 @@ def main(argv: list[str] | None = None) -> int:
     wall_s = time.monotonic() - begin
     print()
     print_table(reports, sides)
+    print_gaps_and_exclusions(reports, sides)
     print(json.dumps(summary(reports, sides, wall_s)))
     write_report(args.report, reports, sides)
     print(f"per-test results: {args.report}; wall time {wall_s:.0f}s")
-    errors = [error for report in reports for error in harness_errors(report, args.keyword)]
+    errors = run_errors(reports, args.keyword)
     for error in errors:
         print(f"harness error: {error}", file=sys.stderr)
     return 1 if errors else 0

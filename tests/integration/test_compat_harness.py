@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from tests.compat.cases import EXCLUDED, FILES
+from tests.compat.cases import EXCLUDED, wheel_test_files
 from tests.compat.pytest_process import ALIAS_DIR, REPO
 from tests.compat.run import find_wheel_dir
 from tests.conftest import needs_torchft
@@ -64,8 +64,12 @@ def test_alias_loads_test_code_from_the_wheel() -> None:
 
 
 @requires_torchft
-def test_files_in_scope_are_in_the_wheel() -> None:
-    assert [file for file in FILES if not (WHEEL / file).is_file()] == []
+def test_the_run_covers_every_test_file_of_the_wheel() -> None:
+    files = wheel_test_files(WHEEL)
+    assert {"manager_test.py", "coordination_test.py", "checkpointing/http_transport_test.py",
+            "_test/managed_work_test.py"} <= set(files)
+    assert files == sorted(set(files)) and all(file.endswith("_test.py") and (WHEEL / file).is_file() for file in files)
+    assert len(files) == sum(1 for path in WHEEL.rglob("*_test.py") if "__pycache__" not in path.parts)
 
 
 def _test_methods(tree: ast.Module, class_name: str) -> set[str]:
@@ -85,9 +89,15 @@ def _test_methods(tree: ast.Module, class_name: str) -> set[str]:
 def test_excluded_tests_exist_in_the_wheel() -> None:
     missing = []
     for test_id, reason in EXCLUDED.items():
-        file, class_name, method = test_id.split("::")
+        file, *scope, name = test_id.split("::")
         path = WHEEL / file
-        if not reason or not path.is_file() or method not in _test_methods(ast.parse(path.read_text()), class_name):
+        if not reason or not path.is_file():
+            missing.append(test_id)
+            continue
+        tree = ast.parse(path.read_text())
+        names = (_test_methods(tree, scope[0]) if scope else
+                 {node.name for node in tree.body if isinstance(node, ast.FunctionDef)})
+        if name not in names:
             missing.append(test_id)
     assert missing == [], "EXCLUDED names tests the wheel does not have (or gives no reason)"
 
@@ -96,3 +106,20 @@ def test_project_test_run_collects_nothing_from_the_harness() -> None:
     result = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "tests/compat"],
                             cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 5, result.stdout + result.stderr  # 5: no tests collected
+
+
+def test_the_report_names_what_torchft_passes_and_torchft_lite_does_not() -> None:
+    from tests.compat.pytest_process import Outcome
+    from tests.compat.run import FileReport, SideRun, gaps, run_errors
+
+    ids = ["f::a", "f::b", "f::c"]
+    torchft = SideRun(collected=ids, outcomes={i: Outcome("passed") for i in ids[:2]} | {"f::c": Outcome("failed")})
+    lite = SideRun(collected=ids, outcomes={"f::a": Outcome("passed"), "f::b": Outcome("error", "ImportError: x"),
+                                            "f::c": Outcome("failed")})
+    report = FileReport("f", ids, [], {"torchft": torchft, "torchft_lite": lite})
+    assert gaps([report], ("torchft", "torchft_lite")) == [("f::b", "error: ImportError: x")]
+    assert run_errors([report], None) == []
+    # A file that collects nothing (helpers only) is fine; a run where no file collected anything is not.
+    empty = FileReport("g", [], [], {"torchft": SideRun(collected=[]), "torchft_lite": SideRun(collected=[])})
+    assert run_errors([report, empty], None) == []
+    assert run_errors([empty], None) == ["no test file collected a single test on torchft's side"]

@@ -8,8 +8,11 @@ from datetime import timedelta
 import pytest
 
 from tests.conftest import WAIT, wait_until_sync
-from torchft_lite.coordination import LighthouseClient, LighthouseServer, Quorum, QuorumMember, Timestamp
-from torchft_lite.errors import ConfigError, QuorumError, QuorumTimeout
+from torchft_lite.coordination import (
+    LighthouseClient, LighthouseServer, ManagerClient, ManagerServer, Quorum, QuorumMember, QuorumResult, Timestamp,
+)
+from torchft_lite.errors import ConfigError, ManagerError, QuorumError, QuorumTimeout
+from torchft_lite.group_server.manager_client import withdraw_from_process
 
 pytestmark = pytest.mark.integration
 
@@ -153,3 +156,71 @@ def test_a_taken_port_and_bad_settings_are_clear_errors(serve):
             client.quorum(replica_id="a", timeout=-1.0)
         with pytest.raises(TypeError, match="JSON"):
             client.quorum(replica_id="a", timeout=LONG, data={"x": object()})
+
+
+def manager_server(lighthouse: LighthouseServer, replica_id: str, world_size: int) -> ManagerServer:
+    return ManagerServer(replica_id=replica_id, lighthouse_addr=lighthouse.address(), hostname="127.0.0.1",
+                         bind="127.0.0.1:0", store_addr="127.0.0.1:1234", world_size=world_size,
+                         heartbeat_interval=timedelta(milliseconds=100), connect_timeout=LONG, quorum_retries=0)
+
+
+def ask(client: ManagerClient, group_rank: int, step: int, metadata: str) -> QuorumResult:
+    return client._quorum(group_rank=group_rank, step=step, checkpoint_metadata=metadata, shrink_only=False,
+                          timeout=LONG, commit_failures=0, reconfigure_handle=f"handle-{group_rank}", init_sync=False)
+
+
+@pytest.mark.parametrize("in_process", [True, False], ids=["in-process", "over-grpc"])
+def test_a_group_of_two_ranks_gets_its_quorum_votes_and_serves_its_metadata_through_manager_clients(serve, in_process):
+    lighthouse = serve()
+    with manager_server(lighthouse, "group", world_size=2) as server, \
+            concurrent.futures.ThreadPoolExecutor(2) as pool:
+        if not in_process:  # as for the ranks of another process: every call goes over gRPC
+            withdraw_from_process(server._server)
+        clients = [ManagerClient(server.address(), connect_timeout=LONG) for _ in range(2)]
+        try:
+            results = list(pool.map(lambda rank: ask(clients[rank], rank, 4, f"meta-{rank}"), [0, 1]))
+            assert all(isinstance(r, QuorumResult) for r in results)
+            assert [(r.replica_rank, r.replica_world_size, r.max_step, r.heal) for r in results] == [(0, 1, 4, False)] * 2
+            assert results[0].quorum_id == results[1].quorum_id and results[0].replica_ids == ["group"]
+            assert results[1].store_address == "127.0.0.1:1234"
+            # Each group rank gets every member's process-group handle for that rank (one member here).
+            assert [r.reconfigure_handles for r in results] == [["handle-0"], ["handle-1"]]
+            # A peer (another process, in a real job) asks for a rank's metadata to heal from it.
+            peer = ManagerClient(server.address(), connect_timeout=LONG)
+            try:
+                assert peer._checkpoint_metadata(1, timeout=LONG) == "meta-1"
+                with pytest.raises(ManagerError, match="group rank 5"):
+                    peer._checkpoint_metadata(5, timeout=LONG)
+            finally:
+                peer.close()
+            votes = list(pool.map(lambda rank: clients[rank].should_commit(rank, 4, rank == 0, timeout=LONG), [0, 1]))
+            assert votes == [False, False]  # one rank voted no: nobody commits
+            votes = list(pool.map(lambda rank: clients[rank].should_commit(rank, 5, True, timeout=LONG), [0, 1]))
+            assert votes == [True, True]
+        finally:
+            for client in clients:
+                client.close()
+
+
+def test_a_manager_client_waits_its_timeout_for_a_group_that_is_not_complete(serve):
+    lighthouse = serve()
+    with manager_server(lighthouse, "half", world_size=2) as server:
+        client = ManagerClient(server.address(), connect_timeout=LONG)
+        try:
+            with pytest.raises(QuorumTimeout, match="0.3"):
+                client._quorum(group_rank=0, step=0, checkpoint_metadata="", shrink_only=False,
+                               timeout=timedelta(milliseconds=300), commit_failures=0, reconfigure_handle="")
+        finally:
+            client.close()
+
+
+def test_manager_server_settings_are_checked_and_shutdown_can_be_repeated(serve):
+    lighthouse = serve()
+    with pytest.raises(ConfigError, match="world_size"):
+        manager_server(lighthouse, "none", world_size=0)
+    server = manager_server(lighthouse, "twice", world_size=1)
+    assert server.address().startswith("http://127.0.0.1:")
+    server.shutdown()
+    server.shutdown()
+    with pytest.raises(ConfigError, match="addr"):
+        ManagerClient("", connect_timeout=LONG)

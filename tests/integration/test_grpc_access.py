@@ -23,7 +23,7 @@ import pytest
 from tests.conftest import WAIT, non_loopback_address, running_lighthouse, wait_until
 from tests.integration.helpers import manager_server
 from torchft_lite.errors import ManagerError, QuorumError
-from torchft_lite.group_server.client import ManagerClient
+from torchft_lite.group_server.client import ManagerStub
 from torchft_lite.group_server.server import EXIT_CODE_KILLED, ManagerServer, ManagerServerConfig
 from torchft_lite.rpc.access import TOKEN_ENV, Access
 from torchft_lite.rpc.lighthouse_client import LighthouseClient
@@ -160,7 +160,7 @@ def test_kill_and_forged_calls_to_a_manager_server_without_the_token_are_refused
             await wait_until(lambda: server.lease_held, "the ManagerServer's lease on the lighthouse")
             assert lighthouse.refusals.counts == {}
             for access in (Access(), Access("not-the-job-token")):
-                attacker = ManagerClient(server.address(), access=access)
+                attacker = ManagerStub(server.address(), access=access)
                 try:
                     with pytest.raises(ManagerError, match="Kill failed: UNAUTHENTICATED"):
                         await attacker.kill("pwned", timeout=WAIT)
@@ -176,7 +176,7 @@ def test_kill_and_forged_calls_to_a_manager_server_without_the_token_are_refused
             stats = server.statistics()
             assert stats.refused == {"unauthenticated": 8} and stats.quorums == 0
 
-            member = ManagerClient(server.address(), access=Access(TOKEN))
+            member = ManagerStub(server.address(), access=Access(TOKEN))
             try:
                 # No forged vote is waiting: the group's own vote, after its quorum, decides alone.
                 await member.quorum(group_rank=0, step=7, checkpoint_metadata="", shrink_only=False,
@@ -220,13 +220,13 @@ def test_a_manager_process_lives_on_after_unauthenticated_kills(no_token_in_logs
                 assert line and line[0] == "token", f"the ManagerServer did not start: {line}"
                 address = line[1]
                 for access in (Access(), Access("not-the-job-token")):
-                    attacker = ManagerClient(address, access=access)
+                    attacker = ManagerStub(address, access=access)
                     try:
                         with pytest.raises(ManagerError, match="UNAUTHENTICATED"):
                             await attacker.kill("pwned", timeout=WAIT)
                     finally:
                         await attacker.close()
-                member = ManagerClient(address, access=Access(TOKEN))
+                member = ManagerStub(address, access=Access(TOKEN))
                 try:
                     # Still serving after the refused Kills (it answers the job's own calls) ...
                     with pytest.raises(ManagerError, match="NOT_FOUND"):
@@ -250,7 +250,7 @@ def test_the_dashboard_kill_carries_the_job_token():
         # The admin token is the job token here, so one header passes the HTTP side's checks too.
         async with running_lighthouse(access=Access(TOKEN), admin_token=TOKEN) as lighthouse, \
                 manager_server(lighthouse.address(), Access(TOKEN)) as server:
-            member = ManagerClient(server.address(), access=Access(TOKEN))
+            member = ManagerStub(server.address(), access=Access(TOKEN))
             try:  # a quorum makes the lighthouse know the ManagerServer's address
                 await member.quorum(group_rank=0, step=1, checkpoint_metadata="", shrink_only=False,
                                     init_sync=False, commit_failures=0, timeout=WAIT)
@@ -309,14 +309,14 @@ def test_without_a_token_a_manager_server_refuses_a_kill_from_a_peer_that_is_not
     async def scenario():
         async with running_lighthouse() as lighthouse, \
                 manager_server(lighthouse.address(), Access(), bind="0.0.0.0:0", hostname=host) as server:
-            attacker = ManagerClient(server.address(), access=Access())
+            attacker = ManagerStub(server.address(), access=Access())
             try:
                 with pytest.raises(ManagerError, match=f"PERMISSION_DENIED: refused {host}.*{TOKEN_ENV}"):
                     await attacker.kill("pwned", timeout=WAIT)
             finally:
                 await attacker.close()
             assert server.statistics().refused == {"forbidden": 1}
-            local = ManagerClient(server.address().replace(host, "127.0.0.1"), access=Access())
+            local = ManagerStub(server.address().replace(host, "127.0.0.1"), access=Access())
             try:
                 await local.kill("from this host", timeout=WAIT)
             finally:
@@ -334,7 +334,7 @@ def test_a_bad_token_variable_is_a_clear_error_at_construction(monkeypatch):
     with pytest.raises(ValueError, match="without whitespace"):
         ManagerServer(config)
     with pytest.raises(ValueError, match="without whitespace"):
-        ManagerClient("127.0.0.1:1")
+        ManagerStub("127.0.0.1:1")
 
 
 # ------------------------------------------------------------------ training end to end

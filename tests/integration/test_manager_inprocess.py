@@ -24,11 +24,12 @@ from torchft_lite.checkpointing import CheckpointTransport
 from torchft_lite.errors import CheckpointTransferError, ManagerTimeout
 from torchft_lite.manager import MEMBER_GONE_GRACE, Manager
 from torchft_lite.rpc.protocol import torchft_pb2 as pb
+from torchft_lite.testing import ConfiguredByHandles
 
 pytestmark = pytest.mark.integration
 
 
-class FakeProcessGroup:
+class FakeProcessGroup(ConfiguredByHandles):
     """Allreduce returns the input (a one-replica sum); ``fail_next`` injects an error."""
 
     def __init__(self) -> None:
@@ -98,7 +99,7 @@ def test_steps_commit_and_an_injected_allreduce_error_retries_the_step(lighthous
         manager.allreduce(grad).wait()
         assert manager.should_commit() and manager.current_step() == 1
         assert manager.batches_committed() == 1 and manager.num_participants() == 1
-        assert len(pg.configures) == 1 and pg.configures[0][0].endswith("/0")
+        assert len(pg.configures) == 1 and "/torchft/" in pg.configures[0][0]
 
         manager.start_quorum()
         pg.fail_next = True
@@ -126,7 +127,7 @@ def test_max_retries_exceeded_raises(lighthouse):
             manager.report_error(RuntimeError(f"boom {attempt}"))
             if attempt == 0:
                 assert manager.should_commit() is False
-        with pytest.raises(RuntimeError, match="2 consecutive steps failed to commit"):
+        with pytest.raises(RuntimeError, match="should_commit failed 2 times consecutively, exceeding max_retries=1"):
             manager.should_commit()
     finally:
         manager.shutdown()
@@ -260,7 +261,7 @@ def test_a_late_replica_heals_from_two_sources_when_every_member_can_stripe(b_he
 def test_heal_sources_above_one_is_not_advertised_by_a_transport_that_cannot_stripe(lighthouse):
     manager = make_manager(lighthouse, FakeProcessGroup(), InMemoryTransport({}, "a"), "plain", heal_sources=3)
     try:
-        assert manager._channel.server.config.heal_sources == 1
+        assert manager._client._server.config.heal_sources == 1
     finally:
         manager.shutdown()
 
@@ -269,7 +270,7 @@ def test_a_secondary_source_without_metadata_is_left_out_but_the_primary_is_requ
     manager = make_manager(lighthouse, FakeProcessGroup(), InMemoryTransport({}, "meta-a"), "a", timeout=2.0)
     try:
         run_steps({"a": manager}, 1)  # its ManagerServer now holds rank 0's checkpoint metadata
-        alive, dead = manager._channel.server.address(), "http://127.0.0.1:1"  # nothing listens on port 1
+        alive, dead = manager._client.address, "http://127.0.0.1:1"  # nothing listens on port 1
         warnings = []
         healer = manager._healer
         healer._log = lambda level, msg, *args: warnings.append(msg % args)
@@ -540,13 +541,13 @@ def test_an_event_before_the_quorum_answer_about_a_replica_left_out_of_it_does_n
     pg = FakeProcessGroup()
     manager = make_manager(lighthouse, pg, InMemoryTransport({}, "a"), "early-event")
     gate = threading.Event()
-    original = manager._channel.server.local_quorum
+    original = manager._client._server.local_quorum
 
     async def held_quorum(*args, **kwargs):
         await asyncio.to_thread(gate.wait, 30)
         return await original(*args, **kwargs)
 
-    manager._channel.server.local_quorum = held_quorum
+    manager._client._server.local_quorum = held_quorum
     try:
         manager._current.members = frozenset({"early-event", "killed"})  # the previous step's quorum had it
         manager.start_quorum()

@@ -10,7 +10,7 @@ import pytest
 from tests.conftest import running_lighthouse, wait_until
 from tests.integration.helpers import manager_server
 from torchft_lite.errors import ManagerError, QuorumError
-from torchft_lite.group_server.client import ManagerClient
+from torchft_lite.group_server.client import ManagerStub
 from torchft_lite.rpc.lighthouse_client import LighthouseClient, LighthouseTimeout
 
 pytestmark = pytest.mark.integration
@@ -19,17 +19,17 @@ pytestmark = pytest.mark.integration
 @contextlib.asynccontextmanager
 async def server_and_client(lighthouse_addr: str, replica_id: str, world_size: int = 1, lighthouse=None, **settings):
     """``manager_server`` as ``replica_id`` (store "store-<replica_id>:1234", a 30 s quorum timeout), and a
-    ManagerClient of it."""
+    ManagerStub of it."""
     async with manager_server(lighthouse_addr, replica_id=replica_id, store_address=f"store-{replica_id}:1234",
                               world_size=world_size, quorum_timeout=30.0, lighthouse=lighthouse, **settings) as server:
-        client = ManagerClient(server.address())
+        client = ManagerStub(server.address())
         try:
             yield server, client
         finally:
             await client.close()
 
 
-async def quorum(client: ManagerClient, rank: int, step: int, timeout: float = 30.0, **kw):
+async def quorum(client: ManagerStub, rank: int, step: int, timeout: float = 30.0, **kw):
     return await client.quorum(group_rank=rank, step=step, checkpoint_metadata=f"meta-{rank}", shrink_only=False,
                                init_sync=kw.pop("init_sync", True), commit_failures=kw.pop("commit_failures", 0),
                                timeout=timeout)
@@ -163,7 +163,7 @@ class UnreliableLighthouseClient(LighthouseClient):
         return await super().heartbeat(replica_id, timeout=timeout)
 
 
-async def voted(client: ManagerClient, number: int, between=None) -> list[bool]:
+async def voted(client: ManagerStub, number: int, between=None) -> list[bool]:
     """Both ranks of a two-rank group join step ``number``'s quorum, ``await between()`` runs, both vote yes:
     the group's decision, as each rank hears it."""
     await asyncio.gather(quorum(client, 0, number), quorum(client, 1, number))

@@ -25,7 +25,7 @@ from benchmarks._throwaway_pki import openssl_missing
 from tests.conftest import WAIT, running_lighthouse, wait_until
 from tests.integration.helpers import manager_server, same_encoding
 from torchft_lite.errors import CheckpointError, CheckpointURLError, ConfigError
-from torchft_lite.group_server.client import ManagerClient
+from torchft_lite.group_server.client import ManagerStub
 from torchft_lite.rpc.access import TOKEN_ENV, Access
 from torchft_lite.rpc.lighthouse_client import LighthouseClient
 from torchft_lite.rpc.protocol import torchft_pb2 as pb
@@ -148,7 +148,7 @@ def test_the_dashboard_kill_reaches_a_tls_manager_and_checks_its_certificate(pki
         async with running_lighthouse(access=Access(TOKEN), admin_token=TOKEN, tls=lighthouse_tls) as lighthouse, \
                 manager_server(lighthouse.address(), Access(TOKEN), tls=job_tls(pki)) as server:
             assert server.address().startswith("https://")
-            member = ManagerClient(server.address(), access=Access(TOKEN), tls=job_tls(pki))
+            member = ManagerStub(server.address(), access=Access(TOKEN), tls=job_tls(pki))
             try:  # a quorum makes the lighthouse know the ManagerServer's (https) address
                 await member.quorum(group_rank=0, step=1, checkpoint_metadata="", shrink_only=False,
                                     init_sync=False, commit_failures=0, timeout=WAIT)
@@ -188,7 +188,7 @@ def test_a_tls_manager_server_refuses_plain_text_and_untrusted_clients(pki, othe
                 finally:
                     await channel.close()
             assert server.kills == []
-            member = ManagerClient(server.address(), access=Access(TOKEN), tls=TlsSettings(ca=pki.ca))
+            member = ManagerStub(server.address(), access=Access(TOKEN), tls=TlsSettings(ca=pki.ca))
             try:
                 await member.quorum(group_rank=0, step=2, checkpoint_metadata="", shrink_only=False,
                                     init_sync=False, commit_failures=0, timeout=WAIT)
@@ -264,7 +264,7 @@ def test_bad_settings_fail_at_start_with_the_setting_named(pki, other_pki, monke
 
         HTTPTransport(LONG, hostname="127.0.0.1", bind_host="127.0.0.1")
     with pytest.raises(ValueError, match="TORCHFT_LITE_TLS_KEY is not"):
-        ManagerClient("127.0.0.1:1")
+        ManagerStub("127.0.0.1:1")
     monkeypatch.setenv("TORCHFT_LITE_TLS_KEY", str(other_pki.key))
     with pytest.raises(ValueError, match="cannot use .* with the key"):
         LighthouseClient("127.0.0.1:1")

@@ -5,7 +5,8 @@ through. :class:`HTTPTransport` (``http_transport.py``) serves a state dict from
 its checkpoint server (``_http_server``, ``_http_snapshot``, ``_http_socket``) and receives one
 with a ``_http_receive.Receiver`` (``_http_client``, ``_body_sinks``,
 ``_streams``); ``PGTransport`` (``pg_transport.py``) sends
-the same bytes over a process group. The format they carry, and how received
+the same bytes over a process group. ``_rwlock.RWLock`` is the Manager's state-dict
+lock (torchft's ``allow``/``disallow_state_dict_read``). The format they carry, and how received
 bytes reach tensors, is :mod:`torchft_lite.serialization`'s.
 """
 

@@ -44,7 +44,7 @@ class ServesStatistics(Protocol):
 
 @runtime_checkable
 class Advertises(Protocol):
-    """A group channel that can add a key to what the group advertises in ``QuorumMember.data``."""
+    """A ManagerClient that can add a key to what the group advertises in ``QuorumMember.data``."""
 
     def advertise(self, key: str, value: Any) -> None: ...
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from torchft_lite.core.healer import RegisteredState
 from torchft_lite.core.settings import ManagerSettings
-from torchft_lite.group_server.channel import GroupChannel
+from torchft_lite.group_server.manager_client import ManagerClient
 
 __all__ = ["ManagerContext"]
 
@@ -21,7 +21,7 @@ class ManagerContext:
     """
 
     settings: ManagerSettings
-    channel: GroupChannel
+    client: ManagerClient
     """How this rank reaches its group's ManagerServer (what it advertises to the quorum goes through it)."""
     store: Any
     """The group's TCPStore, or None where the Manager has none (``torchft_lite.testing``)."""

@@ -157,9 +157,16 @@ class Healer:
             rank, _, metadata = answered[0]
             state = await asyncio.to_thread(self.transport.recv_checkpoint, src_rank=rank, metadata=metadata,
                                             step=max_step, timeout=timeout)
-        got = state.get("torchft", {}).get("step") if isinstance(state, dict) else None
+        if not isinstance(state, dict) or not isinstance(state.get("torchft"), dict):
+            raise CheckpointError(f"healing expected a Manager state dict of step {max_step}, got "
+                                  f"{type(state).__name__} without a 'torchft' part")
+        got = state["torchft"].get("step")
         if got != max_step:
-            raise CheckpointError(f"healing expected a checkpoint of step {max_step}, got step {got}")
+            # The transport served it as step max_step (ours checks that); the sender's Manager said otherwise.
+            # As torchft does, this replica is at max_step once it applies the state.
+            self._log(logging.WARNING, "healing to step %d: the state received says step %s; taking %d",
+                      max_step, got, max_step)
+            state["torchft"] = {**state["torchft"], "step": max_step}
         step.received = HealResult(state, self._clock() - started, tensor_bytes(state),
                                    [rank for rank, _, _ in answered])
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from torchft_lite.errors import ExceptionWithTraceback
+
 __all__ = ["Participation", "Step", "WorldSizeMode", "participation_of", "start_allreduce"]
 
 
@@ -55,6 +57,7 @@ class Step:
 
     error: BaseException | None = None
     """The first error: the step will not commit."""
+    _reported: ExceptionWithTraceback | None = field(default=None, repr=False)
     participation: Participation = Participation()
     members: frozenset[str] = frozenset()
     """Replica ids of this step's quorum (empty until it is known)."""
@@ -114,9 +117,18 @@ class Step:
         self.error = error
         return True
 
+    def error_with_traceback(self) -> ExceptionWithTraceback | None:
+        """The step's first error as ``Manager.errored()`` hands it out (the same object every time)."""
+        error = self.error
+        if error is None:
+            return None
+        if self._reported is None or self._reported.original_exception is not error:
+            self._reported = ExceptionWithTraceback(error)
+        return self._reported
+
 
 def participation_of(response: Any, *, counts_healing: bool, spares_above: int | None) -> Participation:
-    """Who takes part, from the group's quorum answer (a ``ManagerQuorumResponse``).
+    """Who takes part, from the group's quorum answer (a ``QuorumResult``).
 
     ``counts_healing``: a synchronous quorum applies the heal before the
     forward pass, so every member takes part (torchft's rule); otherwise only
@@ -126,8 +138,7 @@ def participation_of(response: Any, *, counts_healing: bool, spares_above: int |
     if counts_healing:
         rank, size = response.replica_rank, response.replica_world_size
     else:
-        rank = response.max_replica_rank if response.HasField("max_replica_rank") else None
-        size = response.max_world_size
+        rank, size = response.max_replica_rank, response.max_world_size
     if spares_above is not None:
         rank = rank if rank is not None and rank < spares_above else None
         size = min(size, spares_above)

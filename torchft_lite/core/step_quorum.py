@@ -1,7 +1,8 @@
 """The quorum half of a step, on the control-plane loop.
 
-Ask the group for the step's quorum, work out who takes part, reconfigure
-the process group when the quorum id changed, then (while the training thread
+Ask the group for the step's quorum (sending this rank's process-group
+handle), work out who takes part, reconfigure the process group from the
+members' handles when the quorum id changed, then (while the training thread
 runs its forward pass) receive the state dict if this replica is behind.
 ``step.ready`` is set as soon as collectives may start, before the heal.
 """
@@ -11,13 +12,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from datetime import timedelta
 from typing import Any, Callable
 
 from torchft_lite.core.healer import Healer
 from torchft_lite.core.step import Step, participation_of
-from torchft_lite.errors import CheckpointError, QuorumError
-from torchft_lite.group_server.channel import GroupChannel
-from torchft_lite.rpc.protocol import torchft_pb2 as pb
+from torchft_lite.errors import CheckpointError, ConfigError, QuorumError
+from torchft_lite.group_server.manager_client import ManagerClient, quorum_in_thread
+from torchft_lite.group_server.quorum_compute import QuorumResult
 
 __all__ = ["StepQuorum"]
 
@@ -25,16 +27,19 @@ __all__ = ["StepQuorum"]
 class StepQuorum:
     """Runs each step's quorum for one rank; remembers the quorum id the process group is configured for."""
 
-    def __init__(self, channel: GroupChannel, pg: Any, healer: Healer, *, group_rank: int,
-                 replica_id: str, init_sync: bool, use_async_quorum: bool, spares_above: int | None,
-                 log: Callable[..., None], clock: Callable[[], float] = time.monotonic,
+    def __init__(self, client: ManagerClient, pg: Any, healer: Healer, *, group_rank: int,
+                 reconfigure: Callable[[int, list[str]], None], init_sync: bool, use_async_quorum: bool,
+                 spares_above: int | None, log: Callable[..., None], clock: Callable[[], float] = time.monotonic,
                  fingerprint: Callable[[int], str] = lambda step: "") -> None:
-        """``fingerprint(step)``: this rank's state fingerprint at ``step`` for its request, or ""."""
+        """``reconfigure(quorum_id, handles)``: join the process group of a new quorum (``Manager._reconfigure_pg``,
+        blocking); ``fingerprint(step)``: this rank's state fingerprint at ``step`` for its request, or ""."""
         self.quorum_id = -1
+        self.init_sync = init_sync
+        """Sent with every quorum request: at step 0 every replica heals from the primary (torchft's)."""
         self._fingerprint = fingerprint
-        self._channel, self._pg, self._healer = channel, pg, healer
-        self._group_rank, self._replica_id = group_rank, replica_id
-        self._init_sync, self._use_async_quorum, self._spares_above = init_sync, use_async_quorum, spares_above
+        self._client, self._pg, self._healer = client, pg, healer
+        self._group_rank, self._reconfigure_pg = group_rank, reconfigure
+        self._use_async_quorum, self._spares_above = use_async_quorum, spares_above
         self._log, self._clock = log, clock
 
     async def run(self, step: Step, allow_heal: bool, shrink_only: bool, timeout: float, commit_failures: int) -> None:
@@ -57,12 +62,12 @@ class StepQuorum:
 
     async def _quorum_and_heal(self, step: Step, allow_heal: bool, shrink_only: bool, timeout: float,
                                commit_failures: int) -> None:
-        request = pb.ManagerQuorumRequest(
-            group_rank=self._group_rank, step=step.number, checkpoint_metadata=self._healer.transport.metadata(),
-            shrink_only=shrink_only, init_sync=self._init_sync, commit_failures=commit_failures,
+        response = await quorum_in_thread(
+            self._client, self._pg.get_reconfigure_handle, group_rank=self._group_rank, step=step.number,
+            checkpoint_metadata=self._healer.transport.metadata(), shrink_only=shrink_only,
+            timeout=timedelta(seconds=timeout), commit_failures=commit_failures, init_sync=self.init_sync,
             state_fingerprint=self._fingerprint(step.number),
         )
-        response = await self._channel.quorum(request, timeout)
         step.participation = participation_of(response, counts_healing=allow_heal and not self._use_async_quorum,
                                               spares_above=self._spares_above)
         # From here, member-gone events (earlier ones too) count only for replicas of this quorum: one the
@@ -91,14 +96,18 @@ class StepQuorum:
                 sources = [(response.recover_src_replica_rank, response.recover_src_manager_address)]
             await self._healer.receive(step, sources, response.max_step, self._group_rank)
 
-    async def _reconfigure(self, response: pb.ManagerQuorumResponse) -> None:
-        store = f"{response.store_address}/torchft/{response.quorum_id}/{self._group_rank}"
-        # Set first: a store prefix is never rendezvoused on twice, even if this
+    async def _reconfigure(self, response: QuorumResult) -> None:
+        # Set first: a communicator id is never rendezvoused on twice, even if this
         # configure fails (the failed commit then brings a new quorum id).
         self.quorum_id = response.quorum_id
+        handles = list(response.reconfigure_handles)
+        missing = [replica for replica, handle in zip(response.replica_ids, handles) if not handle]
+        if missing:
+            raise ConfigError(f"quorum {response.quorum_id}: {', '.join(missing)} sent no process-group handle for "
+                              f"group rank {self._group_rank} (a Manager or ManagerServer that predates reconfigure "
+                              f"handles?)")
         started = self._clock()
-        await asyncio.to_thread(self._pg.configure, store, self._replica_id, response.replica_rank,
-                                response.replica_world_size)
+        await asyncio.to_thread(self._reconfigure_pg, response.quorum_id, handles)
         self._log(logging.INFO, "quorum %d: reconfigured as replica %d of %d (%d up to date, max step %d) in %.2fs",
                   response.quorum_id, response.replica_rank, response.replica_world_size,
                   response.max_world_size, response.max_step, self._clock() - started)

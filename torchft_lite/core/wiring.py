@@ -1,9 +1,10 @@
 """What a Manager is connected to, built once from its settings.
 
 :class:`DefaultWiring` is torchft's arrangement: the group's TCPStore, a
-ManagerServer on group rank 0 whose address the other ranks read from the
-store, and an ``HTTPTransport`` for heals unless the user passed a transport.
-``torchft_lite.testing.InMemoryWiring`` builds the same parts without sockets.
+ManagerServer on group rank 0 whose address every rank reads from the store
+and reaches through a ``ManagerClient``, and an ``HTTPTransport`` for heals
+unless the user passed a transport. ``torchft_lite.testing.InMemoryWiring``
+builds the same parts without sockets.
 """
 
 from __future__ import annotations
@@ -17,19 +18,26 @@ from typing import Any, Callable, Protocol
 from torchft_lite.core.healer import stripes
 from torchft_lite.core.settings import ManagerSettings
 from torchft_lite.errors import ManagerTimeout
-from torchft_lite.group_server.channel import ClientChannel, GroupChannel, ServerChannel
 from torchft_lite.rpc.loop import ControlPlane
 
-__all__ = ["DefaultWiring", "ManagerParts", "ManagerWiring"]
+__all__ = ["Connect", "DefaultWiring", "MANAGER_ADDR_KEY", "ManagerParts", "ManagerWiring", "REPLICA_ID_KEY"]
 
 logger = logging.getLogger(__name__)
 MANAGER_ADDR_KEY = "manager_addr"
+"""The store key group rank 0 publishes its ManagerServer's address under (torchft's)."""
 REPLICA_ID_KEY = "replica_id"
+"""The store key group rank 0 publishes the group's replica id under (torchft's)."""
+
+Connect = Callable[[str], Any]
+"""A ManagerServer's address -> a ``ManagerClient`` to it (the Manager's, so a substituted class is used)."""
 
 
 @dataclass
 class ManagerParts:
-    channel: GroupChannel
+    client: Any
+    """This rank's ``ManagerClient`` to its group's ManagerServer."""
+    connect: Connect
+    """How to reach a peer group's ManagerServer (to ask for its checkpoint metadata)."""
     replica_id: str
     """This incarnation's replica id as the lighthouse knows it (the user's id and a unique suffix)."""
     transport: Any
@@ -40,33 +48,40 @@ class ManagerParts:
     """The group's TCPStore client, kept as long as the Manager (None without one)."""
     clock: Callable[[], float] = time.monotonic
     """Seconds, for the durations the Manager reports (tests move a fake one)."""
+    server: Any = None
+    """The group's ``ManagerServer`` where this rank runs it (group rank 0), else None."""
 
-    def close(self, control: ControlPlane, log: Callable[..., None], wait: bool) -> None:
-        """Stop serving heals, then stop the channel (and the ManagerServer with it); failures are logged."""
+    def close(self, log: Callable[..., None], wait: bool) -> None:
+        """Stop serving heals, close the client, then stop the ManagerServer; failures are logged."""
         try:
             self.transport.shutdown(wait=wait)
         except Exception as exc:  # still stop the server below
             log(logging.WARNING, "checkpoint transport shutdown failed: %s", exc)
-        try:
-            control.run(self.channel.close(), 10.0, "the ManagerServer to stop")
-        except TimeoutError as exc:
-            log(logging.WARNING, "shutdown incomplete: %s", exc)
+        for what, close in (("the ManagerClient", self.client.close),
+                            ("the ManagerServer", self.server.shutdown if self.server is not None else None)):
+            if close is None:
+                continue
+            try:
+                close()
+            except TimeoutError as exc:  # still stop the server
+                log(logging.WARNING, "shutdown incomplete: %s did not close: %s", what, exc)
 
 
 class ManagerWiring(Protocol):
     def build(self, settings: ManagerSettings, transport: Any, in_place_targets: Callable[[], Any],
-              control: ControlPlane) -> ManagerParts:
-        """Connect one rank's Manager; ``transport`` is the user's, or None for the default."""
+              control: ControlPlane, connect: Connect) -> ManagerParts:
+        """Connect one rank's Manager; ``transport`` is the user's, or None for the default; ``connect`` makes the
+        Manager's ``ManagerClient``s."""
 
 
 class DefaultWiring:
-    """TCPStore, ManagerServer on group rank 0, gRPC to it from the other ranks, HTTP heals."""
+    """TCPStore, ManagerServer on group rank 0, a ManagerClient to it on every rank, HTTP heals."""
 
     def build(self, settings: ManagerSettings, transport: Any, in_place_targets: Callable[[], Any],
-              control: ControlPlane) -> ManagerParts:
+              control: ControlPlane, connect: Connect) -> ManagerParts:
         from torch.distributed import TCPStore
 
-        from torchft_lite.group_server.server import ManagerServer, ManagerServerConfig
+        from torchft_lite.coordination import ManagerServer
 
         s = settings
         heal_in_place = transport is None and s.heal_in_place
@@ -84,32 +99,29 @@ class DefaultWiring:
                            s.heal_sources, type(transport).__name__)
         store = TCPStore(s.store_host, s.store_port, is_master=False, wait_for_workers=False,
                          timeout=s.timeouts.connect)
-        prefix = f"torchft_lite/{s.restart_count}/"
-        channel: GroupChannel
+        # torchft's keys; a group torchelastic restarted uses keys of its own, so its ranks never read the address
+        # of the incarnation before.
+        prefix = f"torchft_lite/{s.restart_count}/" if s.restart_count else ""
+        server = None
         if s.group_rank == 0:
             suffix = uuid.uuid4().hex[:12]
             replica_id = f"{s.replica_id}:{suffix}" if s.replica_id else suffix
-            server = ManagerServer(ManagerServerConfig(
+            server = ManagerServer(
                 replica_id=replica_id, lighthouse_addr=s.lighthouse_addr or "", hostname=s.hostname,
-                store_address=s.store_address, world_size=s.group_world_size, bind=f"[::]:{s.port}",
-                heartbeat_interval=s.heartbeat_interval, connect_timeout=s.timeouts.connect.total_seconds(),
-                quorum_timeout=s.timeouts.quorum.total_seconds(), quorum_retries=s.quorum_retries,
-                heal_sources=heal_sources,
+                bind=f"[::]:{s.port}", store_addr=s.store_address, world_size=s.group_world_size,
+                heartbeat_interval=s.heartbeat_interval, connect_timeout=s.timeouts.connect,
+                quorum_retries=s.quorum_retries, quorum_timeout=s.timeouts.quorum, heal_sources=heal_sources,
                 lease_timeout=s.lease_timeout,
-            ))
-            control.run(server.start(), s.timeouts.connect.total_seconds(), "the ManagerServer to start")
+            )
             store.set(prefix + MANAGER_ADDR_KEY, server.address())
             store.set(prefix + REPLICA_ID_KEY, replica_id)
-            channel = ServerChannel(server, s.group_world_size)
-        else:
-            try:
-                address = store.get(prefix + MANAGER_ADDR_KEY).decode()
-                replica_id = store.get(prefix + REPLICA_ID_KEY).decode()
-            except RuntimeError as exc:  # the store's own timeout (DistStoreError)
-                raise ManagerTimeout(
-                    f"group rank {s.group_rank}: group rank 0 did not publish its ManagerServer address in the "
-                    f"TCPStore at {s.store_address} within {s.timeouts.connect.total_seconds():.0f}s"
-                ) from exc
-            channel = ClientChannel(address, s.group_rank, s.group_world_size)
-        return ManagerParts(channel=channel, replica_id=replica_id, transport=transport, heal_in_place=heal_in_place,
-                            store=store)
+        try:
+            address = store.get(prefix + MANAGER_ADDR_KEY).decode()
+            replica_id = store.get(prefix + REPLICA_ID_KEY).decode()
+        except RuntimeError as exc:  # the store's own timeout (DistStoreError)
+            raise ManagerTimeout(
+                f"group rank {s.group_rank}: group rank 0 did not publish its ManagerServer address in the "
+                f"TCPStore at {s.store_address} within {s.timeouts.connect.total_seconds():.0f}s"
+            ) from exc
+        return ManagerParts(client=connect(address), connect=connect, replica_id=replica_id, transport=transport,
+                            heal_in_place=heal_in_place, store=store, server=server)

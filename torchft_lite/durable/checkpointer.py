@@ -169,10 +169,10 @@ class DurableCheckpointer:
             # Tell the lighthouse (group rank 0 speaks for the group): a job whose every group resumed from
             # disk may start a new epoch at this step; the quorum its state was committed under tells it the
             # state is of the job's current epoch (lighthouse.epochs).
-            channel = self._context.channel
-            if isinstance(channel, Advertises):
-                channel.advertise("resumed_from", step)
-                channel.advertise("resumed_quorum", self._resumed_quorum)
+            client = self._context.client
+            if isinstance(client, Advertises):
+                client.advertise("resumed_from", step)
+                client.advertise("resumed_quorum", self._resumed_quorum)
         return step
 
     def _state_quorum(self) -> int | None:

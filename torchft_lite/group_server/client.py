@@ -8,29 +8,24 @@ ManagerServer for its checkpoint metadata). gRPC errors become
 
 from __future__ import annotations
 
-import os
+import grpc
 
-# Training scripts fork (DataLoader workers); the children never use gRPC, so
-# grpc's fork handlers are only a source of stalls. Must precede the import.
-os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
-
-import grpc  # noqa: E402
-
-from torchft_lite.errors import (  # noqa: E402
+from torchft_lite.errors import (
     ManagerError, ManagerTimeout, QuorumError, QuorumTimeout, StateDivergedError,
 )
-from torchft_lite.rpc.access import Access  # noqa: E402
-from torchft_lite.rpc.channel import UnaryChannel  # noqa: E402
-from torchft_lite.rpc.protocol import torchft_pb2 as pb  # noqa: E402
-from torchft_lite.rpc.tls import TlsSettings  # noqa: E402
+from torchft_lite.rpc.access import Access
+from torchft_lite.rpc.channel import UnaryChannel
+from torchft_lite.rpc.protocol import torchft_pb2 as pb
+from torchft_lite.rpc.tls import TlsSettings
 
-__all__ = ["ManagerClient"]
+__all__ = ["ManagerStub"]
 
 SERVICE = "torchft.ManagerService"
 
 
-class ManagerClient(UnaryChannel):
-    """One channel to one ManagerServer. Create and use it on a single event loop."""
+class ManagerStub(UnaryChannel):
+    """One gRPC channel to one ManagerServer, with its calls as coroutines. Create and use it on a single event
+    loop. (Training code uses ``manager_client.ManagerClient``, torchft's blocking client, built on this.)"""
 
     service = SERVICE
 
@@ -70,11 +65,12 @@ class ManagerClient(UnaryChannel):
         commit_failures: int,
         timeout: float,
         state_fingerprint: str = "",
+        reconfigure_handle: str = "",
     ) -> pb.ManagerQuorumResponse:
         request = pb.ManagerQuorumRequest(
             group_rank=group_rank, step=step, checkpoint_metadata=checkpoint_metadata,
             shrink_only=shrink_only, init_sync=init_sync, commit_failures=commit_failures,
-            state_fingerprint=state_fingerprint,
+            state_fingerprint=state_fingerprint, reconfigure_handle=reconfigure_handle,
         )
         return await self._invoke(
             "Quorum", request, pb.ManagerQuorumResponse, timeout,

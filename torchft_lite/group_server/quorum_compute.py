@@ -16,7 +16,8 @@ from typing import Any, Sequence
 from torchft_lite.errors import StateDivergedError
 from torchft_lite.health.fingerprint_vote import Advertised, vote
 
-__all__ = ["QuorumMember", "QuorumResult", "compute_quorum_result", "heal_sources_of", "member_data", "response_of"]
+__all__ = ["QuorumMember", "QuorumResult", "compute_quorum_result", "heal_sources_of", "member_data", "response_of",
+           "result_of"]
 
 HEAL_SOURCES_KEY = "heal_sources"
 
@@ -33,27 +34,51 @@ class QuorumMember:
     commit_failures: int = 0
     heal_sources: int = 1  # how many sources it can heal from at once (see heal_sources_of)
     fingerprint: Advertised | None = None  # of the state at its step (see health.fingerprint_vote)
+    reconfigure_handles: tuple[str, ...] = ()  # its ranks' process-group handles, by group rank
 
 
-@dataclass(frozen=True)
+@dataclass
 class QuorumResult:
-    """This replica's view of a quorum (mirrors ``ManagerQuorumResponse``)."""
+    """One rank's view of an issued quorum: torchft's ``QuorumResult`` (``ManagerClient._quorum`` returns one).
 
-    quorum_id: int
-    replica_rank: int
-    replica_world_size: int
-    max_step: int
-    max_replica_rank: int | None  # rank among the up-to-date members; None when behind
-    max_world_size: int  # how many members are up to date
-    store_address: str  # the primary's TCPStore for this group rank
-    heal: bool
-    recover_src_replica_rank: int | None
-    recover_src_manager_address: str
-    recover_dst_replica_ranks: tuple[int, ...]
-    commit_failures: int
-    replica_ids: tuple[str, ...] = field(default=())
-    recover_src_replica_ranks: tuple[int, ...] = field(default=())  # every source, the primary first
-    recover_src_manager_addresses: tuple[str, ...] = field(default=())
+    Every field has a default, so a test can build one empty and fill in what it needs, as with torchft's.
+
+    Args:
+        quorum_id: the quorum's id; the process group is rebuilt when it changes.
+        replica_rank: this replica's rank among all members (sorted by replica id).
+        replica_world_size: how many members the quorum has, behind ones included.
+        recover_src_manager_address: the ManagerServer of the peer this replica heals from ("" when it does not).
+        recover_src_replica_rank: that peer's replica rank; None when this replica does not heal.
+        recover_dst_replica_ranks: the replica ranks that heal from this one.
+        store_address: the TCPStore this group rank's process group meets on (the primary's).
+        max_step: the highest step any member has committed.
+        max_replica_rank: this replica's rank among the members at ``max_step``; None when it is behind.
+        max_world_size: how many members are at ``max_step``.
+        heal: whether this replica must receive the state dict this step.
+        commit_failures: the most consecutive failed commits any member reported.
+        replica_ids: every member's replica id, in replica-rank order.
+        reconfigure_handles: for this group rank, every member's process-group handle in replica-rank order
+            (``ProcessGroup.get_reconfigure_handle``); empty when a member sent none.
+        recover_src_replica_ranks: (ours) every peer this replica heals from, the primary first (striping).
+        recover_src_manager_addresses: (ours) their ManagerServers, in the same order.
+    """
+
+    quorum_id: int = 0
+    replica_rank: int = 0
+    replica_world_size: int = 0
+    recover_src_manager_address: str = ""
+    recover_src_replica_rank: int | None = None
+    recover_dst_replica_ranks: list[int] = field(default_factory=list)
+    store_address: str = ""
+    max_step: int = 0
+    max_replica_rank: int | None = None
+    max_world_size: int = 0
+    heal: bool = False
+    commit_failures: int = 0
+    replica_ids: list[str] = field(default_factory=list)
+    reconfigure_handles: list[str] = field(default_factory=list)
+    recover_src_replica_ranks: list[int] = field(default_factory=list)
+    recover_src_manager_addresses: list[str] = field(default_factory=list)
 
 
 def compute_quorum_result(
@@ -87,7 +112,10 @@ def compute_quorum_result(
       advertises nothing, such as torchft's, counts as 1), so every group computes
       the same assignment; with K = 1 it is exactly torchft's;
     * group rank ``r`` of every replica rendezvous on the TCPStore of the
-      up-to-date member ``r mod len(up to date)`` (the primary).
+      up-to-date member ``r mod len(up to date)`` (the primary);
+    * group rank ``r`` of every replica gets every member's process-group handle
+      for group rank ``r``, in replica-rank order (torchft's reconfigure
+      handles: a process group's rank is the position of its own handle).
     """
     if not members:
         raise ValueError(f"quorum {quorum_id} has no members")
@@ -129,6 +157,8 @@ def compute_quorum_result(
     my_src = my_srcs[0] if my_srcs else None
 
     max_replica_rank = at_max.index(replica_rank) if replica_rank in at_max else None
+    handles = [m.reconfigure_handles[group_rank] if group_rank < len(m.reconfigure_handles) else ""
+               for m in ordered]
     return QuorumResult(
         quorum_id=quorum_id,
         replica_rank=replica_rank,
@@ -140,11 +170,12 @@ def compute_quorum_result(
         heal=my_src is not None,
         recover_src_replica_rank=my_src,
         recover_src_manager_address=ordered[my_src].address if my_src is not None else "",
-        recover_dst_replica_ranks=tuple(my_dsts),
+        recover_dst_replica_ranks=my_dsts,
         commit_failures=max(m.commit_failures for m in ordered),
-        replica_ids=tuple(ids),
-        recover_src_replica_ranks=tuple(my_srcs),
-        recover_src_manager_addresses=tuple(ordered[src].address for src in my_srcs),
+        replica_ids=ids,
+        reconfigure_handles=handles if any(handles) else [],  # [] when no member sent any
+        recover_src_replica_ranks=my_srcs,
+        recover_src_manager_addresses=[ordered[src].address for src in my_srcs],
     )
 
 
@@ -164,6 +195,7 @@ def response_of(result: QuorumResult) -> Any:
         heal=result.heal,
         commit_failures=result.commit_failures,
         replica_ids=result.replica_ids,
+        reconfigure_handles=result.reconfigure_handles,
         recover_src_replica_ranks=result.recover_src_replica_ranks,
         recover_src_manager_addresses=result.recover_src_manager_addresses,
     )
@@ -172,6 +204,29 @@ def response_of(result: QuorumResult) -> Any:
     if result.max_replica_rank is not None:
         response.max_replica_rank = result.max_replica_rank
     return response
+
+
+def result_of(response: Any) -> QuorumResult:
+    """A ``ManagerQuorumResponse`` as the :class:`QuorumResult` it carries (the inverse of :func:`response_of`)."""
+    return QuorumResult(
+        quorum_id=response.quorum_id,
+        replica_rank=response.replica_rank,
+        replica_world_size=response.replica_world_size,
+        recover_src_manager_address=response.recover_src_manager_address,
+        recover_src_replica_rank=(response.recover_src_replica_rank if response.HasField("recover_src_replica_rank")
+                                  else None),
+        recover_dst_replica_ranks=list(response.recover_dst_replica_ranks),
+        store_address=response.store_address,
+        max_step=response.max_step,
+        max_replica_rank=response.max_replica_rank if response.HasField("max_replica_rank") else None,
+        max_world_size=response.max_world_size,
+        heal=response.heal,
+        commit_failures=response.commit_failures,
+        replica_ids=list(response.replica_ids),
+        reconfigure_handles=list(response.reconfigure_handles),
+        recover_src_replica_ranks=list(response.recover_src_replica_ranks),
+        recover_src_manager_addresses=list(response.recover_src_manager_addresses),
+    )
 
 
 def heal_sources_of(data: str) -> int:

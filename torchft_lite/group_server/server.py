@@ -237,7 +237,9 @@ class ManagerServer:
         It waits until every rank of the group asked for the same step, makes one lighthouse ``Quorum`` call for
         the group (retrying up to ``quorum_retries`` times when the lighthouse is briefly gone), then answers
         each rank with :func:`~torchft_lite.group_server.quorum_compute.compute_quorum_result` for its group rank.
-        When the call finally fails, every waiting rank gets the error at once. The group's ``heal_sources`` (how
+        The ranks' process-group handles travel to the lighthouse with the group, and each rank gets every
+        member's for its group rank (torchft's reconfigure handles). When the call finally fails, every waiting
+        rank gets the error at once. The group's ``heal_sources`` (how
         many peers a healing rank can stripe over) travels in ``QuorumMember.data`` so every group computes the
         same assignment.
 
@@ -264,7 +266,8 @@ class ManagerServer:
             raise RpcAbort(exc.code, str(exc)) from None
         members = [
             QuorumMember(p.replica_id, p.address, p.store_address, p.step, p.world_size, p.commit_failures,
-                         heal_sources=heal_sources_of(p.data), fingerprint=parse_fingerprint(p.data))
+                         heal_sources=heal_sources_of(p.data), fingerprint=parse_fingerprint(p.data),
+                         reconfigure_handles=tuple(p.reconfigure_handles))
             for p in quorum.participants
         ]
         # Group rank r of every replica group forms one process group, so every
@@ -316,6 +319,9 @@ class ManagerServer:
     async def _lighthouse_quorum(self, round_: PendingQuorum) -> None:
         requests = list(round_.requests.values())
         step = requests[0].step
+        # The ranks' process-group handles, by group rank: every member's group rank r gets them all for r.
+        handles = [round_.requests[rank].reconfigure_handle for rank in sorted(round_.requests)]
+        handles = handles if any(handles) else []
         now = asyncio.get_running_loop().time()
         if round_.deadline is not None:
             # Finish before the ranks' own deadlines so they get our error, not a bare timeout.
@@ -341,6 +347,7 @@ class ManagerServer:
                     shrink_only=any(r.shrink_only for r in requests),
                     data=member_data(self.config.heal_sources, self._advertised_data(requests)),
                     commit_failures=max(r.commit_failures for r in requests),
+                    reconfigure_handles=handles,
                 )
             except Exception as exc:  # LighthouseError, or anything unexpected: the ranks must hear of it
                 last_error = exc
@@ -420,9 +427,13 @@ class ManagerServer:
 
     # ------------------------------------------------------------ metadata, kill
 
+    def checkpoint_metadata(self, rank: int) -> str | None:
+        """What group rank ``rank`` sent as its checkpoint metadata with its last quorum request; None before."""
+        return self._checkpoint_metadata.get(rank)
+
     async def _rpc_checkpoint_metadata(self, data: bytes, context) -> bytes:
         request = _parse(pb.CheckpointMetadataRequest, data)
-        metadata = self._checkpoint_metadata.get(request.rank)
+        metadata = self.checkpoint_metadata(request.rank)
         if metadata is None:
             raise RpcAbort(grpc.StatusCode.NOT_FOUND,
                            f"rank not found: group rank {request.rank} of {self.config.replica_id} has not joined a quorum")

@@ -77,15 +77,15 @@ def _int_env(environ: Mapping[str, str], name: str, default: int, what: str) -> 
 
 
 def health_checks(config: HealthConfig, state: Callable[[], Any], advertise: Callable[[str, object], None] | None,
-                  channel: Any, listeners: Any, log: Callable[..., None],
+                  client: Any, listeners: Any, log: Callable[..., None],
                   record: Callable[[Step, BaseException], None]) -> tuple["NonFiniteGuard", Fingerprinter]:
     """One rank's health checks, wired: its non-finite guard and its Fingerprinter (added to ``listeners``, the
     Manager's ``StepListeners``). On group rank 0 (where ``advertise`` is set) the compute-time advertiser for
     the lighthouse's straggler scores is added too, and the Fingerprinter logs each quorum's verdict."""
     fingerprinter = Fingerprinter(config.fingerprint_every, state, log, config.fingerprint_exclude)
     listeners.add(fingerprinter)
-    if config.fingerprint_every and hasattr(channel, "watch_quorums"):
-        channel.watch_quorums(fingerprinter.quorum_issued)
+    if config.fingerprint_every and hasattr(client, "watch_quorums"):
+        client.watch_quorums(fingerprinter.quorum_issued)
     if advertise is not None:
         listeners.add(ComputeAdvertiser(advertise))
     return NonFiniteGuard(config, log, record, advertise), fingerprinter

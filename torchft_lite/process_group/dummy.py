@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from .base import ProcessGroup, _check_rank
+from .handles import make_handle
 from .tracked_work import CompletedWork
 
 __all__ = ["ProcessGroupDummy"]
@@ -45,6 +46,11 @@ class ProcessGroupDummy(ProcessGroup):
     def reconfigure_count(self) -> int:
         """torchft's name for :attr:`configure_count`."""
         return self.configure_count
+
+    def get_reconfigure_handle(self) -> str:
+        """A handle naming no store: a reconfigure of this group talks to no one, so it hosts none."""
+        info = self._rank_info
+        return make_handle(self._handle_id(), "dummy", 0, info.global_rank if info else None)
 
     def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int,
                   timeout: timedelta | None = None) -> None:

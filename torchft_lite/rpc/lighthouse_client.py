@@ -8,6 +8,7 @@ under it is the RPC kit's (:mod:`torchft_lite.rpc.channel`).
 from __future__ import annotations
 
 import asyncio
+from typing import Sequence
 
 import grpc
 
@@ -81,11 +82,15 @@ class LighthouseClient(UnaryChannel):
         shrink_only: bool = False,
         data: str = "",
         commit_failures: int = 0,
+        reconfigure_handles: Sequence[str] = (),
     ) -> pb.Quorum:
-        """Join the next quorum and wait (up to ``timeout`` s) until one including us is issued."""
+        """Join the next quorum and wait (up to ``timeout`` s) until one including us is issued.
+
+        ``reconfigure_handles``: the group's process-group handles, by group rank (every member gets them)."""
         member = pb.QuorumMember(
             replica_id=replica_id, address=address, store_address=store_address, step=step,
             world_size=world_size, shrink_only=shrink_only, data=data, commit_failures=commit_failures,
+            reconfigure_handles=reconfigure_handles,
         )
         response = await self._invoke(
             "Quorum", pb.LighthouseQuorumRequest(requester=member), pb.LighthouseQuorumResponse,

@@ -7,7 +7,9 @@ import sys
 import pytest
 
 from torchft_lite import coordination
-from torchft_lite.coordination import LighthouseClient, LighthouseServer, Quorum, QuorumMember, Timestamp
+from torchft_lite.coordination import (
+    LighthouseClient, LighthouseServer, ManagerClient, ManagerServer, Quorum, QuorumMember, QuorumResult, Timestamp,
+)
 from torchft_lite.errors import QuorumError
 from torchft_lite.rpc.protocol import torchft_pb2 as pb
 
@@ -23,14 +25,26 @@ def test_importing_it_loads_no_lighthouse_server_code():
     assert not set(SERVER_SIDE) & set(loaded), loaded
 
 
-@pytest.mark.parametrize("cls", [LighthouseServer, LighthouseClient, Quorum, QuorumMember, Timestamp])
+@pytest.mark.parametrize("cls", [LighthouseServer, LighthouseClient, ManagerServer, ManagerClient, Quorum, QuorumMember,
+                                 QuorumResult, Timestamp])
 def test_every_class_documents_its_arguments(cls):
     # torchft's coordination_test asks the same of its classes.
     assert "Args:" in (cls.__doc__ or "")
 
 
 def test_the_public_names_are_torchfts():
-    assert set(coordination.__all__) >= {"LighthouseClient", "LighthouseServer", "Quorum", "QuorumMember"}
+    assert set(coordination.__all__) >= {"LighthouseClient", "LighthouseServer", "ManagerClient", "ManagerServer",
+                                         "Quorum", "QuorumMember", "QuorumResult"}
+    params = inspect.signature(ManagerServer).parameters
+    assert list(params)[:9] == ["replica_id", "lighthouse_addr", "hostname", "bind", "store_addr", "world_size",
+                                "heartbeat_interval", "connect_timeout", "quorum_retries"]
+    assert list(inspect.signature(ManagerClient).parameters) == ["addr", "connect_timeout"]
+    params = inspect.signature(ManagerClient._quorum).parameters
+    assert list(params)[1:9] == ["group_rank", "step", "checkpoint_metadata", "shrink_only", "timeout",
+                                 "commit_failures", "reconfigure_handle", "init_sync"]
+    assert list(inspect.signature(ManagerClient._checkpoint_metadata).parameters)[1:] == ["rank", "timeout"]
+    assert list(inspect.signature(ManagerClient.should_commit).parameters)[1:] == ["group_rank", "step",
+                                                                                   "should_commit", "timeout"]
     params = inspect.signature(LighthouseServer).parameters
     assert list(params)[:5] == ["bind", "min_replicas", "join_timeout_ms", "quorum_tick_ms", "heartbeat_timeout_ms"]
     params = inspect.signature(LighthouseClient.quorum).parameters
@@ -56,3 +70,23 @@ def test_member_data_that_is_not_json_is_a_quorum_error_naming_the_member():
     message.participants.add(replica_id="odd", data="not json")
     with pytest.raises(QuorumError, match="'odd'.*not JSON"):
         coordination._quorum_from_proto(message)
+
+
+def test_an_empty_quorum_result_is_filled_in_field_by_field_as_torchfts():
+    result = QuorumResult()
+    assert (result.quorum_id, result.recover_src_replica_rank, result.max_replica_rank, result.heal) == (0, None, None,
+                                                                                                     False)
+    assert result.recover_dst_replica_ranks == result.replica_ids == result.reconfigure_handles == []
+    result.quorum_id, result.recover_dst_replica_ranks = 5, [1]
+    assert QuorumResult().recover_dst_replica_ranks == []  # no list shared between results
+
+
+def test_a_quorum_answer_round_trips_through_the_wire_message():
+    from torchft_lite.group_server.quorum_compute import response_of, result_of
+
+    result = QuorumResult(quorum_id=3, replica_rank=1, replica_world_size=2, recover_src_manager_address="http://a:1",
+                          recover_src_replica_rank=0, store_address="a:2", max_step=9, max_world_size=1, heal=True,
+                          replica_ids=["a", "b"], reconfigure_handles=["{}", "{}"], recover_src_replica_ranks=[0],
+                          recover_src_manager_addresses=["http://a:1"])
+    assert result_of(response_of(result)) == result
+    assert result_of(response_of(QuorumResult())) == QuorumResult()  # None stays None, not 0

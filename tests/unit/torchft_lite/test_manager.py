@@ -133,10 +133,10 @@ def test_the_commit_vote_is_the_and_of_the_group_and_a_failed_vote_fails_stop(re
     lighthouse = InMemoryLighthouse()
     solo = replicas(lighthouse, "solo", 1.0)
 
-    async def broken_vote(*args):
+    def broken_vote(*args, **kwargs):
         raise ConnectionError("the ManagerServer is gone")
 
-    solo.manager._channel.should_commit = broken_vote
+    solo.manager._client.should_commit = broken_vote
     solo.manager.start_quorum()
     with pytest.raises(ManagerError, match="commit vote for step 0 failed"):
         solo.manager.should_commit()
@@ -150,11 +150,11 @@ def test_the_vote_waits_long_enough_for_a_peer_rank_still_in_its_rendezvous_or_a
     solo = replicas(lighthouse, "solo", 1.0, timeout_s=3.0)
     waits: list[float] = []
 
-    async def vote(group_rank, step, clean, timeout):
-        waits.append(timeout)
+    def vote(group_rank, step, clean, timeout):
+        waits.append(timeout.total_seconds())
         return clean
 
-    solo.manager._channel.should_commit = vote
+    solo.manager._client.should_commit = vote
     for explicit in (None, timedelta(seconds=1.5)):
         solo.manager.start_quorum()
         assert solo.manager.should_commit(timeout=explicit)
@@ -193,3 +193,57 @@ def test_durations_the_manager_reports_come_from_the_injected_clock(replicas, ca
         seconds = [float(m) for r in caplog.records if what in r.getMessage()
                    for m in re.findall(r" in (\d+\.\d\d)s", r.getMessage())]
         assert seconds and all(s > 0 and s % 5 == 0 for s in seconds), (what, seconds)
+
+
+def test_a_read_of_the_state_waits_while_the_training_loop_has_disallowed_it(replicas):
+    """torchft's contract for allow/disallow_state_dict_read: _manager_state_dict waits (bounded) in between."""
+    solo = replicas(InMemoryLighthouse(), "solo", 1.0, timeout_s=0.2)
+    manager = solo.manager
+    assert solo.step()[0]
+    manager.disallow_state_dict_read()
+    manager.disallow_state_dict_read()  # a no-op while disallowed
+    outcome: list[Any] = []
+    reader = threading.Thread(target=lambda: outcome.append(_read_or_error(manager)))
+    reader.start()
+    reader.join(10)
+    assert isinstance(outcome[0], TimeoutError)  # waited the step timeout, then gave up
+    manager.allow_state_dict_read()
+    manager.allow_state_dict_read()
+    assert _read_or_error(manager)["torchft"] == {"step": 1, "batches_committed": 1}
+    assert torch.equal(_read_or_error(manager)["user"]["default"]["w"], solo.weights)
+
+
+def _read_or_error(manager: Manager) -> Any:
+    try:
+        return manager._manager_state_dict()
+    except TimeoutError as exc:
+        return exc
+
+
+def test_a_source_serves_from_wait_quorum_so_a_synchronous_receiver_never_waits_for_its_collectives(replicas):
+    """torchft's sources send from their quorum: a receiver whose start_quorum heals synchronously must get the
+    state while the source waits on something out of band (here a barrier with that receiver, as torchft's
+    DiLoCo regression test does) rather than at the source's first collective, which never comes."""
+    lighthouse = InMemoryLighthouse()
+    a = replicas(lighthouse, "a", 1.0, timeout_s=5.0)
+    assert train({"a": a}, 2) == {"a": [True, True]}
+    b = replicas(lighthouse, "b", 9.0, timeout_s=5.0, use_async_quorum=False)
+    barrier = threading.Barrier(2, timeout=30)
+    outcome: dict[str, Any] = {}
+
+    def run(name: str, replica: Replica) -> None:
+        try:
+            replica.manager.start_quorum()
+            replica.manager.wait_quorum()
+            barrier.wait()
+            outcome[name] = replica.manager.should_commit()
+        except BaseException as exc:  # surfaced below
+            outcome[name] = exc
+
+    threads = [threading.Thread(target=run, args=item) for item in (("a", a), ("b", b))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert outcome == {"a": True, "b": True}
+    assert b.loads == 1 and torch.equal(a.weights, b.weights) and b.manager.current_step() == 3

@@ -39,7 +39,7 @@ def test_timeout_yields_the_default_and_a_late_result_is_ignored():
     fut.set_result("late")
     assert out.wait() == "default"
     assert len(errors) == 1 and isinstance(errors[0], TimeoutError)
-    assert "the allreduce did not finish within 1.5s" in str(errors[0])
+    assert "the allreduce did not complete within 1.5s" in str(errors[0])
 
 
 def test_threading_timer_fallback_fires():

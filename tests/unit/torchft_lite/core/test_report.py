@@ -49,7 +49,7 @@ def test_the_work_between_start_quorum_and_the_first_allreduce_is_compute_and_is
     assert a.manager.should_commit()
     (report,) = reports.seen
     assert report.compute_s >= 0.2 and report.committed
-    advertised = a.manager._channel.advertised
+    advertised = a.manager._client.advertised
     assert advertised["compute_step"] == 0 and advertised["compute_ms"] >= 200.0
 
 

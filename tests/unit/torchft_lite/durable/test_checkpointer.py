@@ -128,7 +128,7 @@ def test_resume_loads_the_newest_checkpoint_and_continues_bit_identically(tmp_pa
     assert resumed.position == 4
     committed_in = reference.checkpointer.checkpoints()[0].quorum_id  # the manifest names the commit's quorum
     assert committed_in is not None and committed_in == reference.manager.state_quorum_id()
-    assert resumed.manager._channel.advertised == {"resumed_from": 4, "resumed_quorum": committed_in}
+    assert resumed.manager._client.advertised == {"resumed_from": 4, "resumed_quorum": committed_in}
     run([resumed], 3)
     assert resumed.manager.current_step() == 7
     assert torch.equal(resumed.weights, expected[0]) and torch.equal(resumed.moments, expected[1])

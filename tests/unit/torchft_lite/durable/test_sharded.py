@@ -59,7 +59,7 @@ class RankManager:
                                    timeouts=SimpleNamespace(step=timedelta(seconds=timeout)))
         held = SimpleNamespace(state_dict=self._manager_state_dict, load_state_dict=self._load, torn=False)
         # No group store: GroupAgreement then trusts each rank's own scan.
-        self.context = SimpleNamespace(settings=settings, channel=None, store=None,
+        self.context = SimpleNamespace(settings=settings, client=None, store=None,
                                        state=held, fingerprinter=None)
 
     def add_step_listener(self, listener: Any) -> None:

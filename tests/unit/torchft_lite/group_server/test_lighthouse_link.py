@@ -1,5 +1,5 @@
 """Following the lighthouse's events never dies silently (issue 16): a rank's relay from its group's
-ManagerServer (``ClientChannel``) and the ManagerServer's own lease (``LighthouseLink``)."""
+ManagerServer (``ManagerClient.follow_events``) and the ManagerServer's own lease (``LighthouseLink``)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import logging
 
 import grpc
 
-from tests.conftest import wait_until
-from torchft_lite.group_server.channel import ClientChannel
+from tests.conftest import wait_until, wait_until_sync
 from torchft_lite.group_server.lighthouse_link import LighthouseLink
+from torchft_lite.group_server.manager_client import ManagerClient
 from torchft_lite.rpc.protocol import torchft_pb2 as pb
 
 GONE = pb.LeaseEvent(kind=pb.LeaseEvent.MEMBER_GONE, replica_id="other", quorum_id=3, reason="lease ended")
@@ -65,49 +65,46 @@ def rpc_error(code: grpc.StatusCode) -> grpc.aio.AioRpcError:
     return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details="refused")
 
 
+def client_of(server: FlakyServer) -> ManagerClient:
+    """A ManagerClient (a rank > 0's: its group's server is in another process) whose stub is ``server``."""
+    client = ManagerClient("127.0.0.1:1", connect_timeout=5.0)
+    client._stub = server
+    return client
+
+
 def test_a_rank_keeps_following_events_through_unexpected_errors(caplog):
-    async def scenario():
-        server = FlakyServer([FakeCall([], rpc_error(grpc.StatusCode.UNAVAILABLE)),
-                              RuntimeError("a bug opening the stream"),  # unexpected: logged even mid-streak
-                              FakeCall([GONE, GONE])])
-        channel = ClientChannel("127.0.0.1:1", group_rank=1, group_world_size=2)
-        await channel._client.close()
-        channel._client = server
-        got: list[pb.LeaseEvent] = []
+    server = FlakyServer([FakeCall([], rpc_error(grpc.StatusCode.UNAVAILABLE)),
+                          RuntimeError("a bug opening the stream"),  # unexpected: logged even mid-streak
+                          FakeCall([GONE, GONE])])
+    client = client_of(server)
+    got: list[pb.LeaseEvent] = []
 
-        def listener(event: pb.LeaseEvent) -> None:
-            got.append(event)
-            if len(got) == 1:
-                raise ValueError("a bug in the listener")
-
-        try:
-            await channel.follow_events(listener)
-            await wait_until(lambda: len(got) == 2, "both events after the failures")
-        finally:
-            await channel.close()
-        assert server.calls == 3 and got == [GONE, GONE]
+    def listener(event: pb.LeaseEvent) -> None:
+        got.append(event)
+        if len(got) == 1:
+            raise ValueError("a bug in the listener")
 
     with caplog.at_level(logging.WARNING, logger="torchft_lite"):
-        asyncio.run(scenario())
+        try:
+            client.follow_events(listener)
+            wait_until_sync(lambda: len(got) == 2, "both events after the failures")
+        finally:
+            client.close()
+    assert server.calls == 3 and got == [GONE, GONE]
     logged = caplog.text
     assert "a bug opening the stream" in logged and "UNAVAILABLE" in logged and "a bug in the listener" in logged
 
 
 def test_a_rank_stops_following_only_a_server_without_events(caplog):
-    async def scenario():
-        server = FlakyServer([rpc_error(grpc.StatusCode.UNIMPLEMENTED)])
-        channel = ClientChannel("127.0.0.1:1", group_rank=1, group_world_size=2)
-        await channel._client.close()
-        channel._client = server
-        try:
-            await channel.follow_events(lambda event: None)
-            await wait_until(lambda: channel._events.done(), "following to end")
-        finally:
-            await channel.close()
-        assert server.calls == 1
-
+    server = FlakyServer([rpc_error(grpc.StatusCode.UNIMPLEMENTED)])
+    client = client_of(server)
     with caplog.at_level(logging.INFO, logger="torchft_lite"):
-        asyncio.run(scenario())
+        try:
+            client.follow_events(lambda event: None)
+            wait_until_sync(lambda: client._events.done(), "following to end")
+        finally:
+            client.close()
+    assert server.calls == 1
     assert "relays no lighthouse events" in caplog.text
 
 

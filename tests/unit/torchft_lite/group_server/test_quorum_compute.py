@@ -18,9 +18,9 @@ def test_all_up_to_date_nobody_heals():
     result = compute_quorum_result(7, members(5, 5, 5), "replica_1", group_rank=0)
     assert (result.quorum_id, result.replica_rank, result.replica_world_size) == (7, 1, 3)
     assert (result.max_step, result.max_world_size, result.max_replica_rank) == (5, 3, 1)
-    assert not result.heal and result.recover_dst_replica_ranks == ()
+    assert not result.heal and result.recover_dst_replica_ranks == []
     assert result.store_address == "store_0"  # group rank 0 -> first up-to-date member
-    assert result.replica_ids == ("replica_0", "replica_1", "replica_2")
+    assert result.replica_ids == ["replica_0", "replica_1", "replica_2"]
 
 
 def test_members_are_ranked_by_replica_id_not_arrival_order():
@@ -36,9 +36,9 @@ def test_behind_replica_heals_from_an_up_to_date_peer():
     assert behind.recover_src_manager_address == "addr_0"
     assert behind.max_replica_rank is None and behind.max_world_size == 2
     source = compute_quorum_result(1, quorum, "replica_0", group_rank=0)
-    assert not source.heal and source.recover_dst_replica_ranks == (1,)
+    assert not source.heal and source.recover_dst_replica_ranks == [1]
     other = compute_quorum_result(1, quorum, "replica_2", group_rank=0)
-    assert other.recover_dst_replica_ranks == ()
+    assert other.recover_dst_replica_ranks == []
 
 
 def test_group_rank_offsets_the_source_and_the_store():
@@ -50,24 +50,24 @@ def test_group_rank_offsets_the_source_and_the_store():
 
 def test_several_behind_replicas_are_spread_over_sources():
     quorum = members(9, 9, 0, 0, 4)
-    sources = [compute_quorum_result(1, quorum, f"replica_{i}", 0).recover_src_replica_rank for i in (2, 3, 4)]
+    sources = [compute_quorum_result(1, quorum, f"replica_{i}", 0).recover_src_replica_rank for i in [2, 3, 4]]
     assert sources == [0, 1, 0]
-    dsts = {i: compute_quorum_result(1, quorum, f"replica_{i}", 0).recover_dst_replica_ranks for i in (0, 1)}
-    assert dsts == {0: (2, 4), 1: (3,)}
+    dsts = {i: compute_quorum_result(1, quorum, f"replica_{i}", 0).recover_dst_replica_ranks for i in [0, 1]}
+    assert dsts == {0: [2, 4], 1: [3]}
 
 
 def test_init_sync_at_step_zero_heals_everyone_from_the_primary():
     quorum = members(0, 0, 0)
     results = [compute_quorum_result(1, quorum, f"replica_{i}", 0) for i in range(3)]
     assert [r.heal for r in results] == [False, True, True]
-    assert results[0].recover_dst_replica_ranks == (1, 2)
+    assert results[0].recover_dst_replica_ranks == [1, 2]
     # without init_sync nobody heals at step 0
     assert not any(compute_quorum_result(1, quorum, f"replica_{i}", 0, init_sync=False).heal for i in range(3))
 
 
 def test_init_sync_primary_follows_group_rank():
     quorum = members(0, 0)
-    assert compute_quorum_result(1, quorum, "replica_1", 1).recover_dst_replica_ranks == (0,)
+    assert compute_quorum_result(1, quorum, "replica_1", 1).recover_dst_replica_ranks == [0]
     assert compute_quorum_result(1, quorum, "replica_0", 1).recover_src_replica_rank == 1
 
 
@@ -98,11 +98,11 @@ def striped(steps, heal_sources, group_rank=0, **kw):
 def assert_sources_and_destinations_agree(results) -> None:
     """What each source serves is exactly who lists it as a source: the HTTP server waits for that many."""
     for rank, result in enumerate(results):
-        pulling = tuple(dst for dst, r in enumerate(results) if rank in r.recover_src_replica_ranks)
+        pulling = list(dst for dst, r in enumerate(results) if rank in r.recover_src_replica_ranks)
         assert result.recover_dst_replica_ranks == pulling
         assert result.recover_src_replica_ranks[:1] == (
-            () if result.recover_src_replica_rank is None else (result.recover_src_replica_rank,))
-        assert result.recover_src_manager_addresses == tuple(f"addr_{s}" for s in result.recover_src_replica_ranks)
+            [] if result.recover_src_replica_rank is None else [result.recover_src_replica_rank])
+        assert result.recover_src_manager_addresses == list(f"addr_{s}" for s in result.recover_src_replica_ranks)
 
 
 @pytest.mark.parametrize("group_rank", [0, 1, 2])
@@ -111,16 +111,16 @@ def test_one_source_is_torchfts_assignment_unchanged(group_rank):
     plain = [compute_quorum_result(1, members(*steps), f"replica_{i}", group_rank) for i in range(len(steps))]
     for one, default in zip(striped(steps, 1, group_rank), plain):
         assert one == default
-        assert one.recover_src_replica_ranks == (() if not one.heal else (one.recover_src_replica_rank,))
+        assert one.recover_src_replica_ranks == ([] if not one.heal else [one.recover_src_replica_rank])
 
 
 def test_two_sources_each_behind_replica_pulls_from_two_consecutive_up_to_date_peers():
     results = striped((9, 9, 0, 0, 4, 9), 2)  # up to date: 0, 1, 5; behind: 2, 3, 4
-    assert [r.recover_src_replica_ranks for r in results] == [(), (), (0, 1), (1, 5), (5, 0), ()]
+    assert [r.recover_src_replica_ranks for r in results] == [[], [], [0, 1], [1, 5], [5, 0], []]
     assert [r.recover_src_replica_rank for r in results[2:5]] == [0, 1, 5]  # the single-source choice, first
-    assert results[0].recover_dst_replica_ranks == (2, 4)
-    assert results[1].recover_dst_replica_ranks == (2, 3)
-    assert results[5].recover_dst_replica_ranks == (3, 4)
+    assert results[0].recover_dst_replica_ranks == [2, 4]
+    assert results[1].recover_dst_replica_ranks == [2, 3]
+    assert results[5].recover_dst_replica_ranks == [3, 4]
     assert_sources_and_destinations_agree(results)
 
 
@@ -130,30 +130,30 @@ def test_three_sources_agree_for_every_group_rank(group_rank):
     assert_sources_and_destinations_agree(results)
     for result in (results[1], results[4]):
         assert result.heal and len(set(result.recover_src_replica_ranks)) == 3
-    assert results[1].recover_src_replica_ranks == tuple([0, 2, 3, 5][(group_rank + j) % 4] for j in range(3))
+    assert results[1].recover_src_replica_ranks == list([0, 2, 3, 5][(group_rank + j) % 4] for j in range(3))
 
 
 def test_the_smallest_advertised_heal_sources_wins():
     steps = (5, 5, 5, 1)
-    assert striped(steps, [3, 2, 3, 3])[3].recover_src_replica_ranks == (0, 1)
+    assert striped(steps, [3, 2, 3, 3])[3].recover_src_replica_ranks == [0, 1]
     # a member advertising nothing (torchft's, or ours with the default) keeps everyone on one source
     mixed = striped(steps, [3, 1, 3, 3])
-    assert mixed[3].recover_src_replica_ranks == (0,)
-    assert [r.recover_dst_replica_ranks for r in mixed[:3]] == [(3,), (), ()]
+    assert mixed[3].recover_src_replica_ranks == [0]
+    assert [r.recover_dst_replica_ranks for r in mixed[:3]] == [[3], [], []]
     assert_sources_and_destinations_agree(mixed)
 
 
 def test_fewer_up_to_date_peers_than_heal_sources_uses_each_once():
     results = striped((4, 4, 1, 1), 5)
-    assert [r.recover_src_replica_ranks for r in results[2:]] == [(0, 1), (1, 0)]
+    assert [r.recover_src_replica_ranks for r in results[2:]] == [[0, 1], [1, 0]]
     assert_sources_and_destinations_agree(results)
     alone = striped((4, 1), 3)
-    assert alone[1].recover_src_replica_ranks == (0,) and alone[0].recover_dst_replica_ranks == (1,)
+    assert alone[1].recover_src_replica_ranks == [0] and alone[0].recover_dst_replica_ranks == [1]
 
 
 def test_init_sync_at_step_zero_has_one_source_whatever_is_advertised():
     results = striped((0, 0, 0), 2)  # only the primary is up to date at step 0
-    assert [r.recover_src_replica_ranks for r in results] == [(), (0,), (0,)]
+    assert [r.recover_src_replica_ranks for r in results] == [[], [0], [0]]
     assert_sources_and_destinations_agree(results)
 
 
@@ -175,3 +175,16 @@ def test_member_data_merges_into_json_and_advertises_nothing_for_one():
         member_data(2, "opaque")
     with pytest.raises(ValueError, match=">= 1"):
         member_data(0)
+
+
+def test_each_group_rank_gets_every_members_handle_for_that_rank_in_replica_rank_order():
+    quorum = [QuorumMember(f"replica_{i}", f"addr_{i}", f"store_{i}", 5, world_size=2,
+                           reconfigure_handles=(f"h{i}-r0", f"h{i}-r1")) for i in (2, 0, 1)]
+    for group_rank in (0, 1):
+        result = compute_quorum_result(1, quorum, "replica_1", group_rank)
+        assert result.reconfigure_handles == [f"h{i}-r{group_rank}" for i in (0, 1, 2)]
+    # A member that sent none leaves a gap the Manager names; when nobody sent any there are none.
+    quorum[0] = QuorumMember("replica_2", "addr_2", "store_2", 5, world_size=2)
+    assert compute_quorum_result(1, quorum, "replica_1", 0).reconfigure_handles == ["h0-r0", "h1-r0", ""]
+    bare = [QuorumMember(f"replica_{i}", f"addr_{i}", f"store_{i}", 5) for i in range(2)]
+    assert compute_quorum_result(1, bare, "replica_1", 0).reconfigure_handles == []

@@ -75,7 +75,7 @@ def test_ranks_world_size_and_max_step_agree_across_members(members, group_rank,
         result = results[member.replica_id]
         assert result.replica_rank == rank
         assert result.replica_world_size == len(members)
-        assert result.replica_ids == tuple(m.replica_id for m in ordered)
+        assert result.replica_ids == list(m.replica_id for m in ordered)
         assert result.quorum_id == 7
         assert (result.max_step, result.max_world_size) == (max_step, len(at_max))
         expected_max_rank = at_max.index(member.replica_id) if member.step == max_step else None
@@ -108,17 +108,17 @@ def test_every_behind_member_heals_from_an_up_to_date_source_that_lists_it(membe
             assert src != rank and src not in healing, "a source that is itself healing"
             assert ordered[src].step == max_step
             assert result.recover_src_manager_address == ordered[src].address
-            assert result.recover_dst_replica_ranks == ()  # a healing member serves nobody
+            assert result.recover_dst_replica_ranks == []  # a healing member serves nobody
             # Striping: min(heal_sources) distinct up-to-date sources (as many as there are, at most), the
             # primary first, and each one lists this member among its destinations.
             srcs = result.recover_src_replica_ranks
             assert srcs[0] == src and len(set(srcs)) == len(srcs) == stripes
-            assert result.recover_src_manager_addresses == tuple(ordered[s].address for s in srcs)
+            assert result.recover_src_manager_addresses == list(ordered[s].address for s in srcs)
             for s in srcs:
                 assert s not in healing and rank in by_rank[s].recover_dst_replica_ranks
         else:
             assert result.recover_src_manager_address == ""
-            assert result.recover_src_replica_ranks == result.recover_src_manager_addresses == ()
+            assert result.recover_src_replica_ranks == result.recover_src_manager_addresses == []
         for dst in result.recover_dst_replica_ranks:
             assert rank in by_rank[dst].recover_src_replica_ranks
         assert len(set(result.recover_dst_replica_ranks)) == len(result.recover_dst_replica_ranks)

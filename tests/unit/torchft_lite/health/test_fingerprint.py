@@ -100,7 +100,7 @@ def test_the_quorum_heals_the_corrupt_member_from_the_majority_and_a_split_fails
     a = compute_quorum_result(4, members, "a", 0)
     assert not a.heal and a.max_world_size == 2 and a.store_address in ("store-a", "store-c")
     source = compute_quorum_result(4, members, b.recover_src_manager_address[-1], 0)
-    assert source.recover_dst_replica_ranks == (1,)
+    assert source.recover_dst_replica_ranks == [1]
     with pytest.raises(StateDivergedError, match="no majority"):
         compute_quorum_result(4, members[:2], "a", 0)
 
