@@ -78,8 +78,12 @@ async def get_into(url: str, params: dict[str, str], headers: dict[str, str],
 def use_aiohttp_for_heals() -> None:
     """Make this process's heal receiver GET through aiohttp instead of the lean client.
 
-    The receiver (``_http_receive``) calls ``_http_client.get_into`` through
-    the module, so replacing the module's function swaps the client; its
-    ``done`` reports stay on the lean client's POST.
+    The receiver (``_http_receive``) calls ``_http_client.get_into`` (and, with CPUs to spare, its threaded
+    twin ``get_into_on_thread`` for data ranges) through the module, so replacing the module's functions swaps
+    the client: aiohttp reads every answer on the event loop. Its ``done`` reports stay on the lean client's POST.
     """
+    async def on_the_loop(url, params, headers, sink_for, *, executor=None, tls=None):
+        return await get_into(url, params, headers, sink_for, tls=tls)
+
     lean.get_into = get_into  # type: ignore[assignment]
+    lean.get_into_on_thread = on_the_loop  # type: ignore[assignment]

@@ -10,6 +10,10 @@ memory: the RSS high-water mark minus the RSS at the start of the transfers
 dict's tensor bytes.
 
 Cases: a raw loopback TCP stream of the same bytes (the ceiling for HTTP); the
+same bytes over N parallel streams, a thread per stream on each side (``tcp-N``;
+``tcp-all`` asks for every N from 2 to the usable cores: on a machine with many
+cores one stream is no ceiling, and the best ``tcp-N`` is the multi-stream
+ceiling ``ours-default`` is judged against); the
 same stream with our block checksum computed on both sides (what a checked
 transfer can reach on this machine); our HTTPTransport over one stream and over
 several byte-range chunks, receiving into fresh tensors or in place; torchft's
@@ -58,6 +62,7 @@ in that view (``_heal_report``).
     python -m benchmarks.heal_bench                 # 1 GiB, 5 steps per case
     python -m benchmarks.heal_bench --size-mb 64 --steps 2 --cases ours-0,tcp
     python -m benchmarks.heal_bench --steps 3 --cases ours-default,ours-0-inplace,ours-4-inplace,torchft-0,torchft-2,torchft-4,torchft-8
+    python -m benchmarks.heal_bench --steps 3 --cases tcp-all,ours-default,torchft-4,torchft-8   # many cores
     python -m benchmarks.heal_bench --receiver aiohttp --cases ours-0-inplace,ours-4-inplace
     python -m benchmarks.heal_bench --tls --cases ours-0-inplace,ours-4-inplace   # what TLS costs a heal
     python -m benchmarks.heal_bench --device cuda --steps 3 --cases ours-default,ours-default-inplace,torchft-0,torchft-4
@@ -75,6 +80,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -85,6 +91,10 @@ from benchmarks._heal_report import TLS_SUFFIX, print_report, summary
 ROOT = Path(__file__).resolve().parents[1]
 ALL_CASES = ("tcp", "tcp-sum64", "ours-default", "ours-0", "ours-4", "ours-default-inplace", "ours-0-inplace",
              "ours-4-inplace", "torchft-0", "torchft-2", "torchft-4", "torchft-8", "pg-ours", "pg-ours-inplace", "pg-gloo")
+MULTI_STREAM = re.compile(r"tcp-(\d+)")
+"""``tcp-N``: the raw bytes over N parallel TCP streams (any N >= 2)."""
+OUR_CHUNKS = re.compile(r"ours-(\d+)(-inplace)?")
+"""``ours-N``/``ours-N-inplace``: our HTTPTransport with ``num_chunks=N`` (any N, beside the listed 0 and 4)."""
 RECEIVERS = ("lean", "aiohttp")
 TIMEOUT = timedelta(seconds=300)
 
@@ -150,6 +160,8 @@ class Role:
         self.chunks = int(variant.split("-")[0]) if variant[:1].isdigit() else None if variant.startswith("default") \
             else 0
         self.in_place = case.endswith("-inplace")  # the receiver already holds a state dict of the same shapes
+        parallel = MULTI_STREAM.fullmatch(case)
+        self.streams = int(parallel.group(1)) if parallel else 1  # raw TCP streams, one thread each
         self.cuda = args.device == "cuda" and self.kind in ("ours", "torchft")
         # On a GPU every receiver holds its model: in place, or the tensors it copies a fresh receive into.
         holds = side == "server" or self.in_place or self.cuda
@@ -165,7 +177,7 @@ class Role:
             if self.side == "server":
                 self.listener = socket.create_server(("127.0.0.1", 0))
                 return {"port": self.listener.getsockname()[1]}
-            self.sock = socket.create_connection(("127.0.0.1", peer["port"]))
+            self.socks = [socket.create_connection(("127.0.0.1", peer["port"])) for _ in range(self.streams)]
             self.buffer = memoryview(bytearray(b"\1") * (self.args.size_mb << 20))  # touched, as a model is
             return {}
         if self.kind in ("ours", "torchft"):
@@ -183,7 +195,9 @@ class Role:
     def connect(self, peer: dict) -> None:
         """Second half of setup, once both sides are listening."""
         if self.kind == "tcp" and self.side == "server":
-            self.sock, _ = self.listener.accept()
+            self.socks = [self.listener.accept()[0] for _ in range(self.streams)]
+            if self.streams > 1:  # the streams' slices of one flat buffer, touched as a model is
+                self.buffer = memoryview(bytearray(b"\1") * (self.args.size_mb << 20))
         if self.kind == "pg":
             import torch.distributed as dist
 
@@ -218,18 +232,21 @@ class Role:
 
         self.received = None
         started = time.perf_counter()
-        if self.kind == "tcp":
+        if self.kind == "tcp" and self.streams > 1:
+            _in_parallel(self.socks, self.buffer, sending=self.side == "server")
+        elif self.kind == "tcp":
             checked = self.case == "tcp-sum64"  # the same stream with our block checksum on both sides
+            sock = self.socks[0]
             if self.side == "server":
                 for tensor in tensors_of(self.state):
                     view = _bytes_of(tensor)
                     for start in range(0, len(view), 1 << 20) if checked else ():
                         _sum64(view[start:start + (1 << 20)])
-                    self.sock.sendall(view)
+                    sock.sendall(view)
             else:
                 view, got = self.buffer, 0
                 while got < len(view):
-                    n = self.sock.recv_into(view[got:], min(len(view) - got, 8 << 20))
+                    n = sock.recv_into(view[got:], min(len(view) - got, 8 << 20))
                     if n == 0:
                         raise ConnectionError("the raw TCP server closed early")
                     if checked:
@@ -269,7 +286,37 @@ class Role:
         if self.kind in ("ours", "torchft"):
             self.transport.shutdown()
         if self.kind == "tcp":
-            self.sock.close()
+            for sock in self.socks:
+                sock.close()
+
+
+def _in_parallel(socks: list[socket.socket], buffer: memoryview, *, sending: bool) -> None:
+    """Move ``buffer`` over ``socks``, slice ``i`` on stream ``i``, each stream on a thread of its own."""
+    edges = [len(buffer) * i // len(socks) for i in range(len(socks) + 1)]
+    errors: list[BaseException] = []
+
+    def move(sock: socket.socket, view: memoryview) -> None:
+        try:
+            if sending:
+                sock.sendall(view)
+                return
+            got = 0
+            while got < len(view):
+                n = sock.recv_into(view[got:], min(len(view) - got, 8 << 20))
+                if n == 0:
+                    raise ConnectionError("a raw TCP stream closed early")
+                got += n
+        except BaseException as exc:  # noqa: BLE001 - raised below, on the caller's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=move, args=(sock, buffer[edges[i]:edges[i + 1]]))
+               for i, sock in enumerate(socks)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
 
 
 def _into_model(received: dict, model: dict) -> None:
@@ -477,7 +524,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tensor-mb", type=int, default=4, help="MiB per tensor (the last one takes the rest)")
     parser.add_argument("--steps", type=int, default=5, help="transfers per case; the median is reported")
     parser.add_argument("--cases", default=",".join(ALL_CASES),
-                        help="comma-separated subset of " + ",".join(ALL_CASES) + " (tcp, the ceiling, always runs)")
+                        help="comma-separated subset of " + ",".join(ALL_CASES) + " (tcp, the ceiling, always runs), and "
+                        "tcp-N (N >= 2 parallel raw streams), tcp-all (N = 2 .. the usable cores), ours-N[-inplace] (any N)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for any one answer")
     parser.add_argument("--receiver", choices=RECEIVERS, default="lean",
                         help="the HTTP client our cases heal through: the package's lean one, or aiohttp's")
@@ -493,7 +541,11 @@ def main(argv: list[str] | None = None) -> int:
         child_main(case, side, args)
         return 0
     cases = [case for case in args.cases.split(",") if case]
-    unknown = sorted(set(cases) - set(ALL_CASES))
+    if "tcp-all" in cases:  # every stream count the cores could use (tcp itself is one stream)
+        at = cases.index("tcp-all")
+        cases[at:at + 1] = [f"tcp-{n}" for n in range(2, max(2, len(os.sched_getaffinity(0))) + 1)]
+    unknown = sorted(case for case in set(cases) - set(ALL_CASES)
+                     if not (MULTI_STREAM.fullmatch(case) and int(case[4:]) >= 2) and not OUR_CHUNKS.fullmatch(case))
     if unknown:
         parser.error(f"unknown cases {unknown}")
     skipped = []

@@ -33,7 +33,10 @@ def test_ours_default_is_compared_with_torchfts_best_case_in_every_view():
     assert default["first_transfer"]["vs_tcp"] == result["first_vs_tcp"]["ours-default"]
     assert default["repeated"]["vs_tcp"] == result["repeated_vs_tcp"]["ours-default"]
     assert set(result["targets_met_default"]) == {"first_vs_torchft_ge_1.5", "repeated_vs_torchft_ge_1.0",
-                                                  "vs_loopback_ge_0.5"}
+                                                  "vs_loopback_ge_0.5", "all_steps_vs_torchft_ge_1.0",
+                                                  "vs_multi_stream_ge_0.6"}
+    # no tcp-N case ran: the multi-stream ceiling is the one stream
+    assert all(default[view]["multi_stream_case"] == "tcp" for view in ("all_steps", "first_transfer", "repeated"))
     if TORCHFT:
         for view in ("all_steps", "first_transfer", "repeated"):
             theirs = {case: result[key][case] for case in ("torchft-0", "torchft-2")

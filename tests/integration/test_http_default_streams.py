@@ -7,6 +7,7 @@ serve no ranges (no header route, everything for any request, or no
 advertisement) still heal.
 """
 
+import threading
 import time
 from datetime import timedelta
 
@@ -16,6 +17,7 @@ import torch
 from tests.conftest import WAIT
 from tests.integration.helpers import response
 from torchft_lite.checkpointing import _streams
+from torchft_lite.checkpointing._body_sinks import DataSink
 from torchft_lite.serialization import encode, prefault
 
 pytestmark = pytest.mark.integration
@@ -79,6 +81,49 @@ def test_a_large_state_dict_comes_over_several_streams_by_default(make_transport
     data_bytes = sum(t.numel() * t.element_size() for t in sent["model"].values())
     assert ranges[0][0] == 0 and ranges[-1][1] == data_bytes
     assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))  # they tile the data
+
+
+def test_where_the_cpus_allow_one_stream_the_whole_encoding_comes_in_one_get(make_transport, monkeypatch):
+    """Asking for the header first would only cost a round trip: the data would come in one range anyway."""
+    monkeypatch.setattr(_streams, "usable_cpus", lambda: 3)
+    monkeypatch.setattr(_streams, "BYTES_PER_STREAM", MiB)  # the size alone would ask for 8
+    sent = big_state()
+    server, client = make_transport(), make_transport()
+    asked = record_requests(server)
+    server.send_checkpoint([1], 5, sent, LONG)
+    assert_same(client.recv_checkpoint(0, server.metadata(), 5, LONG), sent)
+    server.disallow_checkpoint()
+    assert [part for part, _, _ in asked] == ["all"]
+
+
+@pytest.mark.parametrize("cpus, threaded", [(8, True), (3, False)])
+def test_ranges_are_read_and_sent_on_threads_only_where_cores_are_to_spare(make_transport, monkeypatch, cpus,
+                                                                          threaded):
+    monkeypatch.setattr(_streams, "usable_cpus", lambda: cpus)
+    where: dict[str, set[str]] = {"read": set(), "sent": set()}
+    filled, summed = DataSink.filled, encode.EncodedStateDict.checksum
+
+    def reading(self, count):
+        where["read"].add(threading.current_thread().name)
+        return filled(self, count)
+
+    def summing(self, index):  # the sending side sums each block as it produces it for the send
+        where["sent"].add(threading.current_thread().name)
+        return summed(self, index)
+
+    monkeypatch.setattr(DataSink, "filled", reading)
+    monkeypatch.setattr(encode.EncodedStateDict, "checksum", summing)
+    sent = big_state()
+    server, client = make_transport(), make_transport(num_chunks=4)
+    server.send_checkpoint([1], 5, sent, LONG)
+    assert_same(client.recv_checkpoint(0, server.metadata(), 5, LONG), sent)
+    server.disallow_checkpoint()
+    for side, prefix in (("read", "torchft-heal-read"), ("sent", "torchft-heal-send")):
+        on_threads = {name for name in where[side] if name.startswith(prefix)}
+        if threaded:
+            assert on_threads == where[side] and len(on_threads) > 1, where  # several streams, several threads
+        else:
+            assert not on_threads and where[side], where
 
 
 def test_the_sources_advertisement_caps_the_streams(make_transport, monkeypatch):

@@ -21,7 +21,7 @@ import torch
 
 from tests.conftest import WAIT, read_header
 from tests.integration.helpers import bearer, digest, fetch
-from torchft_lite.checkpointing import HTTPTransport, _http_receive
+from torchft_lite.checkpointing import HTTPTransport, _http_receive, _streams
 from torchft_lite.serialization import checksum, encode, spec
 
 pytestmark = pytest.mark.integration
@@ -29,6 +29,14 @@ pytestmark = pytest.mark.integration
 LONG = timedelta(seconds=WAIT)
 HOUR = timedelta(hours=1)  # a send timeout no test waits out: a prompt release proves the receiver reported
 LOGGER = "torchft_lite.checkpointing.http_transport"
+
+
+@pytest.fixture(autouse=True, params=[2, 8], ids=["2cpus-loop", "8cpus-threads"])
+def cpus(request, monkeypatch):
+    """Every test twice: ranges read and sent on the event loop (as on this machine), and on a thread each (as
+    where there are cores to spare, ``_streams.THREADS_FROM_CPUS``)."""
+    monkeypatch.setattr(_streams, "usable_cpus", lambda: request.param)
+    return request.param
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ import torch
 from benchmarks._throwaway_pki import openssl_missing
 from tests.conftest import WAIT, running_lighthouse, wait_until
 from tests.integration.helpers import manager_server, same_encoding
+from torchft_lite.checkpointing import _streams
 from torchft_lite.errors import CheckpointError, CheckpointURLError, ConfigError
 from torchft_lite.group_server.client import ManagerStub
 from torchft_lite.rpc.access import TOKEN_ENV, Access
@@ -208,7 +209,9 @@ def state_dict() -> dict:
             "h": torch.randn(17, 33, generator=generator).to(torch.bfloat16), "step": 9, "lr": 0.125}
 
 
-def test_a_heal_over_tls_is_bit_identical(make_transport, pki):
+@pytest.mark.parametrize("cpus", [2, 8], ids=["ranges-on-the-loop", "ranges-on-threads"])
+def test_a_heal_over_tls_is_bit_identical(make_transport, pki, monkeypatch, cpus):
+    monkeypatch.setattr(_streams, "usable_cpus", lambda: cpus)  # 8: the ranged receiver reads on threads
     tls = job_tls(pki)
     sent = state_dict()
     source = make_transport(access=Access(TOKEN), tls=tls)
@@ -225,7 +228,9 @@ def test_a_heal_over_tls_is_bit_identical(make_transport, pki):
     assert source.statistics().bytes_served > 3 * sent["w"].numel() * 4
 
 
-def test_a_heal_striped_over_two_tls_sources(make_transport, pki):
+@pytest.mark.parametrize("cpus", [2, 8], ids=["ranges-on-the-loop", "ranges-on-threads"])
+def test_a_heal_striped_over_two_tls_sources(make_transport, pki, monkeypatch, cpus):
+    monkeypatch.setattr(_streams, "usable_cpus", lambda: cpus)
     tls = job_tls(pki)
     sent = state_dict()
     primary, secondary = make_transport(access=Access(TOKEN), tls=tls), make_transport(access=Access(TOKEN), tls=tls)

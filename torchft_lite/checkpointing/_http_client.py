@@ -14,15 +14,17 @@ the checkpoint server answers is understood: a status line, headers with a
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import socket
 import ssl
+import threading
 import urllib.parse
 from typing import Callable, Protocol
 
 from torchft_lite.errors import CheckpointTransferError
 
-__all__ = ["BodySink", "HTTPStatusError", "get_into", "post"]
+__all__ = ["BodySink", "HTTPStatusError", "get_into", "get_into_on_thread", "parse_head", "post"]
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +35,8 @@ RECEIVE_BUFFER_BYTES = 8 << 20
 # reads. Without it a fast receiver wakes for every 64-256 KiB that arrives, and the per-read work (finding
 # the destination, counting) adds up to a fifth of a transfer's time.
 LOW_WATER_BYTES = 512 << 10
+CONNECT_SECONDS = 10.0
+"""How long a reading thread waits for a connection (the one call of its own that abort() can't cut short)."""
 
 
 class BodySink(Protocol):
@@ -81,6 +85,25 @@ class _Discard:
 
     def filled(self, count: int) -> None:
         pass
+
+
+def parse_head(head: bytes | bytearray) -> tuple[int, dict[str, str], int]:
+    """Status, headers (names in lower case) and body length of a response head (without its blank line)."""
+    lines = bytes(head).decode("latin-1").split("\r\n")
+    parts = lines[0].split(" ", 2)
+    if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
+        raise CheckpointTransferError(f"not an HTTP response: {lines[0][:80]!r}")
+    headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        headers[name.strip().lower()] = value.strip()
+    if "transfer-encoding" in headers or not headers.get("content-length", "").isdigit():
+        raise CheckpointTransferError("the checkpoint server's answer has no Content-Length")
+    return int(parts[1]), headers, int(headers["content-length"])
+
+
+def _error_of(status: int, sink: _ErrorText) -> HTTPStatusError:
+    return HTTPStatusError(status, bytes(sink.data[:sink.count]).decode(errors="replace"))
 
 
 class _ResponseProtocol(asyncio.BufferedProtocol):
@@ -133,19 +156,7 @@ class _ResponseProtocol(asyncio.BufferedProtocol):
             if len(self._head) > MAX_HEAD_BYTES:
                 raise CheckpointTransferError(f"the response head exceeds {MAX_HEAD_BYTES} bytes")
             return
-        lines = bytes(self._head[:end]).decode("latin-1").split("\r\n")
-        parts = lines[0].split(" ", 2)
-        if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
-            raise CheckpointTransferError(f"not an HTTP response: {lines[0][:80]!r}")
-        headers = {}
-        for line in lines[1:]:
-            name, _, value = line.partition(":")
-            headers[name.strip().lower()] = value.strip()
-        if "transfer-encoding" in headers or not headers.get("content-length", "").isdigit():
-            raise CheckpointTransferError("the checkpoint server's answer has no Content-Length")
-        self.status = int(parts[1])
-        self.headers = headers
-        self._remaining = int(headers["content-length"])
+        self.status, self.headers, self._remaining = parse_head(self._head[:end])
         self._sink = self._sink_for(self._remaining) if self.status == 200 else _ErrorText(self._remaining)
         body = memoryview(self._head)[end + 4:]
         while len(body) and self._remaining and not self.done.done():
@@ -168,8 +179,7 @@ class _ResponseProtocol(asyncio.BufferedProtocol):
                 self.done.set_result(None)
             else:
                 assert isinstance(self._sink, _ErrorText)
-                text = bytes(self._sink.data[:self._sink.count]).decode(errors="replace")
-                self.done.set_exception(HTTPStatusError(self.status, text))
+                self.done.set_exception(_error_of(self.status, self._sink))
 
     def _set_low_water(self, count: int) -> None:
         """Never above what is still to come: the last bytes must wake the loop too."""
@@ -221,31 +231,61 @@ async def post(url: str, params: dict[str, str], headers: dict[str, str], *,
     await _request("POST", url, params, headers, _Discard, tls)
 
 
-async def _request(method: str, url: str, params: dict[str, str], headers: dict[str, str],
-                   sink_for: Callable[[int], BodySink], tls: ssl.SSLContext | None) -> dict[str, str]:
+def _target(method: str, url: str, params: dict[str, str], headers: dict[str, str],
+            tls: ssl.SSLContext | None) -> tuple[str, int, bytes]:
+    """Host, port and request bytes of ``method url?params`` (one request per connection)."""
     parsed = urllib.parse.urlsplit(url)
     if parsed.scheme not in ("http", "https") or parsed.hostname is None:
         raise CheckpointTransferError(f"not an http:// or https:// URL: {url!r}")
     if parsed.scheme == "https" and tls is None:
         raise CheckpointTransferError(f"{url!r} needs TLS, and no TLS context was given")
     host, port = parsed.hostname, parsed.port or (443 if parsed.scheme == "https" else 80)
+    authority = f"[{host}]" if ":" in host else host
+    target = (parsed.path or "/") + ("?" + urllib.parse.urlencode(params) if params else "")
+    lines = [f"{method} {target} HTTP/1.1", f"Host: {authority}:{port}", "Connection: close",
+             "Accept-Encoding: identity", *(["Content-Length: 0"] if method == "POST" else []),
+             *(f"{name}: {value}" for name, value in headers.items())]
+    return host, port, ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+def _enlarge_receive_buffer(sock: socket.socket | None) -> None:
+    if sock is None:
+        return
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER_BYTES)
+    except OSError as exc:  # the kernel's default then; only throughput suffers
+        logger.debug("could not enlarge the receive buffer: %r", exc)
+
+
+class _LowWater:
+    """A socket's ``SO_RCVLOWAT``: a blocking read returns once that many bytes are in (or the stream ended).
+    Left alone over TLS (``sock`` None), where the socket carries records, not the body's bytes."""
+
+    def __init__(self, sock: socket.socket | None) -> None:
+        self._sock, self._count = sock, 1
+
+    def set(self, count: int) -> None:
+        count = max(count, 1)
+        if self._sock is None or count == self._count:
+            return
+        try:
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, count)
+            self._count = count
+        except OSError as exc:  # not supported: every read is just smaller
+            logger.debug("could not set SO_RCVLOWAT to %d: %r", count, exc)
+            self._sock = None
+
+
+async def _request(method: str, url: str, params: dict[str, str], headers: dict[str, str],
+                   sink_for: Callable[[int], BodySink], tls: ssl.SSLContext | None) -> dict[str, str]:
+    host, port, request = _target(method, url, params, headers, tls)
     loop = asyncio.get_running_loop()
     secure = {} if tls is None else {"ssl": tls, "server_hostname": host}
     transport, protocol = await loop.create_connection(lambda: _ResponseProtocol(sink_for, low_water=tls is None),
                                                        host, port, **secure)
     try:
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER_BYTES)
-            except OSError as exc:  # the kernel's default then; only throughput suffers
-                logger.debug("could not enlarge the receive buffer: %r", exc)
-        authority = f"[{host}]" if ":" in host else host
-        target = (parsed.path or "/") + ("?" + urllib.parse.urlencode(params) if params else "")
-        lines = [f"{method} {target} HTTP/1.1", f"Host: {authority}:{port}", "Connection: close",
-                 "Accept-Encoding: identity", *(["Content-Length: 0"] if method == "POST" else []),
-                 *(f"{name}: {value}" for name, value in headers.items())]
-        transport.write(("\r\n".join(lines) + "\r\n\r\n").encode("latin-1"))
+        _enlarge_receive_buffer(transport.get_extra_info("socket"))
+        transport.write(request)
         await protocol.done
         return protocol.headers
     finally:
@@ -253,3 +293,103 @@ async def _request(method: str, url: str, params: dict[str, str], headers: dict[
             transport.close()
         else:
             transport.abort()
+
+
+# ---------------------------------------------------------------- read on a thread of its own
+
+
+async def get_into_on_thread(url: str, params: dict[str, str], headers: dict[str, str],
+                             sink_for: Callable[[int], BodySink], *, executor: concurrent.futures.Executor,
+                             tls: ssl.SSLContext | None = None) -> dict[str, str]:
+    """:func:`get_into`, with the socket read on a thread of ``executor`` instead of the event loop.
+
+    The thread makes blocking reads straight into the sink's views (one copy, the kernel's, as on the loop),
+    so several responses read at once use as many cores, and the control-plane loop stays free. The sink is
+    called from that thread: several such reads may share a ``TensorWriter`` only over disjoint blocks.
+    Cancelling the call shuts the socket down and returns once the thread has stopped writing into the sink.
+    """
+    host, port, request = _target("GET", url, params, headers, tls)
+    reader = _ThreadedResponse(sink_for)
+    future = asyncio.get_running_loop().run_in_executor(executor, reader.run, host, port, request, tls)
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        reader.abort()
+        try:
+            await future  # the thread is done with the sink before a caller may hand its blocks to another fetch
+        except BaseException:  # noqa: BLE001 - it fails with the closed socket; the cancellation is what matters
+            pass
+        raise
+
+
+class _ThreadedResponse:
+    """One response read by blocking calls on one thread; :meth:`abort` (from any thread) makes them return."""
+
+    def __init__(self, sink_for: Callable[[int], BodySink]) -> None:
+        self._sink_for = sink_for
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._aborted = False
+
+    def abort(self) -> None:
+        with self._lock:
+            self._aborted = True
+            if self._sock is not None:
+                try:
+                    self._sock.shutdown(socket.SHUT_RDWR)  # a blocked recv_into returns at once
+                except OSError:
+                    pass
+
+    def _hold(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._sock = sock
+            if self._aborted:
+                raise ConnectionAbortedError("the fetch was cancelled")
+
+    def run(self, host: str, port: int, request: bytes, tls: ssl.SSLContext | None) -> dict[str, str]:
+        sock = socket.create_connection((host, port), timeout=CONNECT_SECONDS)
+        try:
+            sock.settimeout(None)  # from here on abort() ends a blocked call, and the heal's timeout calls it
+            self._hold(sock)
+            _enlarge_receive_buffer(sock)
+            if tls is not None:
+                sock = tls.wrap_socket(sock, server_hostname=host)
+                self._hold(sock)
+            sock.sendall(request)
+            return self._read(sock, tls_free=tls is None)
+        finally:
+            sock.close()
+
+    def _read(self, sock: socket.socket, tls_free: bool) -> dict[str, str]:
+        head, scratch = bytearray(), memoryview(bytearray(MAX_HEAD_BYTES))
+        while (end := head.find(b"\r\n\r\n")) < 0:
+            if len(head) > MAX_HEAD_BYTES:
+                raise CheckpointTransferError(f"the response head exceeds {MAX_HEAD_BYTES} bytes")
+            count = sock.recv_into(scratch)
+            if count == 0:
+                raise ConnectionResetError("the connection closed before an answer")
+            head += scratch[:count]
+        status, headers, remaining = parse_head(head[:end])
+        sink = self._sink_for(remaining) if status == 200 else _ErrorText(remaining)
+        body = memoryview(head)[end + 4:]
+        if len(body) > remaining:
+            raise CheckpointTransferError("the server sent more body bytes than it declared")
+        while len(body):
+            destination = sink.buffer()
+            count = min(len(destination), len(body))
+            destination[:count] = body[:count]
+            sink.filled(count)
+            body, remaining = body[count:], remaining - count
+        low_water = _LowWater(sock if tls_free else None)
+        while remaining:
+            low_water.set(min(LOW_WATER_BYTES, remaining))  # fewer, larger reads, as on the loop
+            count = sock.recv_into(sink.buffer()[:remaining])
+            if count == 0:
+                raise CheckpointTransferError(
+                    f"checkpoint truncated: the connection closed with {remaining} body bytes missing")
+            sink.filled(count)
+            remaining -= count
+        if status != 200:
+            assert isinstance(sink, _ErrorText)
+            raise _error_of(status, sink)
+        return headers

@@ -120,7 +120,8 @@ class Receiver:
         primary = urls[0]  # what fails a heal, other than its timeout, is the primary's
         try:
             async with asyncio.timeout(timeout):
-                if len(urls) == 1 and self._num_chunks is not None and self._num_chunks <= 1:
+                one_stream = self._num_chunks <= 1 if self._num_chunks is not None else _streams.one_stream_here()
+                if len(urls) == 1 and one_stream:
                     sink, _ = await self._get_encoded(heal, primary, "", targets, header_only=False)
                     writer = sink.complete_writer()
                 else:
@@ -216,7 +217,12 @@ class Receiver:
             return sink
 
         params = self._params(heal, start=part.start, end=part.end)
-        await _http_client.get_into(f"{url}/data", params, self._auth_headers(), data_sink, tls=self._tls_for(url))
+        if heal.stager is None and _streams.on_threads():  # host targets, cores to spare: a thread per range
+            await _http_client.get_into_on_thread(f"{url}/data", params, self._auth_headers(), data_sink,
+                                                  executor=_streams.readers(), tls=self._tls_for(url))
+        else:  # GPU targets land through the one staging ring, which the event loop alone fills; or few cores
+            await _http_client.get_into(f"{url}/data", params, self._auth_headers(), data_sink,
+                                        tls=self._tls_for(url))
 
     async def _fetch_ranges(self, heal: _Heal, targets: dict[Path, Any]) -> TensorWriter:
         """The primary's header, then the data in block-aligned ranges fetched at once from every source.

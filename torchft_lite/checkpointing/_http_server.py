@@ -23,8 +23,8 @@ from typing import Iterable
 from aiohttp import web
 
 from torchft_lite.checkpointing._http_snapshot import Session, Snapshot
-from torchft_lite.checkpointing._http_socket import ABORT_GRACE, flushed, tune
-from torchft_lite.checkpointing._streams import ADVERTISE_HEADER, SERVED_STREAMS
+from torchft_lite.checkpointing._http_socket import ABORT_GRACE, flushed, send_on_thread, tune
+from torchft_lite.checkpointing._streams import ADVERTISE_HEADER, on_threads, served_streams
 from torchft_lite.errors import CheckpointError
 from torchft_lite.rpc.access import Access
 from torchft_lite.rpc.refusals import RefusalLog
@@ -51,8 +51,8 @@ class CheckpointServer:
         hostname: the name the transport advertises, for the log.
         tls: serve HTTPS with this context (``TlsSettings.server_context()``); None: plain HTTP.
         streams: how many concurrent range requests one receiver may make, advertised in every
-            answer's ``X-Checkpoint-Streams`` (see ``_streams``); it bounds the default, not an explicit
-            ``num_chunks``.
+            answer's ``X-Checkpoint-Streams`` (None: ``_streams.served_streams()``, from this host's CPUs); it
+            bounds the default, not an explicit ``num_chunks``.
 
     The transport reads ``snapshot``, ``last_step``, ``held`` and
     ``bytes_served`` from the training thread (plain attributes, for its
@@ -60,9 +60,9 @@ class CheckpointServer:
     """
 
     def __init__(self, timeout: float, access: Access, hostname: str, tls: ssl.SSLContext | None = None,
-                 streams: int = SERVED_STREAMS) -> None:
+                 streams: int | None = None) -> None:
         self._timeout = timeout
-        self._streams = streams
+        self._streams = served_streams() if streams is None else streams
         self._tls = tls
         self._access = access
         self._refusals = RefusalLog("checkpoint server")
@@ -307,12 +307,20 @@ class CheckpointServer:
             response.content_length = length
             await response.prepare(request)
             tune(request.transport)
-            for piece in pieces:  # views of tensor memory, written without a copy
-                if snapshot.closed:
-                    raise ConnectionAbortedError(f"step {step} was released mid-stream")
-                await response.write(piece)
-                session.bytes_sent += len(piece)
-                self.bytes_served += len(piece)
+
+            def sent(count: int) -> None:
+                session.bytes_sent += count
+                self.bytes_served += count
+
+            if part == "data" and self._tls is None and request.transport is not None and on_threads():
+                # A data range is one of several streams: sent from a thread, so they take as many cores.
+                await send_on_thread(request.transport, pieces, lambda: snapshot.closed, sent, self._timeout)
+            else:
+                for piece in pieces:  # views of tensor memory, written without a copy
+                    if snapshot.closed:
+                        raise ConnectionAbortedError(f"step {step} was released mid-stream")
+                    await response.write(piece)
+                    sent(len(piece))
             # Until the kernel has taken every byte, the transport may still hold views of tensor memory:
             # only then may this session count as finished (and the trainer mutate the state dict).
             await flushed(request.transport)
@@ -327,7 +335,7 @@ class CheckpointServer:
         except web.HTTPException:
             await self._finish(snapshot, session, ok=False)  # the receiver fails, and won't say so
             raise
-        except (ConnectionError, asyncio.CancelledError) as exc:
+        except (ConnectionError, TimeoutError, asyncio.CancelledError) as exc:  # TimeoutError: a threaded send's
             if request.transport is not None:
                 request.transport.abort()  # drop what is buffered: a graceful close would trickle it out
             await self._finish(snapshot, session, ok=False)

@@ -10,12 +10,16 @@ resolves to where this server binds one.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
+import os
 import socket
+import threading
+from typing import Callable, Iterable
 
 from torchft_lite.rpc.addresses import dual_stack_socket
 
-__all__ = ["QUEUE_BYTES", "SEND_BUFFER_BYTES", "flushed", "listen", "tune"]
+__all__ = ["QUEUE_BYTES", "SEND_BUFFER_BYTES", "flushed", "listen", "send_on_thread", "tune"]
 
 logger = logging.getLogger("torchft_lite.checkpointing.http_transport")  # one logger for the transport
 
@@ -69,3 +73,79 @@ async def flushed(transport: asyncio.BaseTransport | None) -> None:
             and transport.get_write_buffer_size():  # type: ignore[attr-defined]
         await asyncio.sleep(delay)
         delay = min(2 * delay, 0.005)
+
+
+_senders: concurrent.futures.ThreadPoolExecutor | None = None
+_senders_lock = threading.Lock()
+_REPORT_BYTES = 32 << 20  # bytes a sending thread sends between two reports to the loop
+MAX_SENDING_THREADS = 32
+"""Data ranges sent at once on threads (a source serves a few receivers, each over a few streams); more wait."""
+
+
+def _sender_pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _senders
+    with _senders_lock:
+        if _senders is None:
+            _senders = concurrent.futures.ThreadPoolExecutor(MAX_SENDING_THREADS,
+                                                             thread_name_prefix="torchft-heal-send")
+        return _senders
+
+
+async def send_on_thread(transport: asyncio.BaseTransport, pieces: Iterable[memoryview | bytes],
+                         stopped: Callable[[], bool], sent: Callable[[int], None], timeout: float) -> None:
+    """Write ``pieces`` to ``transport``'s socket from a thread of their own, not from the event loop.
+
+    So that the streams of a heal are sent on as many cores (each piece's checksum, computed as the piece is
+    produced, too). The thread writes through a duplicate of the socket's descriptor, after everything the
+    transport had queued is out (the response's head) and while nothing else writes to it; every send waits
+    at most ``timeout`` for the kernel to take bytes. ``stopped()`` is asked before each piece (a release),
+    and ``sent(count)`` is called on the loop every few MiB sent. Cancelling shuts the socket down and returns once
+    the thread has stopped reading tensor memory. Plain TCP only: over TLS the transport encrypts.
+    """
+    await flushed(transport)
+    sock = transport.get_extra_info("socket")
+    if sock is None or transport.is_closing():
+        raise ConnectionResetError("the connection closed before the data was sent")
+    duplicate = socket.socket(fileno=os.dup(sock.fileno()))
+    duplicate.settimeout(timeout)  # a send that waits longer fails (socket.timeout, an OSError)
+    loop = asyncio.get_running_loop()
+
+    def report(count: int) -> None:
+        try:
+            loop.call_soon_threadsafe(sent, count)
+        except RuntimeError:  # the loop has closed (the process is exiting): nobody reads the count
+            pass
+
+    def send() -> None:
+        unreported = 0
+        try:
+            for piece in pieces:
+                if stopped():
+                    raise ConnectionAbortedError("the step was released mid-stream")
+                duplicate.sendall(piece)
+                unreported += len(piece)
+                if unreported >= _REPORT_BYTES:  # a wake-up of the loop per piece would cost it a core's share
+                    report(unreported)
+                    unreported = 0
+        finally:
+            if unreported:
+                report(unreported)
+
+    future = loop.run_in_executor(_sender_pool(), send)
+    try:
+        await asyncio.shield(future)
+    except asyncio.CancelledError:
+        try:
+            duplicate.shutdown(socket.SHUT_RDWR)  # a blocked send returns at once
+        except OSError:
+            pass
+        try:
+            await future  # the thread no longer reads tensor memory the trainer may now change
+        except BaseException:  # noqa: BLE001 - it fails with the shut socket; the cancellation is what matters
+            pass
+        raise
+    finally:
+        if future.done():
+            duplicate.close()
+        else:  # cancelled and still running (never: the wait above is for it); the descriptor leaks rather
+            future.add_done_callback(lambda _: duplicate.close())  # than closing under a live send

@@ -88,8 +88,10 @@ class DefaultWiring:
         if transport is None:
             from torchft_lite.checkpointing import HTTPTransport
 
-            # defer_server: the healer warms the server at the second step's vote (off a restart's join path)
-            transport = HTTPTransport(timeout=s.timeouts.step, num_chunks=0, hostname=s.hostname,
+            # defer_server: the healer warms the server at the second step's vote (off a restart's join path).
+            # num_chunks unset: each heal's streams come from its size, the source and this host's CPUs (one GET
+            # where the CPUs allow one stream; see checkpointing._streams).
+            transport = HTTPTransport(timeout=s.timeouts.step, hostname=s.hostname,
                                       state_dict=in_place_targets if heal_in_place else None, defer_server=True)
         # Advertised to the quorum: a source waits for every receiver it is told
         # of, so a group must not offer to stripe unless its transport does.
