@@ -82,7 +82,7 @@ def use_aiohttp_for_heals() -> None:
     twin ``get_into_on_thread`` for data ranges) through the module, so replacing the module's functions swaps
     the client: aiohttp reads every answer on the event loop. Its ``done`` reports stay on the lean client's POST.
     """
-    async def on_the_loop(url, params, headers, sink_for, *, executor=None, tls=None):
+    async def on_the_loop(url, params, headers, sink_for, *, timeout=None, tls=None):
         return await get_into(url, params, headers, sink_for, tls=tls)
 
     lean.get_into = get_into  # type: ignore[assignment]

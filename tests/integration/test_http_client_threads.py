@@ -4,13 +4,13 @@ threaded read has stopped writing into its sink by the time the cancellation ret
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import socket
 import threading
 
 import pytest
 
-from torchft_lite.checkpointing import _http_client
+from tests.conftest import WAIT
+from torchft_lite.checkpointing import _http_client, _streams
 from torchft_lite.errors import CheckpointTransferError
 
 BODY = bytes(range(256)) * 4096  # 1 MiB
@@ -81,23 +81,16 @@ def head(status: int, length: int) -> bytes:
     return f"HTTP/1.1 {status} X\r\nContent-Length: {length}\r\n\r\n".encode()
 
 
-@pytest.fixture
-def executor():
-    pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="test-read")
-    yield pool
-    pool.shutdown(wait=True)
-
-
-def fetch(on_thread: bool, url: str, sink_for, executor) -> dict[str, str]:
+def fetch(on_thread: bool, url: str, sink_for) -> dict[str, str]:
     async def call():
         if on_thread:
-            return await _http_client.get_into_on_thread(url, {"a": "1"}, {}, sink_for, executor=executor)
+            return await _http_client.get_into_on_thread(url, {"a": "1"}, {}, sink_for, timeout=WAIT)
         return await _http_client.get_into(url, {"a": "1"}, {}, sink_for)
     return asyncio.run(call())
 
 
 @pytest.mark.parametrize("on_thread", [False, True], ids=["loop", "thread"])
-def test_a_body_sent_in_pieces_lands_whole(on_thread, executor):
+def test_a_body_sent_in_pieces_lands_whole(on_thread):
     def answer(conn):
         conn.sendall(head(200, len(BODY)) + BODY[:10])  # the head and the body's first bytes in one segment
         for start in range(10, len(BODY), 300_001):
@@ -106,7 +99,7 @@ def test_a_body_sent_in_pieces_lands_whole(on_thread, executor):
     server = OneShotServer(answer)
     sinks: list[Sink] = []
     try:
-        headers = fetch(on_thread, server.url, lambda n: sinks.append(Sink(n)) or sinks[-1], executor)
+        headers = fetch(on_thread, server.url, lambda n: sinks.append(Sink(n)) or sinks[-1])
     finally:
         server.close()
     assert headers["content-length"] == str(len(BODY))
@@ -114,39 +107,39 @@ def test_a_body_sent_in_pieces_lands_whole(on_thread, executor):
 
 
 @pytest.mark.parametrize("on_thread", [False, True], ids=["loop", "thread"])
-def test_an_error_status_raises_with_the_body_text(on_thread, executor):
+def test_an_error_status_raises_with_the_body_text(on_thread):
     server = OneShotServer(lambda conn: conn.sendall(head(404, 9) + b"not found"))
     try:
         with pytest.raises(_http_client.HTTPStatusError, match="HTTP 404: not found"):
-            fetch(on_thread, server.url, Sink, executor)
+            fetch(on_thread, server.url, Sink)
     finally:
         server.close()
 
 
 @pytest.mark.parametrize("on_thread", [False, True], ids=["loop", "thread"])
-def test_a_truncated_body_fails(on_thread, executor):
+def test_a_truncated_body_fails(on_thread):
     server = OneShotServer(lambda conn: conn.sendall(head(200, 100) + b"x" * 60))
     try:
         with pytest.raises(CheckpointTransferError, match="40 body bytes missing"):
-            fetch(on_thread, server.url, Sink, executor)
+            fetch(on_thread, server.url, Sink)
     finally:
         server.close()
 
 
 @pytest.mark.parametrize("on_thread", [False, True], ids=["loop", "thread"])
-def test_a_refusing_sink_fails_the_fetch(on_thread, executor):
+def test_a_refusing_sink_fails_the_fetch(on_thread):
     def refuse(length: int):
         raise CheckpointTransferError(f"not {length} bytes")
 
     server = OneShotServer(lambda conn: conn.sendall(head(200, 5) + b"hello"))
     try:
         with pytest.raises(CheckpointTransferError, match="not 5 bytes"):
-            fetch(on_thread, server.url, refuse, executor)
+            fetch(on_thread, server.url, refuse)
     finally:
         server.close()
 
 
-def test_a_cancelled_threaded_read_writes_nothing_once_cancelled(executor):
+def test_a_cancelled_threaded_read_writes_nothing_once_cancelled():
     """The receiver hands a cancelled range's blocks to another fetch at once: the old thread must be done."""
     more = threading.Event()
 
@@ -160,7 +153,7 @@ def test_a_cancelled_threaded_read_writes_nothing_once_cancelled(executor):
 
     async def scenario() -> int:
         task = asyncio.create_task(_http_client.get_into_on_thread(
-            server.url, {}, {}, lambda n: sinks.append(Sink(n)) or sinks[-1], executor=executor))
+            server.url, {}, {}, lambda n: sinks.append(Sink(n)) or sinks[-1], timeout=WAIT))
         while not sinks or sinks[0].count < 1000:
             await asyncio.sleep(0.01)
         task.cancel()
@@ -175,3 +168,37 @@ def test_a_cancelled_threaded_read_writes_nothing_once_cancelled(executor):
         server.close()  # joins the server's thread: it has sent the rest, or failed to
     # the socket was shut down and the thread had returned before the cancellation did: nothing more landed
     assert sinks[0].calls == calls and sinks[0].count == 1000
+
+
+def test_a_threaded_read_gives_up_after_its_timeout_even_if_nobody_cancels_it():
+    """The backstop for a read nobody cancels (its event loop gone): the thread ends on its own."""
+    stalled = threading.Event()
+
+    def answer(conn):
+        conn.sendall(head(200, 100) + b"x" * 10)
+        stalled.wait(timeout=30)
+
+    server = OneShotServer(answer)
+
+    async def call():
+        return await _http_client.get_into_on_thread(server.url, {}, {}, Sink, timeout=0.5)
+
+    try:
+        with pytest.raises(TimeoutError):
+            asyncio.run(call())
+    finally:
+        stalled.set()
+        server.close()
+
+
+def test_reading_threads_are_daemons():
+    """A process exiting mid-heal does not wait for a read blocked on a stalled source."""
+    names: list[tuple[str, bool]] = []
+
+    async def scenario():
+        def record():
+            names.append((threading.current_thread().name, threading.current_thread().daemon))
+        await _streams.on_own_thread("torchft-heal-read", record)
+
+    asyncio.run(scenario())
+    assert names == [("torchft-heal-read", True)]

@@ -100,15 +100,15 @@ def test_where_the_cpus_allow_one_stream_the_whole_encoding_comes_in_one_get(mak
 def test_ranges_are_read_and_sent_on_threads_only_where_cores_are_to_spare(make_transport, monkeypatch, cpus,
                                                                           threaded):
     monkeypatch.setattr(_streams, "usable_cpus", lambda: cpus)
-    where: dict[str, set[str]] = {"read": set(), "sent": set()}
+    where: dict[str, set[tuple[str, int]]] = {"read": set(), "sent": set()}  # (thread name, thread id)
     filled, summed = DataSink.filled, encode.EncodedStateDict.checksum
 
     def reading(self, count):
-        where["read"].add(threading.current_thread().name)
+        where["read"].add((threading.current_thread().name, threading.get_ident()))
         return filled(self, count)
 
     def summing(self, index):  # the sending side sums each block as it produces it for the send
-        where["sent"].add(threading.current_thread().name)
+        where["sent"].add((threading.current_thread().name, threading.get_ident()))
         return summed(self, index)
 
     monkeypatch.setattr(DataSink, "filled", reading)
@@ -119,7 +119,7 @@ def test_ranges_are_read_and_sent_on_threads_only_where_cores_are_to_spare(make_
     assert_same(client.recv_checkpoint(0, server.metadata(), 5, LONG), sent)
     server.disallow_checkpoint()
     for side, prefix in (("read", "torchft-heal-read"), ("sent", "torchft-heal-send")):
-        on_threads = {name for name in where[side] if name.startswith(prefix)}
+        on_threads = {(name, ident) for name, ident in where[side] if name == prefix}
         if threaded:
             assert on_threads == where[side] and len(on_threads) > 1, where  # several streams, several threads
         else:

@@ -14,7 +14,6 @@ the checkpoint server answers is understood: a status line, headers with a
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import socket
 import ssl
@@ -22,6 +21,7 @@ import threading
 import urllib.parse
 from typing import Callable, Protocol
 
+from torchft_lite.checkpointing._streams import on_own_thread
 from torchft_lite.errors import CheckpointTransferError
 
 __all__ = ["BodySink", "HTTPStatusError", "get_into", "get_into_on_thread", "parse_head", "post"]
@@ -299,18 +299,19 @@ async def _request(method: str, url: str, params: dict[str, str], headers: dict[
 
 
 async def get_into_on_thread(url: str, params: dict[str, str], headers: dict[str, str],
-                             sink_for: Callable[[int], BodySink], *, executor: concurrent.futures.Executor,
+                             sink_for: Callable[[int], BodySink], *, timeout: float,
                              tls: ssl.SSLContext | None = None) -> dict[str, str]:
-    """:func:`get_into`, with the socket read on a thread of ``executor`` instead of the event loop.
+    """:func:`get_into`, with the socket read on a thread of its own instead of the event loop.
 
     The thread makes blocking reads straight into the sink's views (one copy, the kernel's, as on the loop),
     so several responses read at once use as many cores, and the control-plane loop stays free. The sink is
-    called from that thread: several such reads may share a ``TensorWriter`` only over disjoint blocks.
+    called from that thread: several such reads may share a ``TensorWriter`` only over disjoint blocks. No
+    read waits longer than ``timeout`` seconds (the heal's time left: a backstop, should nobody cancel).
     Cancelling the call shuts the socket down and returns once the thread has stopped writing into the sink.
     """
     host, port, request = _target("GET", url, params, headers, tls)
-    reader = _ThreadedResponse(sink_for)
-    future = asyncio.get_running_loop().run_in_executor(executor, reader.run, host, port, request, tls)
+    reader = _ThreadedResponse(sink_for, timeout)
+    future = on_own_thread("torchft-heal-read", reader.run, host, port, request, tls)
     try:
         return await asyncio.shield(future)
     except asyncio.CancelledError:
@@ -325,8 +326,8 @@ async def get_into_on_thread(url: str, params: dict[str, str], headers: dict[str
 class _ThreadedResponse:
     """One response read by blocking calls on one thread; :meth:`abort` (from any thread) makes them return."""
 
-    def __init__(self, sink_for: Callable[[int], BodySink]) -> None:
-        self._sink_for = sink_for
+    def __init__(self, sink_for: Callable[[int], BodySink], timeout: float) -> None:
+        self._sink_for, self._timeout = sink_for, timeout
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
         self._aborted = False
@@ -347,9 +348,9 @@ class _ThreadedResponse:
                 raise ConnectionAbortedError("the fetch was cancelled")
 
     def run(self, host: str, port: int, request: bytes, tls: ssl.SSLContext | None) -> dict[str, str]:
-        sock = socket.create_connection((host, port), timeout=CONNECT_SECONDS)
+        sock = socket.create_connection((host, port), timeout=min(CONNECT_SECONDS, self._timeout))
         try:
-            sock.settimeout(None)  # from here on abort() ends a blocked call, and the heal's timeout calls it
+            sock.settimeout(self._timeout)  # abort() ends a blocked call sooner: the heal's timeout calls it
             self._hold(sock)
             _enlarge_receive_buffer(sock)
             if tls is not None:

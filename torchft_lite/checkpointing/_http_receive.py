@@ -219,7 +219,8 @@ class Receiver:
         params = self._params(heal, start=part.start, end=part.end)
         if heal.stager is None and _streams.on_threads():  # host targets, cores to spare: a thread per range
             await _http_client.get_into_on_thread(f"{url}/data", params, self._auth_headers(), data_sink,
-                                                  executor=_streams.readers(), tls=self._tls_for(url))
+                                                  timeout=max(heal.deadline - time.monotonic(), 1.0),
+                                                  tls=self._tls_for(url))
         else:  # GPU targets land through the one staging ring, which the event loop alone fills; or few cores
             await _http_client.get_into(f"{url}/data", params, self._auth_headers(), data_sink,
                                         tls=self._tls_for(url))

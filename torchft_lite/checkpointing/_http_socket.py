@@ -10,13 +10,12 @@ resolves to where this server binds one.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import os
 import socket
-import threading
 from typing import Callable, Iterable
 
+from torchft_lite.checkpointing._streams import on_own_thread
 from torchft_lite.rpc.addresses import dual_stack_socket
 
 __all__ = ["QUEUE_BYTES", "SEND_BUFFER_BYTES", "flushed", "listen", "send_on_thread", "tune"]
@@ -75,20 +74,7 @@ async def flushed(transport: asyncio.BaseTransport | None) -> None:
         delay = min(2 * delay, 0.005)
 
 
-_senders: concurrent.futures.ThreadPoolExecutor | None = None
-_senders_lock = threading.Lock()
 _REPORT_BYTES = 32 << 20  # bytes a sending thread sends between two reports to the loop
-MAX_SENDING_THREADS = 32
-"""Data ranges sent at once on threads (a source serves a few receivers, each over a few streams); more wait."""
-
-
-def _sender_pool() -> concurrent.futures.ThreadPoolExecutor:
-    global _senders
-    with _senders_lock:
-        if _senders is None:
-            _senders = concurrent.futures.ThreadPoolExecutor(MAX_SENDING_THREADS,
-                                                             thread_name_prefix="torchft-heal-send")
-        return _senders
 
 
 async def send_on_thread(transport: asyncio.BaseTransport, pieces: Iterable[memoryview | bytes],
@@ -131,7 +117,7 @@ async def send_on_thread(transport: asyncio.BaseTransport, pieces: Iterable[memo
             if unreported:
                 report(unreported)
 
-    future = loop.run_in_executor(_sender_pool(), send)
+    future = on_own_thread("torchft-heal-send", send)
     try:
         await asyncio.shield(future)
     except asyncio.CancelledError:

@@ -9,7 +9,7 @@ receiver (:func:`served_streams`). The data then comes as :func:`streams_for`
 of them: one per ``BYTES_PER_STREAM`` of data, at least one, at most what the
 source advertises and one per ``CPUS_PER_STREAM`` usable CPUs. From
 ``THREADS_FROM_CPUS`` CPUs on, each range is read (and, at the source, sent)
-on a thread of its own (:func:`readers`, ``_http_socket.send_on_thread``), so a
+on a thread of its own (:func:`on_own_thread`), so a
 heal's streams take as many cores; below it the event loop does it all, which
 is faster where source and receiver share two cores. A source that
 advertises nothing (an older one) gets one stream; one that serves no header
@@ -18,14 +18,16 @@ at all is read whole, in one request (``_http_receive``).
 
 from __future__ import annotations
 
-import concurrent.futures
+import asyncio
 import os
 import threading
-from typing import Mapping
+from typing import Any, Callable, Mapping, TypeVar
 
 __all__ = ["ADVERTISE_HEADER", "BYTES_PER_STREAM", "CPUS_PER_STREAM", "MAX_STREAMS", "SERVED_STREAMS", "advertised",
-           "THREADS_FROM_CPUS", "on_threads", "one_stream_here", "readers", "served_streams", "streams_for",
+           "THREADS_FROM_CPUS", "on_own_thread", "on_threads", "one_stream_here", "served_streams", "streams_for",
            "usable_cpus"]
+
+T = TypeVar("T")
 
 ADVERTISE_HEADER = "X-Checkpoint-Streams"
 SERVED_STREAMS = 4
@@ -91,15 +93,33 @@ def streams_for(data_bytes: int, advertised_streams: int, cpus: int | None = Non
     return max(1, min(data_bytes // BYTES_PER_STREAM, advertised_streams, MAX_STREAMS, cpus // CPUS_PER_STREAM))
 
 
-_readers: concurrent.futures.ThreadPoolExecutor | None = None
-_readers_lock = threading.Lock()
+def on_own_thread(name: str, function: Callable[..., T], *args: Any) -> "asyncio.Future[T]":
+    """Run ``function(*args)`` on a new daemon thread named ``name``; a future of its result on this loop.
 
+    One thread per stream of a heal, started when the stream starts: a daemon, so a process that exits while a
+    source stalls mid-heal does not wait for its blocked read (an executor's threads are joined at exit). The
+    caller makes the call end (a socket's shutdown, its timeout); cancelling the future does not stop it.
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
 
-def readers() -> concurrent.futures.ThreadPoolExecutor:
-    """The threads that read the data ranges of heals into host tensors: one per stream, up to ``MAX_STREAMS``
-    per heal, and room for a second heal or re-fetches (a thread starts only when that many ranges are read at once)."""
-    global _readers
-    with _readers_lock:
-        if _readers is None:
-            _readers = concurrent.futures.ThreadPoolExecutor(2 * MAX_STREAMS, thread_name_prefix="torchft-heal-read")
-        return _readers
+    def settle(result: Any, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+
+    def run() -> None:
+        try:
+            outcome: tuple[Any, BaseException | None] = (function(*args), None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the future
+            outcome = (None, exc)
+        try:
+            loop.call_soon_threadsafe(settle, *outcome)
+        except RuntimeError:  # the loop has closed: nobody waits for this stream any more
+            pass
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future
