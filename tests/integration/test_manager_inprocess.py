@@ -20,7 +20,7 @@ from torch.distributed import TCPStore
 from lighthouse.thread import BackgroundLighthouse
 from tests.conftest import all_in_threads, lighthouse_config, wait_until_sync
 from tests.integration.helpers import make_manager
-from torchft_lite.checkpointing import CheckpointTransport
+from torchft_lite.checkpointing import CheckpointTransport, _http_client, _streams
 from torchft_lite.errors import CheckpointTransferError, ManagerTimeout
 from torchft_lite.manager import MEMBER_GONE_GRACE, Manager
 from torchft_lite.rpc.protocol import torchft_pb2 as pb
@@ -359,6 +359,34 @@ def test_a_heal_that_fails_part_way_in_place_stays_behind_and_heals_at_the_next_
             assert calls == [0, 0]
             assert torch.equal(states["a"]["w"], states["b"]["w"])
             assert managers["a"].current_step() == managers["b"].current_step() == 3
+        finally:
+            for manager in managers.values():
+                manager.shutdown()
+
+
+def test_on_a_host_with_cores_to_spare_the_default_heal_comes_in_place_over_several_streams(monkeypatch):
+    """The Manager leaves num_chunks to the defaults: with 8 CPUs a heal takes ranges, each on a thread."""
+    monkeypatch.setattr(_streams, "usable_cpus", lambda: 8)
+    monkeypatch.setattr(_streams, "BYTES_PER_STREAM", 1 << 20)  # 4 MiB of weights: the 4 streams a source serves
+    readers: set[int] = set()
+    real_run = _http_client._ThreadedResponse.run
+
+    def run(self, *args):
+        readers.add(threading.get_ident())
+        return real_run(self, *args)
+
+    monkeypatch.setattr(_http_client._ThreadedResponse, "run", run)
+    generator = torch.Generator().manual_seed(3)
+    states = {"a": {"w": torch.randn(1 << 20, generator=generator)}, "b": {"w": torch.zeros(1 << 20)}}
+    b_weights = states["b"]["w"]
+    with BackgroundLighthouse(lighthouse_config(min_replicas=2, join_timeout=30.0)) as lighthouse:
+        managers = {name: make_manager(lighthouse, FakeProcessGroup(), None, name, state=states[name])
+                    for name in states}
+        try:
+            assert run_steps(managers, 1) == {"a": [True], "b": [True]}  # step 0: b heals from a (init_sync)
+            assert torch.equal(states["b"]["w"], states["a"]["w"])
+            assert torch.equal(b_weights, states["a"]["w"])  # landed in the tensor b held (then loaded, cloned)
+            assert len(readers) == 4
         finally:
             for manager in managers.values():
                 manager.shutdown()
