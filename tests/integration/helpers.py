@@ -211,12 +211,7 @@ class ScriptedSource:
                 continue
             with conn:
                 conn.settimeout(WAIT)
-                request = b""
-                while b"\r\n\r\n" not in request:
-                    chunk = conn.recv(4096)
-                    if not chunk:
-                        break
-                    request += chunk
+                request = read_request(conn)
                 method, target = request.split(b" ")[:2]
                 parsed = urllib.parse.urlsplit(target.decode())
                 self.paths.append(f"{method.decode()} {parsed.path}")
@@ -229,6 +224,17 @@ class ScriptedSource:
         self.stopped = True
         self.task.result(WAIT)
         self.listener.close()
+
+
+def read_request(conn: socket.socket) -> bytes:
+    """A request's head (and whatever came with it), read until its blank line or the peer's close."""
+    request = b""
+    while b"\r\n\r\n" not in request:
+        chunk = conn.recv(4096)
+        if not chunk:
+            break
+        request += chunk
+    return request
 
 
 def response(status: int, body: bytes, extra: str = "") -> bytes:

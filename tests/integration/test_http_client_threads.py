@@ -10,6 +10,7 @@ import threading
 import pytest
 
 from tests.conftest import WAIT
+from tests.integration.helpers import read_request
 from torchft_lite.checkpointing import _http_client, _streams
 from torchft_lite.errors import CheckpointTransferError
 
@@ -55,12 +56,8 @@ class OneShotServer:
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:
-            request = b""
-            while b"\r\n\r\n" not in request:
-                got = conn.recv(4096)
-                if not got:
-                    return
-                request += got
+            if b"\r\n\r\n" not in read_request(conn):
+                return
             try:
                 self._answer(conn)
             except OSError:

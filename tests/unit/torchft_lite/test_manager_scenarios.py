@@ -16,23 +16,10 @@ import pytest
 import torch
 from torch.distributed import ReduceOp
 
-from tests.unit.torchft_lite.test_manager import Replica, train
+from tests.unit.helpers import Replica, replicas, train  # noqa: F401  (the fixture)
 from torchft_lite.errors import ExceptionWithTraceback
 from torchft_lite.manager import WorldSizeMode
 from torchft_lite.testing import InMemoryLighthouse, InMemoryProcessGroup, InMemoryTransport
-
-
-@pytest.fixture
-def replicas():
-    made: list[Replica] = []
-
-    def make(lighthouse: InMemoryLighthouse, name: str, value: float, **kwargs: Any) -> Replica:
-        made.append(Replica(lighthouse, name, value, **kwargs))
-        return made[-1]
-
-    yield make
-    for replica in made:
-        replica.manager.shutdown()
 
 
 def together(**work: Callable[[], Any]) -> dict[str, Any]:
