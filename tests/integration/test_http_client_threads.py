@@ -195,7 +195,7 @@ def test_reading_threads_are_daemons():
     async def scenario():
         def record():
             names.append((threading.current_thread().name, threading.current_thread().daemon))
-        await _streams.on_own_thread("torchft-heal-read", record)
+        await _streams.on_own_thread("torchft-heal-read", lambda: None, record)
 
     asyncio.run(scenario())
     assert names == [("torchft-heal-read", True)]

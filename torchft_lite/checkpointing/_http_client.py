@@ -106,6 +106,25 @@ def _error_of(status: int, sink: _ErrorText) -> HTTPStatusError:
     return HTTPStatusError(status, bytes(sink.data[:sink.count]).decode(errors="replace"))
 
 
+class _LowWater:
+    """A socket's ``SO_RCVLOWAT``: a blocking read returns once that many bytes are in (or the stream ended).
+    Left alone over TLS (``sock`` None), where the socket carries records, not the body's bytes."""
+
+    def __init__(self, sock: socket.socket | None) -> None:
+        self._sock, self._count = sock, 1
+
+    def set(self, count: int) -> None:
+        count = max(count, 1)
+        if self._sock is None or count == self._count:
+            return
+        try:
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, count)
+            self._count = count
+        except OSError as exc:  # not supported: every read is just smaller
+            logger.debug("could not set SO_RCVLOWAT to %d: %r", count, exc)
+            self._sock = None
+
+
 class _ResponseProtocol(asyncio.BufferedProtocol):
     """One response, its body read into the sink's views.
 
@@ -126,11 +145,12 @@ class _ResponseProtocol(asyncio.BufferedProtocol):
         self.headers: dict[str, str] = {}
         """The response's headers, names in lower case."""
         self.transport: asyncio.Transport | None = None
-        self._low_water = 1  # the socket's SO_RCVLOWAT
+        self._low_water = _LowWater(None)  # the socket's, once connected
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self._low_water = _LowWater(transport.get_extra_info("socket") if self._use_low_water else None)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._sink is None or self.done.done():
@@ -173,27 +193,14 @@ class _ResponseProtocol(asyncio.BufferedProtocol):
         self._remaining -= count
         if self._remaining < 0:
             raise CheckpointTransferError("the server sent more body bytes than it declared")
-        self._set_low_water(min(LOW_WATER_BYTES, self._remaining) if self.status == 200 else 1)
+        # never above what is still to come: the last bytes must wake the loop too
+        self._low_water.set(min(LOW_WATER_BYTES, self._remaining) if self.status == 200 else 1)
         if self._remaining == 0 and self._sink is not None and not self.done.done():
             if self.status == 200:
                 self.done.set_result(None)
             else:
                 assert isinstance(self._sink, _ErrorText)
                 self.done.set_exception(_error_of(self.status, self._sink))
-
-    def _set_low_water(self, count: int) -> None:
-        """Never above what is still to come: the last bytes must wake the loop too."""
-        count = max(count, 1)
-        if count == self._low_water or self.transport is None or not self._use_low_water:
-            return
-        sock = self.transport.get_extra_info("socket")
-        if sock is None:
-            return
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, count)
-            self._low_water = count
-        except OSError as exc:  # not supported (then it was never raised either): every read is just smaller
-            logger.debug("could not set SO_RCVLOWAT to %d: %r", count, exc)
 
     def _fail(self, exc: BaseException) -> None:
         if not self.done.done():
@@ -257,25 +264,6 @@ def _enlarge_receive_buffer(sock: socket.socket | None) -> None:
         logger.debug("could not enlarge the receive buffer: %r", exc)
 
 
-class _LowWater:
-    """A socket's ``SO_RCVLOWAT``: a blocking read returns once that many bytes are in (or the stream ended).
-    Left alone over TLS (``sock`` None), where the socket carries records, not the body's bytes."""
-
-    def __init__(self, sock: socket.socket | None) -> None:
-        self._sock, self._count = sock, 1
-
-    def set(self, count: int) -> None:
-        count = max(count, 1)
-        if self._sock is None or count == self._count:
-            return
-        try:
-            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, count)
-            self._count = count
-        except OSError as exc:  # not supported: every read is just smaller
-            logger.debug("could not set SO_RCVLOWAT to %d: %r", count, exc)
-            self._sock = None
-
-
 async def _request(method: str, url: str, params: dict[str, str], headers: dict[str, str],
                    sink_for: Callable[[int], BodySink], tls: ssl.SSLContext | None) -> dict[str, str]:
     host, port, request = _target(method, url, params, headers, tls)
@@ -311,16 +299,7 @@ async def get_into_on_thread(url: str, params: dict[str, str], headers: dict[str
     """
     host, port, request = _target("GET", url, params, headers, tls)
     reader = _ThreadedResponse(sink_for, timeout)
-    future = on_own_thread("torchft-heal-read", reader.run, host, port, request, tls)
-    try:
-        return await asyncio.shield(future)
-    except asyncio.CancelledError:
-        reader.abort()
-        try:
-            await future  # the thread is done with the sink before a caller may hand its blocks to another fetch
-        except BaseException:  # noqa: BLE001 - it fails with the closed socket; the cancellation is what matters
-            pass
-        raise
+    return await on_own_thread("torchft-heal-read", reader.abort, reader.run, host, port, request, tls)
 
 
 class _ThreadedResponse:

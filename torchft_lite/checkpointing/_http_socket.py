@@ -117,21 +117,13 @@ async def send_on_thread(transport: asyncio.BaseTransport, pieces: Iterable[memo
             if unreported:
                 report(unreported)
 
-    future = on_own_thread("torchft-heal-send", send)
-    try:
-        await asyncio.shield(future)
-    except asyncio.CancelledError:
+    def abort() -> None:
         try:
             duplicate.shutdown(socket.SHUT_RDWR)  # a blocked send returns at once
         except OSError:
             pass
-        try:
-            await future  # the thread no longer reads tensor memory the trainer may now change
-        except BaseException:  # noqa: BLE001 - it fails with the shut socket; the cancellation is what matters
-            pass
-        raise
+
+    try:
+        await on_own_thread("torchft-heal-send", abort, send)
     finally:
-        if future.done():
-            duplicate.close()
-        else:  # cancelled and still running (never: the wait above is for it); the descriptor leaks rather
-            future.add_done_callback(lambda _: duplicate.close())  # than closing under a live send
+        duplicate.close()

@@ -93,12 +93,14 @@ def streams_for(data_bytes: int, advertised_streams: int, cpus: int | None = Non
     return max(1, min(data_bytes // BYTES_PER_STREAM, advertised_streams, MAX_STREAMS, cpus // CPUS_PER_STREAM))
 
 
-def on_own_thread(name: str, function: Callable[..., T], *args: Any) -> "asyncio.Future[T]":
-    """Run ``function(*args)`` on a new daemon thread named ``name``; a future of its result on this loop.
+async def on_own_thread(name: str, abort: Callable[[], None], function: Callable[..., T], *args: Any) -> T:
+    """``function(*args)``, run on a new daemon thread named ``name``.
 
     One thread per stream of a heal, started when the stream starts: a daemon, so a process that exits while a
-    source stalls mid-heal does not wait for its blocked read (an executor's threads are joined at exit). The
-    caller makes the call end (a socket's shutdown, its timeout); cancelling the future does not stop it.
+    source stalls mid-heal does not wait for its blocked call (an executor's threads are joined at exit).
+    Cancelling this call calls ``abort()``, which must make ``function`` return soon (a socket's shutdown), and
+    re-raises the cancellation only once the thread has ended: by then it no longer touches tensor memory that
+    a caller may hand to another stream, or a trainer change.
     """
     loop = asyncio.get_running_loop()
     future: asyncio.Future[T] = loop.create_future()
@@ -122,4 +124,9 @@ def on_own_thread(name: str, function: Callable[..., T], *args: Any) -> "asyncio
             pass
 
     threading.Thread(target=run, name=name, daemon=True).start()
-    return future
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        abort()
+        await asyncio.wait([future])  # its error, if any (the shut socket's), is the cancellation's doing
+        raise
