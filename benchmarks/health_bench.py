@@ -5,11 +5,12 @@ machine's CPU (the checks run on the tensor's own device: on a GPU they are kern
 
 * ``guard``: what :class:`torchft_lite.health.nonfinite.NonFiniteGuard` adds to a step's gradient allreduce, which
   is all local work: per bucket (DDP's 25 MB by default, ``--bucket-mb``) a float32 sum and a
-  ``masked_fill_`` before the reduction, then a sum of the average after it; and one extra allreduce of
-  one element per bucket. The process group here is a stand-in whose allreduce returns at once
-  (the reduction itself is the same with or without the guard), so the figure is the guard's own CPU
-  time: ``guard ms`` (with the guard) minus ``plain ms`` (the unguarded path: the same buckets,
-  divided by the participants) per step.
+  ``masked_fill_`` before the reduction, then a sum of the average after it; and the count of left-out
+  groups: up to 4 MiB a bucket is sent as a copy one element longer, above it the count is one extra
+  allreduce of one element (``--bucket-mb 4`` measures the first, the default 25 MB the second). The
+  process group here is a stand-in whose allreduce returns at once (the reduction itself is the same
+  with or without the guard), so the figure is the guard's own CPU time: ``guard ms`` (with the guard)
+  minus ``plain ms`` (the unguarded path: the same buckets, divided by the participants) per step.
 * ``fingerprint``: :func:`torchft_lite.health.fingerprint.fingerprint_of` of a state of that size (a model
   and AdamW's two moments, a third each), which group rank 0 computes every ``fingerprint_every``
   steps (100 by default): ``ms`` per fingerprint, and amortised per step.
@@ -78,12 +79,12 @@ def guard_cost(total_bytes: int, bucket_bytes: int, repeats: int) -> dict[str, f
 
     def plain() -> None:
         for bucket in buckets:
-            start_allreduce(pg, bucket, ReduceOp.AVG, 1).wait()
+            start_allreduce(pg, bucket, ReduceOp.AVG, 1, []).wait()
 
     def guarded() -> None:
         step = Step(number=0)
         for bucket in buckets:
-            guard.start(pg, bucket, ReduceOp.AVG, 1, step, True).wait()
+            guard.start(pg, bucket, ReduceOp.AVG, 1, step, True, []).wait()
 
     ceiling = timed(lambda: [b.sum() for b in buckets], repeats)
     return {"plain_s": timed(plain, repeats), "guard_s": timed(guarded, repeats), "ceiling_s": ceiling,

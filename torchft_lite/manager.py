@@ -34,7 +34,7 @@ from torchft_lite.core.member_events import MemberWatch
 from torchft_lite.core.preemption import PreemptionSignals
 from torchft_lite.core.report import report_of
 from torchft_lite.core.settings import ManagerSettings
-from torchft_lite.core.step import Step, WorldSizeMode
+from torchft_lite.core.step import Participation, Step, WorldSizeMode
 from torchft_lite.core.step_quorum import StepQuorum
 from torchft_lite.core.wiring import MANAGER_ADDR_KEY, REPLICA_ID_KEY, DefaultWiring, ManagerWiring
 from torchft_lite.errors import (
@@ -45,7 +45,9 @@ from torchft_lite.health.nonfinite import HealthConfig, health_checks
 from torchft_lite.health.watchdog import Watchdog, WatchdogConfig
 from torchft_lite.process_group.handles import ReconfigureOptions
 from torchft_lite.rpc.loop import control_plane
-from torchft_lite.work import DoneWork, ManagedWork, _ManagedWork, guard_future  # noqa: F401  (torchft's name)
+from torchft_lite.work import (  # noqa: F401  (torchft's name)
+    DoneWork, ManagedWork, WorkWait, _ManagedWork, guard_future,
+)
 
 __all__ = ["ExceptionWithTraceback", "MANAGER_ADDR_KEY", "Manager", "ManagerClient", "REPLICA_ID_KEY", "WorldSizeMode"]
 
@@ -344,24 +346,33 @@ class Manager:
             return DoneWork(tensor)
         if not self.is_participating():
             tensor.zero_()  # healing or a spare: take part with zeros so the peers' collective completes
+        waits: list[WorkWait] = []  # the process group's works that have no future of their own
         try:
-            fut = self._guard.start(self._pg, tensor, reduce_op, participants, step, step.participation.rank is not None, quantize=should_quantize)
+            fut = self._guard.start(self._pg, tensor, reduce_op, participants, step, step.participation.rank is not None,
+                                    waits, quantize=should_quantize)
         except Exception as exc:
             self._guard.failed_to_start(step, exc)  # fails the step; raises a dtype/op should_quantize never takes
             return DoneWork(tensor)
-        return ManagedWork(self.wrap_future(fut, tensor))
+        return self._managed(fut, tensor, None, waits)
 
     def wrap_future(self, fut: torch.futures.Future, default: T, timeout: timedelta | None = None) -> torch.futures.Future:
         """``fut``, except that an error or timeout is recorded and yields ``default``."""
+        return self._managed(fut, default, timeout).get_future()
+
+    def _managed(self, fut: torch.futures.Future, default: T, timeout: timedelta | None,
+                 waits: list[WorkWait] | None = None) -> ManagedWork:
+        """This step's work for ``fut`` (which ``should_commit`` waits for): an error or timeout is recorded
+        and yields ``default``. ``waits``: works ``fut`` depends on that have no future of their own."""
         step = self._current
         seconds = (timeout if timeout is not None else self._timeouts.step).total_seconds()
         guarded = guard_future(fut, default, lambda exc: self._record(step, exc), seconds, "a collective's future",
                                schedule_timeout=self._control.call_later)
-        step.work.append(ManagedWork(guarded))
+        work = ManagedWork(guarded, waits or (), seconds)
+        step.work.append(work)
         gone = step.member_gone()
         if gone is not None and not guarded.done():  # the event came while this one started
             self._members.abort(step, CollectiveError(gone))
-        return guarded
+        return work
 
     # ------------------------------------------------------------ graceful leave
 
@@ -492,14 +503,16 @@ class Manager:
 
     def _wait_for_participation(self) -> None:
         step = self._current
-        if step.ready is not None and not step.ready.done():
+        if step.ready is not None:  # at once when done (a failed quorum was recorded when it failed)
             self._await(step, step.ready, "the quorum")
 
     def is_participating(self) -> bool:
         return self._current.participation.rank is not None and not self._current.healing
 
-    # torchft's private names for the Manager's state, which torchft's tests and tools read (read-only but
-    # _init_sync and _checkpoint_transport, which they also set).
+    # torchft's private names for the Manager's state, which torchft's tests and tools read. Some can be set,
+    # as torchft's tests set them: _init_sync and _checkpoint_transport; and, to fake a step's quorum without
+    # running one, _quorum_future, _participating_replica_rank, _participating_replica_world_size and _healing
+    # (they change the current step only: the next start_quorum starts from a real quorum again).
 
     @property
     def _quorum_id(self) -> int:
@@ -515,10 +528,42 @@ class Manager:
         """This step receives the state dict (it contributes zeros until it is applied)."""
         return self._current.healing
 
+    @_healing.setter
+    def _healing(self, value: bool) -> None:
+        self._current.healing = bool(value)
+
     @property
     def _quorum_future(self) -> concurrent.futures.Future | None:
-        """The step's quorum and heal (None before the first ``start_quorum``)."""
+        """The step's quorum and heal (None before the first ``start_quorum``).
+
+        Set, it stands in for the step's quorum (torchft's tests fake one so): the step waits on it where it
+        would wait on its quorum, and its collectives go to the process group as it is configured, among the
+        participants set through ``_participating_replica_rank`` and ``_participating_replica_world_size``."""
         return self._current.quorum
+
+    @_quorum_future.setter
+    def _quorum_future(self, future: concurrent.futures.Future | None) -> None:
+        step = self._current
+        step.quorum = step.ready = future
+        step.collectives_ready = future is not None
+
+    @property
+    def _participating_replica_rank(self) -> int | None:
+        """This replica's rank among the step's participants (``participating_rank()`` without the wait)."""
+        return self._current.participation.rank
+
+    @_participating_replica_rank.setter
+    def _participating_replica_rank(self, rank: int | None) -> None:
+        self._current.participation = Participation(rank, self._current.participation.world_size)
+
+    @property
+    def _participating_replica_world_size(self) -> int:
+        """How many replicas take part in the step (``num_participants()`` without the wait)."""
+        return self._current.participation.world_size
+
+    @_participating_replica_world_size.setter
+    def _participating_replica_world_size(self, size: int) -> None:
+        self._current.participation = Participation(self._current.participation.rank, int(size))
 
     @property
     def _init_sync(self) -> bool:

@@ -57,7 +57,8 @@ from typing import Any, Callable, Generator, Generic, Sequence, TypeVar
 import torch
 import torch.distributed as dist
 
-__all__ = ["ManagedWork", "DoneWork", "completion_streams", "cuda_devices", "device_future", "guard_future"]
+__all__ = ["ManagedWork", "DoneWork", "WorkWait", "completion_streams", "cuda_devices", "device_future", "guard_future",
+           "work_future"]
 
 T = TypeVar("T")
 
@@ -192,11 +193,77 @@ def guard_future(
     return out
 
 
-class ManagedWork(Generic[T]):
-    """A ``Work``-like handle around a future that never raises."""
+class WorkWait:
+    """A future that a work's ``wait()`` completes, for a work that has no torch future of its own.
 
-    def __init__(self, fut: torch.futures.Future) -> None:
+    c10d does not promise ``Work.get_future()``: a backend may raise "not
+    implemented", and a process group that a test mocks (as torchft's own
+    tests do, with ``create_autospec(ProcessGroup)``) hands back works whose
+    futures are mocks that never complete. Such a work is done when its
+    ``wait()`` returns, so :meth:`run`, called by whoever waits for the result
+    (:class:`ManagedWork`), calls it and completes :attr:`future` with ``value``
+    (or the error ``wait()`` raised); continuations chained on the future run
+    then, on the waiting thread. ``wait()`` is called once; later calls of
+    :meth:`run` return at once (a concurrent waiter waits for the future).
+    """
+
+    def __init__(self, work: Any, value: Any) -> None:
+        self._work = work
+        self._claimed = threading.Lock()
+        self.future = device_future(cuda_devices(value))  # the stream rule: set after wait(), on the waiter's stream
+        self._value = value
+
+    def run(self, timeout: float | None) -> None:
+        """Wait for the work (at most ``timeout`` seconds where given) and complete the future."""
+        if not self._claimed.acquire(blocking=False):
+            return
+        try:
+            done = self._work.wait() if timeout is None else self._work.wait(timedelta(seconds=max(timeout, 0.0)))
+        except Exception as exc:  # the future carries it to the continuations, and the Manager records it
+            self.future.set_exception(exc)
+            return
+        if done is False:  # c10d's wait(timeout) raises on a timeout; a work that returns False timed out too
+            self.future.set_exception(TimeoutError(f"the collective did not complete within {timeout:g}s"))
+            return
+        self.future.set_result(self._value)
+
+
+def work_future(work: Any, value: Any, waits: list[WorkWait]) -> torch.futures.Future:
+    """``work``'s torch future; for a work without one, a :class:`WorkWait`'s future, appended to ``waits``
+    (whoever waits for the result must run them: :class:`ManagedWork` does). ``value``: what the work
+    produces (its tensors), which the :class:`WorkWait`'s future yields.
+
+    ``get_future()`` is called once (a mocked process group counts the calls).
+    """
+    try:
+        fut = work.get_future()
+    except (NotImplementedError, RuntimeError):  # c10d's "getFuture not implemented" is a RuntimeError
+        fut = None
+    if isinstance(fut, torch.futures.Future):
+        return fut
+    pending = WorkWait(work, value)
+    waits.append(pending)
+    return pending.future
+
+
+class ManagedWork(Generic[T]):
+    """A ``Work``-like handle around a future that never raises.
+
+    ``waits`` (:func:`work_future`): works without a torch future of their own
+    that this one's future depends on; ``wait()`` and ``get_future()`` wait for
+    them first, at most ``wait_seconds`` each.
+    """
+
+    def __init__(self, fut: torch.futures.Future, waits: Sequence[WorkWait] = (),
+                 wait_seconds: float | None = None) -> None:
         self._fut = fut
+        self._waits = tuple(waits)
+        self._wait_seconds = wait_seconds
+
+    def _run_waits(self, timeout: float | None) -> None:
+        limits = [seconds for seconds in (timeout, self._wait_seconds) if seconds is not None]
+        for pending in self._waits:
+            pending.run(min(limits) if limits else None)
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         """Block until the future settles (True), or until ``timeout`` passes first (False).
@@ -206,6 +273,9 @@ class ManagedWork(Generic[T]):
         and its future still settles; the Manager waits for it before the vote.
         On True the caller's current CUDA streams wait for the result (the stream rule).
         """
+        if self._waits:
+            self._run_waits(None if timeout is None else (timeout.total_seconds() if isinstance(timeout, timedelta)
+                                                          else float(timeout)))
         if timeout is not None:
             seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
             settled = threading.Event()
@@ -219,9 +289,13 @@ class ManagedWork(Generic[T]):
         return self._fut.done()
 
     def get_future(self) -> torch.futures.Future:
+        """The future (a torch future, which DDP's reducer can wait on); works it depends on that have no future
+        of their own (``waits``) are waited for first."""
+        self._run_waits(None)
         return self._fut
 
     def result(self) -> T:
+        self._run_waits(None)
         return self._fut.wait()
 
 

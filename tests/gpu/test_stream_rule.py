@@ -136,7 +136,7 @@ def test_a_gloo_works_wait_leaves_the_readers_stream_waiting(ranks):
 
 
 def test_a_gloo_future_and_the_division_after_it_are_ordered_on_the_readers_stream(ranks):
-    exercise(ranks, sum_and_wait, lambda pg, t: start_allreduce(pg, t, ReduceOp.AVG, 2), 1.5)  # unguarded path
+    exercise(ranks, sum_and_wait, lambda pg, t: start_allreduce(pg, t, ReduceOp.AVG, 2, []), 1.5)  # unguarded path
 
 
 def test_the_managers_guarded_allreduce_hands_back_a_finished_average(ranks):
@@ -144,7 +144,7 @@ def test_the_managers_guarded_allreduce_hands_back_a_finished_average(ranks):
     errors = Errors()
     guard = NonFiniteGuard(HealthConfig(), lambda *args, **kwargs: None, lambda step, exc: errors.append(exc))
     exercise(ranks, guarded_sum_and_wait,
-             lambda pg, t: errors.managed(guard.start(pg, t, ReduceOp.AVG, 2, Step(number=0), True), t), 1.5)
+             lambda pg, t: errors.managed(guard.start(pg, t, ReduceOp.AVG, 2, Step(number=0), True, []), t), 1.5)
     assert errors == []
 
 
@@ -152,7 +152,7 @@ def test_a_managed_works_future_is_ordered_for_a_reader_that_only_holds_the_futu
     # DDP's reducer waits on the comm hook's future, not on the work.
     errors = Errors()
     exercise(ranks, sum_and_wait,
-             lambda pg, t: errors.managed(start_allreduce(pg, t, ReduceOp.AVG, 2), t).get_future(), 1.5)
+             lambda pg, t: errors.managed(start_allreduce(pg, t, ReduceOp.AVG, 2, []), t).get_future(), 1.5)
     assert errors == []
 
 

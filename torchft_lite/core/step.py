@@ -145,19 +145,22 @@ def participation_of(response: Any, *, counts_healing: bool, spares_above: int |
     return Participation(rank, size)
 
 
-def start_allreduce(pg: Any, tensor: Any, reduce_op: Any, participants: int) -> Any:
+def start_allreduce(pg: Any, tensor: Any, reduce_op: Any, participants: int, waits: list[Any]) -> Any:
     """Start an allreduce of ``tensor`` on ``pg``, in place; its future yields ``tensor``.
 
     AVG is a SUM divided by ``participants`` (the replicas the peers count, not
     the process group's size: healing replicas and spares contribute zeros).
+    ``waits``: see :func:`torchft_lite.work.work_future` (a work without a torch future of its own).
     """
     from torch.distributed import ReduceOp
     from torch.distributed.distributed_c10d import AllreduceOptions
 
+    from torchft_lite.work import work_future
+
     average = reduce_op == ReduceOp.AVG
     opts = AllreduceOptions()
     opts.reduceOp = ReduceOp.SUM if average else reduce_op
-    fut = pg.allreduce([tensor], opts).get_future()
+    fut = work_future(pg.allreduce([tensor], opts), [tensor], waits)
     if average:
         def divide(f: Any) -> Any:
             f.value()  # re-raises a failed collective

@@ -1,9 +1,9 @@
-"""torchft's manager_test.py scenarios that ``make compat`` leaves out (tests/compat/cases.py), ported to the
-in-memory fakes of ``torchft_lite.testing``.
+"""torchft's manager_test.py scenarios, ported to the in-memory fakes of ``torchft_lite.testing``.
 
-Those scenarios drive the Manager through a MagicMock process group and count its calls, or set torchft's
-private per-step fields to fake a quorum: see the reasons in cases.py. Here each runs against real (in-memory)
-quorums, process groups and heals instead; a test's name is the torchft test it ports.
+torchft's versions drive the Manager through a MagicMock process group and count its calls, or set its
+private per-step fields to fake a quorum; ``make compat`` runs them unchanged (but test_quorum_checkpoint_errors,
+left out with its reason in tests/compat/cases.py). Here each runs against real (in-memory) quorums, process
+groups and heals as well, which checks the values a mock can't; a test's name is the torchft test it ports.
 """
 
 from __future__ import annotations
@@ -122,6 +122,7 @@ def test_allreduce_error():
         manager.start_quorum()
         manager.allreduce(torch.ones(1)).wait()
         issued = pg.allreduces
+        assert issued == 1  # one collective, the non-finite guard's count included
         pg.fail_next = True
         manager.allreduce(torch.ones(1)).wait()  # fails: recorded, never raised
         assert isinstance(manager.errored(), ExceptionWithTraceback)
