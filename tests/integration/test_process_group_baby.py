@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from datetime import timedelta
 from pathlib import Path
 
@@ -151,6 +152,18 @@ def test_abort_kills_the_child(store, groups) -> None:
     pg.abort()
     wait_until_sync(lambda: not alive(child), f"the aborted child {child} to exit", WAIT_S)
     assert isinstance(pg.errored(), CollectiveError)
+
+
+def test_a_killed_child_leaves_no_thread_reading_its_socket(store, groups) -> None:
+    before = set(threading.enumerate())
+    [pg] = groups(1)
+    configure([pg], f"127.0.0.1:{store.port}/torchft/1/0")  # starts a warm spare too
+    current = pg.child_pid()
+    pg.shutdown()  # kills the spare here (the current child on a teardown thread)
+    # A reader still running when its socket's descriptor is closed could read whatever reuses the number.
+    readers = [thread.name for thread in set(threading.enumerate()) - before
+               if thread.name.startswith("torchft_lite-pg-child-") and thread.name != f"torchft_lite-pg-child-{current}"]
+    assert readers == []
 
 
 def test_tensors_are_shared_in_place_or_staged_when_their_memory_cannot_move(store, groups) -> None:

@@ -207,6 +207,16 @@ class _Child:
         except subprocess.TimeoutExpired:
             logger.warning("process group subprocess %d did not exit %gs after SIGKILL", self.pid, _KILL_WAIT_S)
         self._died(CollectiveError(f"the process group's subprocess (pid {self.pid}) was killed"))
+        # The reader must be done with the socket before its descriptor is closed: closed under a blocked
+        # recv, the number could be reused (by the next child's socket) and read from. Shutting the socket
+        # down wakes the reader with an end of file, whatever state the child left it in.
+        try:
+            with socket.socket(fileno=os.dup(self.conn.fileno())) as duplicate:
+                duplicate.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # closed already
+        if threading.current_thread() is not self._reader:
+            self._reader.join(_KILL_WAIT_S)
         self.conn.close()
 
 
