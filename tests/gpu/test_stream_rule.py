@@ -35,6 +35,7 @@ pytestmark = [
 ]
 
 ELEMENTS = 32 << 20  # 128 MiB of float32 per tensor: a copy back that takes a few milliseconds
+SMALL = 1 << 20  # 4 MiB: the non-finite guard's count travels in the tensor's own collective (PACK_COUNT_MAX_BYTES)
 TENSORS = 4
 TIMEOUT = timedelta(seconds=120)
 
@@ -52,13 +53,13 @@ def two_ranks() -> tuple[ProcessGroupGloo, ProcessGroupGloo, dist.TCPStore]:
     return groups[0], groups[1], store
 
 
-def busy_then_fill(value: float) -> list[torch.Tensor]:
+def busy_then_fill(value: float, elements: int = ELEMENTS) -> list[torch.Tensor]:
     """Tensors holding ``value``, written on the current stream behind a long matrix product."""
     busy = torch.randn(8192, 8192, device="cuda")
     for _ in range(8):
         busy = busy @ busy
         busy = busy / busy.norm()
-    return [torch.empty(ELEMENTS, device="cuda").fill_(value) for _ in range(TENSORS)]
+    return [torch.empty(elements, device="cuda").fill_(value) for _ in range(TENSORS)]
 
 
 def wrong_on_a_fresh_stream(wait: Callable[[], object], tensor: torch.Tensor, expected: float,
@@ -73,12 +74,13 @@ def wrong_on_a_fresh_stream(wait: Callable[[], object], tensor: torch.Tensor, ex
     return int(wrong.item())
 
 
-def mirror(pg: ProcessGroupGloo, issue: Callable[[ProcessGroupGloo, torch.Tensor], object]) -> threading.Thread:
+def mirror(pg: ProcessGroupGloo, issue: Callable[[ProcessGroupGloo, torch.Tensor], object],
+           elements: int = ELEMENTS) -> threading.Thread:
     """Rank 1: the same collectives on CPU tensors holding 2.0, in the same order."""
 
     def run() -> None:
         for _ in range(TENSORS):
-            issue(pg, torch.full((ELEMENTS,), 2.0))
+            issue(pg, torch.full((elements,), 2.0))
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
@@ -92,6 +94,10 @@ def sum_and_wait(pg, tensor):
 def guarded_sum_and_wait(pg, tensor):
     sum_and_wait(pg, tensor)
     sum_and_wait(pg, torch.zeros(1))  # the guard's count of left-out groups
+
+
+def packed_sum_and_wait(pg, tensor):
+    sum_and_wait(pg, torch.cat([tensor, torch.zeros(1)]))  # a small tensor carries the guard's count itself
 
 
 def quantized_and_wait(pg, tensor):
@@ -112,12 +118,12 @@ def check(results: list[int]) -> None:
 
 
 def exercise(ranks, mirrored, start: Callable[[ProcessGroupGloo, torch.Tensor], object], expected: float,
-             tolerance: float = 0.0) -> None:
+             tolerance: float = 0.0, elements: int = ELEMENTS) -> None:
     """Rank 1 runs ``mirrored`` on CPU tensors; rank 0 starts ``start(group, tensor)`` on each of its busy-written
     CUDA tensors, then reads each result on a fresh stream straight after that handle's ``wait()``."""
     rank0, rank1 = ranks
-    helper = mirror(rank1, mirrored)
-    tensors = busy_then_fill(1.0)
+    helper = mirror(rank1, mirrored, elements)
+    tensors = busy_then_fill(1.0, elements)
     handles = [start(rank0, t) for t in tensors]
     check([wrong_on_a_fresh_stream(handle.wait, t, expected, tolerance) for handle, t in zip(handles, tensors)])
     helper.join(TIMEOUT.total_seconds())
@@ -139,12 +145,15 @@ def test_a_gloo_future_and_the_division_after_it_are_ordered_on_the_readers_stre
     exercise(ranks, sum_and_wait, lambda pg, t: start_allreduce(pg, t, ReduceOp.AVG, 2, []), 1.5)  # unguarded path
 
 
-def test_the_managers_guarded_allreduce_hands_back_a_finished_average(ranks):
-    # The non-finite guard is on by default: two collectives per tensor, averaged in a callback of both.
+@pytest.mark.parametrize("elements", [ELEMENTS, SMALL], ids=["count-of-its-own", "count-in-the-tensor"])
+def test_the_managers_guarded_allreduce_hands_back_a_finished_average(ranks, elements):
+    # The non-finite guard is on by default. A large tensor: two collectives, averaged in a callback of both; a
+    # small one: one collective of a copy one element longer, averaged back into the tensor in a callback.
     errors = Errors()
     guard = NonFiniteGuard(HealthConfig(), lambda *args, **kwargs: None, lambda step, exc: errors.append(exc))
-    exercise(ranks, guarded_sum_and_wait,
-             lambda pg, t: errors.managed(guard.start(pg, t, ReduceOp.AVG, 2, Step(number=0), True, []), t), 1.5)
+    exercise(ranks, guarded_sum_and_wait if elements == ELEMENTS else packed_sum_and_wait,
+             lambda pg, t: errors.managed(guard.start(pg, t, ReduceOp.AVG, 2, Step(number=0), True, []), t), 1.5,
+             elements=elements)
     assert errors == []
 
 

@@ -241,8 +241,8 @@ class NonFiniteGuard:
             # for the results (a callback's streams wait only for the future that completed last)
             for source in sources:
                 source.wait()
-            if body.is_cuda:  # read on this stream: its memory is not reused before this reading is done
-                body.record_stream(torch.cuda.current_stream(body.device))
+            if body is not tensor and body.is_cuda:  # the copy is read on this stream: its memory must not be
+                body.record_stream(torch.cuda.current_stream(body.device))  # reused before that is done
             if counts and not bool(finite):
                 step.nonfinite = True
             contributors = participants - round(float(count.item()))
