@@ -213,6 +213,16 @@ class WorkWait:
         self.future = device_future(cuda_devices(value))  # the stream rule: set after wait(), on the waiter's stream
         self._value = value
 
+    def work_done(self) -> bool:
+        """Whether the future is set, or the work says it is completed (c10d's ``is_completed()``; a work that
+        can't say is not)."""
+        if self.future.done():
+            return True
+        try:
+            return self._work.is_completed() is True
+        except Exception:  # not implemented by this backend
+            return False
+
     def run(self, timeout: float | None) -> None:
         """Wait for the work (at most ``timeout`` seconds where given) and complete the future."""
         if not self._claimed.acquire(blocking=False):
@@ -286,7 +296,9 @@ class ManagedWork(Generic[T]):
         return True
 
     def is_completed(self) -> bool:
-        return self._fut.done()
+        """Whether the result is ready, or (for works without a future of their own, ``waits``) every such work
+        says it is done and only waiting for it is left. Never blocks."""
+        return self._fut.done() or bool(self._waits) and all(pending.work_done() for pending in self._waits)
 
     def get_future(self) -> torch.futures.Future:
         """The future (a torch future, which DDP's reducer can wait on); works it depends on that have no future

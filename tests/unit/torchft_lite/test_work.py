@@ -81,10 +81,13 @@ class WaitOnlyWork:
     when ``wait()`` returns."""
 
     def __init__(self, result: Any = True, error: BaseException | None = None) -> None:
-        self.result, self.error, self.waits = result, error, []
+        self.result, self.error, self.waits, self.completed = result, error, [], False
 
     def get_future(self) -> Any:
         raise RuntimeError("ProcessGroup::getFuture not implemented")
+
+    def is_completed(self) -> bool:
+        return self.completed
 
     def wait(self, timeout: timedelta | None = None) -> Any:
         self.waits.append(timeout)
@@ -138,3 +141,19 @@ def _raises(fut: torch.futures.Future, text: str) -> bool:
     except Exception as exc:
         return text in str(exc)
     return False
+
+
+def test_a_work_without_a_future_counts_as_completed_once_it_says_so_without_being_waited_for():
+    # What the member-gone watch asks of a step's works: did the collective finish? (It must not block.)
+    work, waits = WaitOnlyWork(), []
+    managed = ManagedWork(work_future(work, 1, waits), waits)
+    assert not managed.is_completed()
+    work.completed = True
+    assert managed.is_completed() and work.waits == []
+
+    class CannotSay(WaitOnlyWork):
+        def is_completed(self) -> bool:
+            raise RuntimeError("not implemented")
+
+    waits = []
+    assert not ManagedWork(work_future(CannotSay(), 1, waits), waits).is_completed()
