@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import ipaddress
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Callable, TypeVar
 
 import torch.distributed as dist
 
@@ -13,6 +16,8 @@ from torchft_lite.errors import ConfigError
 from .tracked_work import translate_error
 
 __all__ = ["StoreAddress", "connect_store", "parse_store_addr"]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -73,10 +78,35 @@ def connect_store(address: StoreAddress, timeout: timedelta) -> dist.Store:
     """Connect a client to the TCPStore at ``address``, scoped to its prefix.
 
     The store must already exist (the Manager of replica rank 0 hosts it);
-    connecting is bounded by ``timeout``.
+    connecting is bounded by ``timeout``. c10d's client alone is not: it retries
+    a refused connection until its deadline, then, after a random backoff,
+    tries again with the whole timeout afresh (a store whose host died cost a
+    10 s rendezvous 26 s in the chaos run, longer than the group's commit vote
+    waits for that rank). So the connection is made on a helper thread and
+    waited for at most ``timeout``; one that comes later is dropped.
     """
+    what = f"connecting to the store at {address.host}:{address.port}"
     try:
-        store = dist.TCPStore(address.host, address.port, is_master=False, wait_for_workers=False, timeout=timeout)
+        store = _within(timeout.total_seconds(), lambda: dist.TCPStore(
+            address.host, address.port, is_master=False, wait_for_workers=False, timeout=timeout))
+    except concurrent.futures.TimeoutError as exc:
+        raise translate_error(TimeoutError(f"no connection within {timeout.total_seconds():g}s"), what,
+                              timeout) from exc
     except Exception as exc:
-        raise translate_error(exc, f"connecting to the store at {address.host}:{address.port}", timeout) from exc
+        raise translate_error(exc, what, timeout) from exc
     return dist.PrefixStore(address.prefix, store)
+
+
+def _within(seconds: float, make: Callable[[], T]) -> T:
+    """``make()``, run on a daemon thread; raises ``TimeoutError`` if it takes longer than ``seconds`` (the
+    thread then finishes on its own, and what it made is dropped)."""
+    result: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            result.set_result(make())
+        except BaseException as exc:  # noqa: BLE001 (handed to the waiting thread)
+            result.set_exception(exc)
+
+    threading.Thread(target=run, name="torchft-store-connect", daemon=True).start()
+    return result.result(timeout=seconds)
