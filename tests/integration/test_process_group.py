@@ -19,7 +19,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -223,13 +222,13 @@ def test_configure_on_a_store_whose_host_is_gone_fails_within_the_timeout(kind) 
     pg = KINDS[kind](timeout=timedelta(seconds=2))
     if kind == "baby-gloo":  # its child's start (importing torch) is not the configure's
         assert pg.wait_warm(timedelta(seconds=REPLY_WAIT))
-    started = time.monotonic()
     try:
-        with pytest.raises(CollectiveTimeout, match=f"127.0.0.1:{port}"):
+        # Our bound's error, not c10d's own (which comes only after its retries): no clock is read here.
+        with pytest.raises(CollectiveTimeout, match=rf"127\.0\.0\.1:{port}.*no connection within 2s"):
             pg.configure(f"127.0.0.1:{port}/torchft/11/0", "replica-a", rank=1, world_size=2)
-        assert time.monotonic() - started < 2.5
     finally:
         pg.shutdown()
+
 
 def test_single_rank_group_lifecycle_in_process(store, kind) -> None:
     pg = KINDS[kind](timeout=timedelta(seconds=10))
