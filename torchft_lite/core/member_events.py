@@ -48,10 +48,16 @@ class MemberWatch:
         step.gone[event.replica_id] = f"replica {event.replica_id} left the quorum: {event.reason}"
         if event.replica_id not in step.members:
             return  # judged against this step's quorum once it is known
-        in_flight = [work for work in list(step.work) if not work.is_completed()]
-        asyncio.get_running_loop().call_later(self._grace, self._abort_unfinished, step, in_flight, event)
+        started = list(step.work)
+        in_flight = [work for work in started if not work.is_completed()]
+        asyncio.get_running_loop().call_later(self._grace, self._abort_unfinished, step, in_flight, event,
+                                              bool(started))
 
-    def _abort_unfinished(self, step: Step, in_flight: list[Any], event: pb.LeaseEvent) -> None:
+    def _abort_unfinished(self, step: Step, in_flight: list[Any], event: pb.LeaseEvent, started: bool) -> None:
+        if not started:  # nothing had started when the event came (the process group may still be configuring)
+            self._log(logging.INFO, "%s left the quorum (%s) before this rank started a collective of the step: "
+                      "the step's collectives fail from here on", event.replica_id, event.reason)
+            return
         if all(work.is_completed() for work in in_flight):
             self._log(logging.INFO, "%s left the quorum (%s) after this step's collectives finished",
                       event.replica_id, event.reason)
