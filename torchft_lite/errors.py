@@ -20,8 +20,10 @@
     │       │   └── CheckpointURLTimeout     (also CheckpointURLError) an HTTP receive timed out
     │       └── CheckpointURLError (also urllib.error.URLError)   an HTTP receive failed
     │           └── CheckpointHTTPError (also urllib.error.HTTPError)  the server answered an error status
-    └── ManagerError (also RuntimeError)     the ManagerServer refused or failed a call
-        └── ManagerTimeout (also TimeoutError)
+    ├── ManagerError (also RuntimeError)     the ManagerServer refused or failed a call
+    │   └── ManagerTimeout (also TimeoutError)
+    └── LeavingError (also RuntimeError)     recorded, not raised: the group is leaving on a preemption signal
+                                             and votes no on the step under way
 
     ExceptionWithTraceback                   not raised: what ``Manager.errored()`` returns (torchft's),
                                              the step's first error and where it came from
@@ -52,6 +54,7 @@ __all__ = [
     "CheckpointHTTPError",
     "ManagerError",
     "ManagerTimeout",
+    "LeavingError",
     "ExceptionWithTraceback",
 ]
 
@@ -166,6 +169,11 @@ class ManagerError(TorchFTError, RuntimeError):
 
 class ManagerTimeout(ManagerError, TimeoutError):
     """A call to the group's ManagerServer did not finish within its timeout."""
+
+
+class LeavingError(TorchFTError, RuntimeError):
+    """The group is leaving on a preemption signal: it votes no on the step under way (the step's error, which
+    ``Manager.errored()`` returns), so that it leaves at a step its peers hold as well."""
 
 
 class ExceptionWithTraceback(Exception):

@@ -38,7 +38,8 @@ from torchft_lite.core.step import Participation, Step, WorldSizeMode
 from torchft_lite.core.step_quorum import StepQuorum
 from torchft_lite.core.wiring import MANAGER_ADDR_KEY, REPLICA_ID_KEY, DefaultWiring, ManagerWiring
 from torchft_lite.errors import (
-    CollectiveError, ConfigError, ExceptionWithTraceback, ManagerError, ManagerTimeout, QuorumError, QuorumTimeout,
+    CollectiveError, ConfigError, ExceptionWithTraceback, LeavingError, ManagerError, ManagerTimeout, QuorumError,
+    QuorumTimeout,
 )
 from torchft_lite.group_server.manager_client import checkpoint_metadata_in_thread
 from torchft_lite.health.nonfinite import HealthConfig, health_checks
@@ -425,6 +426,13 @@ class Manager:
         # Every rank has the same quorum, so the same ``enough``: the group votes on errors alone (a heal
         # is kept only if every rank got through cleanly). A peer can vote one rendezvous or timed-out
         # collective (``timeout``, plus the process group's 5 s grace) after this rank: the default waits that.
+        if self._preemption.pending is not None:
+            # A group on its way out votes no. Committed, the step could exist only here: a peer that stays may
+            # redo it without us (the only other participant was healing, say), and the checkpoint saved on the
+            # way out would then hold a step the job never had. Not committed, the group leaves at a step every
+            # group that stays holds too. (A signal that comes after the vote leaves after the commit.)
+            self._record(step, LeavingError(f"leaving on {self._preemption.pending}: this group does not commit "
+                                            f"step {self._step}, so that it leaves at a step its peers hold too"))
         enough = step.participation.world_size >= self._min_replica_size
         if not enough:
             self._log(logging.WARNING, "only %d replica(s) participate, min_replica_size is %d",
@@ -458,7 +466,8 @@ class Manager:
                 self._healer.undo(step)
             self._commit_failures += 1
             self._log(logging.INFO, "step not committed (%d consecutive)", self._commit_failures)
-            if self._settings.max_retries is not None and self._commit_failures > self._settings.max_retries:
+            if (self._settings.max_retries is not None and self._commit_failures > self._settings.max_retries
+                    and self._preemption.pending is None):  # leaving: the vote was no on purpose
                 raise RuntimeError(f"should_commit failed {self._commit_failures} times consecutively, exceeding "
                                    f"max_retries={self._settings.max_retries}; last error: {step.error!r}")
         step.open = False

@@ -7,15 +7,18 @@ torn heal.
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import threading
 from datetime import timedelta
 
 import pytest
 import torch
 
+from tests.conftest import all_in_threads, in_threads
 from tests.unit.helpers import Replica, replicas, train  # noqa: F401  (the fixture)
-from torchft_lite.errors import CheckpointTransferError, ManagerError
+from torchft_lite.errors import CheckpointTransferError, LeavingError, ManagerError
 from torchft_lite.testing import InMemoryLighthouse
 
 
@@ -247,3 +250,25 @@ def test_a_source_serves_from_wait_quorum_so_a_synchronous_receiver_never_waits_
         thread.join(60)
     assert outcome == {"a": True, "b": True}
     assert b.loads == 1 and torch.equal(a.weights, b.weights) and b.manager.current_step() == 3
+
+
+def test_a_group_leaving_on_a_preemption_signal_votes_no_and_leaves_at_the_step_its_peer_had(replicas):
+    """Committed, its step could exist only in the group that leaves (a chaos run: its only peer in the quorum was
+    healing, so the job redid that step without it, and the checkpoint saved on the way out forked the job)."""
+    from torchft_lite.cluster.exit_codes import EXIT_CODE_PREEMPTED
+
+    lighthouse = InMemoryLighthouse(min_replicas=2)
+    group = {"a": replicas(lighthouse, "a", 1.0, preemption_signals=(signal.SIGUSR1,)),
+             "b": replicas(lighthouse, "b", 1.0)}
+    assert train(group, 1) == {"a": [True], "b": [True]}
+
+    def exchange(name: str) -> None:
+        group[name].manager.start_quorum()
+        group[name].manager.allreduce(torch.ones(3)).wait()
+
+    all_in_threads(group, exchange)
+    os.kill(os.getpid(), signal.SIGUSR1)  # handled here, on the main thread, before either group votes
+    voted, left = in_threads(group, lambda name: group[name].manager.should_commit())
+    assert voted == {"b": True} and isinstance(left["a"], SystemExit) and left["a"].code == EXIT_CODE_PREEMPTED
+    assert group["a"].manager.current_step() == 1 and group["b"].manager.current_step() == 2
+    assert isinstance(group["a"].manager.errored().original_exception, LeavingError)
