@@ -259,7 +259,8 @@ class InMemoryLighthouse:
         if waiter is not None and not waiter.done():
             waiter.set_exception(QuorumTimeout(f"{replica_id} left while waiting for a quorum"))
         if client is not None:
-            event = pb.LeaseEvent(kind=pb.LeaseEvent.MEMBER_GONE, replica_id=replica_id, reason=why)
+            event = pb.LeaseEvent(kind=pb.LeaseEvent.MEMBER_GONE, replica_id=replica_id, quorum_id=self._quorum_id,
+                                  reason=why)
             for other in self._clients.values():
                 for listener in other.listeners:
                     listener(event)

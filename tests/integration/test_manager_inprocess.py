@@ -496,11 +496,13 @@ def test_a_heal_is_undone_when_another_rank_of_the_group_failed_the_step():
                 manager.shutdown()
 
 
-def member_gone(manager: Manager, replica_id: str = "peer", member: bool = True) -> None:
-    """The lighthouse says ``replica_id`` (a member of this step's quorum, if ``member``) has gone (on the loop)."""
+def member_gone(manager: Manager, replica_id: str = "peer", member: bool = True, left_in: int = 0) -> None:
+    """The lighthouse says ``replica_id`` (a member of this step's quorum, if ``member``) has gone (on the loop),
+    when quorum ``left_in`` was its last (0: an event without an id)."""
     if member:
         manager._current.members = manager._current.members | {replica_id}
-    event = pb.LeaseEvent(kind=pb.LeaseEvent.MEMBER_GONE, replica_id=replica_id, reason="lease ended")
+    event = pb.LeaseEvent(kind=pb.LeaseEvent.MEMBER_GONE, replica_id=replica_id, quorum_id=left_in,
+                          reason="lease ended")
 
     async def deliver() -> None:
         manager._members.on_event(event)
@@ -526,6 +528,23 @@ def test_a_member_leaving_after_the_steps_collectives_does_not_fail_the_step(lig
         manager.allreduce(torch.ones(3)).wait()
         assert len(pg.allreduced) == allreduced and "left the quorum" in str(manager.errored())
         assert manager.should_commit() is False
+    finally:
+        manager.shutdown()
+
+
+def test_a_member_that_left_before_the_steps_quorum_took_it_back_does_not_fail_the_step(lighthouse):
+    """The event is of an older quorum: the member left, came back, and this step's quorum has it. Its
+    collectives run (the member waits in them) and the step commits."""
+    pg = FakeProcessGroup()
+    manager = make_manager(lighthouse, pg, InMemoryTransport({}, "a"), "took-back")
+    try:
+        manager.start_quorum()
+        manager.wait_quorum()
+        member_gone(manager, left_in=manager._quorum_id - 1)
+        allreduced = len(pg.allreduced)
+        manager.allreduce(torch.ones(3)).wait()
+        assert len(pg.allreduced) == allreduced + 1 and manager.errored() is None and pg.aborts == 0
+        assert manager.should_commit()
     finally:
         manager.shutdown()
 

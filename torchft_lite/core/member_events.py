@@ -45,9 +45,13 @@ class MemberWatch:
             self._record(step, CollectiveError(f"the lighthouse declared this replica gone ({event.reason}): "
                                                f"its peers do not commit this step, so neither does it"))
             return
-        step.gone[event.replica_id] = f"replica {event.replica_id} left the quorum: {event.reason}"
+        step.gone[event.replica_id] = (event.quorum_id, f"replica {event.replica_id} left the quorum: {event.reason}")
         if event.replica_id not in step.members:
             return  # judged against this step's quorum once it is known
+        if step.predates_quorum(event.quorum_id):
+            self._log(logging.INFO, "%s left quorum %d (%s), before this step's quorum %d, which took it back: "
+                      "not this step's concern", event.replica_id, event.quorum_id, event.reason, step.quorum_id)
+            return
         started = list(step.work)
         in_flight = [work for work in started if not work.is_completed()]
         asyncio.get_running_loop().call_later(self._grace, self._abort_unfinished, step, in_flight, event,

@@ -61,8 +61,10 @@ class Step:
     participation: Participation = Participation()
     members: frozenset[str] = frozenset()
     """Replica ids of this step's quorum (empty until it is known)."""
-    gone: dict[str, str] = field(default_factory=dict)
-    """Replica id -> why, every member-gone event since ``start_quorum``."""
+    quorum_id: int | None = None
+    """The id of this step's quorum (None until it is known)."""
+    gone: dict[str, tuple[int, str]] = field(default_factory=dict)
+    """Replica id -> (the event's ``quorum_id``, why), every member-gone event since ``start_quorum``."""
     collectives_ready: bool = False
     """The process group is configured for this step's quorum."""
 
@@ -106,9 +108,18 @@ class Step:
     """The applied heal: its ``HealResult`` without the state."""
 
     def member_gone(self) -> str | None:
-        """Why a member of this step's quorum left, if one did."""
+        """Why a member of this step's quorum left, if one did (an event from before the quorum does not count)."""
         members = self.members
-        return next((why for replica_id, why in list(self.gone.items()) if replica_id in members), None)
+        return next((why for replica_id, (left_in, why) in list(self.gone.items())
+                     if replica_id in members and not self.predates_quorum(left_in)), None)
+
+    def predates_quorum(self, event_quorum_id: int) -> bool:
+        """A member-gone event whose ``quorum_id`` (the lighthouse's last issued quorum when the member left) is
+        older than this step's quorum: the member left before this quorum was issued, and the lighthouse took
+        it back in (it came back: a partition healed, the lighthouse restarted), so the event is not about this
+        quorum. Failing the step on it would skip collectives that member waits for, stuck until its timeout.
+        0 (a lighthouse that sends no id) or an unknown quorum: the event counts."""
+        return 0 < event_quorum_id < (self.quorum_id or 0)
 
     def record(self, error: BaseException) -> bool:
         """Keep ``error`` if it is the step's first; True when it was."""

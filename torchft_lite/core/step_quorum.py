@@ -72,7 +72,7 @@ class StepQuorum:
                                               spares_above=self._spares_above)
         # From here, member-gone events (earlier ones too) count only for replicas of this quorum: one the
         # lighthouse already left out (the usual case) must not fail a step it has no part in.
-        step.members = frozenset(response.replica_ids)
+        step.members, step.quorum_id = frozenset(response.replica_ids), response.quorum_id
         if response.quorum_id != self.quorum_id:
             await self._reconfigure(response)
         step.collectives_ready = True
