@@ -71,6 +71,8 @@ class LighthouseServer:
         # Last Quorum request of each replica still worth showing (heartbeating,
         # participating or in the last quorum); pruned with them.
         self._known: dict[str, pb.QuorumMember] = {}
+        # The newest waiting Quorum call of each replica: what it asked, and the connection it came on.
+        self._calls: dict[str, tuple[Member, str]] = {}
         self._failure_subscribers = Broadcast(MAX_FAILURE_BACKLOG)
         self._leases = LeaseTable(config.heartbeat_timeout)
         # Every answered heartbeat states the lease length, for the Manager's commit fence.
@@ -218,6 +220,7 @@ class LighthouseServer:
             self._refuse_stale(exc)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         self._known[replica_id] = requester
+        self._calls[replica_id] = (member, context.peer())
         future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self._waiters.setdefault(replica_id, []).append(future)
         self._decide()
@@ -246,6 +249,7 @@ class LighthouseServer:
             waiting.remove(future)
         if not waiting:
             del self._waiters[replica_id]
+            self._calls.pop(replica_id, None)
             # Nobody is waiting for this replica any more (cancelled or timed out).
             self._state.leave(replica_id)
             # Its heartbeat may have expired while it waited: nothing else would prune it.
@@ -285,18 +289,37 @@ class LighthouseServer:
                 yield await lease.events.get()
         finally:
             if self._leases.close(lease) and not self._stopping:
-                self._on_lease_ended(replica_id)
+                self._on_lease_ended(replica_id, lease.peer)
 
-    def _on_lease_ended(self, replica_id: str) -> None:
-        """The holder's stream ended: its process died or closed it. Gone now, not at heartbeat expiry."""
+    def _on_lease_ended(self, replica_id: str, peer: str | None = None) -> None:
+        """The holder's stream (on connection ``peer``) ended: its process died or closed it. Gone now, not at
+        heartbeat expiry."""
         if not self._state.forget(replica_id):
             return
         in_quorum = replica_id in self._previous_ids
         logger.info("lease of %s ended (connection closed)%s: treating it as gone now", replica_id,
                     f", a member of quorum {self._state.quorum_id}" if in_quorum else "")
         self._notify_gone(replica_id, "lease ended: its connection to the lighthouse closed")
+        self._rejoin_from_another_connection(replica_id, peer)
         self._prune_known(replica_id)
         self._decide()
+
+    def _rejoin_from_another_connection(self, replica_id: str, peer: str | None) -> None:
+        """A Quorum call of ``replica_id`` still waits, and it came on another connection than the ended lease's:
+        the same process reconnected, and its call got here before the old connection's close. It joins again
+        now, as the call would have had it come a moment later; forgotten, it would wait out its whole timeout
+        in no quorum (a chaos run lost 16 s so, after a partition healed). A call on the lease's own connection
+        ends with it (a dead process) and rejoins nothing."""
+        call = self._calls.get(replica_id)
+        waiting = [future for future in self._waiters.get(replica_id, ()) if not future.done()]
+        if call is None or peer is None or call[1] == peer or not waiting:
+            return  # (a call already answered must not leave a member no call waits for)
+        logger.info("%s has a Quorum call waiting on another connection (it reconnected): it joins again",
+                    replica_id)
+        try:
+            self._state.join(call[0], self._clock())
+        except StaleReplica as exc:
+            self._refuse_stale(exc)
 
     def _notify_gone(self, replica_id: str, reason: str) -> None:
         """Tell every other lease holder (and SubscribeFailures) that a quorum member is gone."""

@@ -39,6 +39,13 @@ class Connection:
                                          response_deserializer=pb.LighthouseHeartbeatResponse.FromString)
         await call(pb.LighthouseHeartbeatRequest(replica_id=replica_id), timeout=30)
 
+    async def quorum(self, replica_id: str) -> pb.Quorum:
+        call = self._channel.unary_unary("/torchft.LighthouseService/Quorum",
+                                         request_serializer=pb.LighthouseQuorumRequest.SerializeToString,
+                                         response_deserializer=pb.LighthouseQuorumResponse.FromString)
+        request = pb.LighthouseQuorumRequest(requester=pb.QuorumMember(replica_id=replica_id))
+        return (await call(request, timeout=60)).quorum
+
     async def close(self) -> None:
         await self._channel.close()
 
@@ -128,6 +135,32 @@ def test_a_reconnecting_process_gets_its_lease_once_the_old_connection_closed():
             await wait_until(lambda: server.statistics().leases_ended == 1, "the old connection's lease to end")
             assert (await first_event(new.lease("a"))).kind == pb.LeaseEvent.GRANTED
             assert server.statistics().leases_held == 1
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("engine", ["native", "grpcio"])
+def test_a_quorum_call_on_a_new_connection_outlives_the_end_of_the_old_connections_lease(engine):
+    """After a partition, a process's Quorum call on its new connection can reach the lighthouse before its old
+    connection's close ends its lease. The end tells the others it left, but the waiting call joins again: a
+    chaos run's group, forgotten so, sat out its whole 16 s call in no quorum."""
+    async def scenario():
+        async with running_lighthouse(min_replicas=2, grpc_engine=engine, **SLOW) as server, \
+                Connection(server) as old, Connection(server) as new, clients(server, 1) as (b,):
+            lease_a, lease_b = old.lease("a"), b.lease("b")
+            assert (await first_event(lease_a)).kind == pb.LeaseEvent.GRANTED
+            assert (await first_event(lease_b)).kind == pb.LeaseEvent.GRANTED
+            first = await asyncio.gather(old.quorum("a"), b.quorum("b", timeout=30))
+            assert [m.replica_id for m in first[0].participants] == ["a", "b"]
+
+            waiting = asyncio.ensure_future(new.quorum("a"))  # a reconnected: its next call, on the new connection
+            await wait_until(lambda: server.statistics().participants == 1, "a's call to arrive")
+            await old.close()  # ... and then the old connection's close ends its lease
+            event = await first_event(lease_b)
+            assert event.kind == pb.LeaseEvent.MEMBER_GONE and event.replica_id == "a"
+            second = await asyncio.wait_for(asyncio.gather(waiting, b.quorum("b", timeout=30)), 20)
+            assert [m.replica_id for m in second[0].participants] == ["a", "b"]
+            assert second[0].quorum_id == second[1].quorum_id
 
     asyncio.run(scenario())
 
