@@ -283,11 +283,11 @@ class ManagedWork(Generic[T]):
         and its future still settles; the Manager waits for it before the vote.
         On True the caller's current CUDA streams wait for the result (the stream rule).
         """
+        seconds = None if timeout is None else (timeout.total_seconds() if isinstance(timeout, timedelta)
+                                                else float(timeout))
         if self._waits:
-            self._run_waits(None if timeout is None else (timeout.total_seconds() if isinstance(timeout, timedelta)
-                                                          else float(timeout)))
-        if timeout is not None:
-            seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else float(timeout)
+            self._run_waits(seconds)
+        if seconds is not None:
             settled = threading.Event()
             self._fut.add_done_callback(lambda _: settled.set())  # runs at once when already done
             if not settled.wait(max(seconds, 0.0)):

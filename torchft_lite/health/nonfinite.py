@@ -212,7 +212,7 @@ class NonFiniteGuard:
         left_out = finite.logical_not() & counts
         opts = AllreduceOptions()
         opts.reduceOp = ReduceOp.SUM
-        if quantize or tensor.numel() * tensor.element_size() > PACK_COUNT_MAX_BYTES:
+        if quantize or tensor.nbytes > PACK_COUNT_MAX_BYTES:
             # The count in a collective of its own, after the sum (every rank issues them in this order): 8 bits
             # would round it, and a large tensor would cost a copy (and its memory) to carry it. A non-finite
             # tensor is zeroed in place.

@@ -58,9 +58,9 @@ def test_an_event_with_a_collective_in_flight_aborts_the_step():
     assert [str(e) for e in recorded] == ["replica b left the quorum: lease expired"]
 
 
-# A chaos run (seed 3) lost 9 s so: b was cut off in quorum 831 (a partition), came back, and quorum 732 of the
-# restarted lighthouse took it in with a; a still held the step opened before b left, so the event of 831
-# failed a's step of 732 and a skipped its collectives, while b waited in its own until a's next quorum.
+# A chaos run (seed 3) lost 9 s so: b was cut off (its event named the lighthouse's last quorum then), came back,
+# and a later quorum (a higher id) took it in with a; the event, heard while a waited for that quorum, failed a's
+# step and a skipped its collectives, while b waited in its own until a's next quorum.
 
 
 def test_an_event_from_before_the_steps_quorum_aborts_nothing():
